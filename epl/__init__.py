@@ -1,0 +1,18 @@
+"""EPL: turn a single-device TensorFlow 1.x training script into a distributed one.
+
+    import epl
+    epl.init()
+    epl.set_default_strategy(epl.replicate(device_count=1))
+    ... the unchanged TF1 model and session ...
+"""
+from epl.collections import GraphKeys, add_to_collection, get_collection
+from epl.config import Config
+from epl.env import Env, init
+from epl.ir import Graph
+from epl.strategies import replicate, set_default_strategy, split
+
+VERSION = "0.1.0"
+__version__ = VERSION
+
+__all__ = ["Config", "Env", "Graph", "GraphKeys", "VERSION", "add_to_collection",
+           "get_collection", "init", "replicate", "set_default_strategy", "split"]

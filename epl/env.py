@@ -1,0 +1,65 @@
+"""Process-wide EPL state: the config and the cluster, set by ``epl.init``."""
+from epl.config import Config
+
+
+class Env(object):
+    """``Env.get()`` returns the state made by the last ``epl.init``."""
+    _instance = None
+
+    def __init__(self, config, cluster):
+        self.config = config
+        self.cluster = cluster
+
+    @classmethod
+    def get(cls):
+        if cls._instance is None:
+            raise RuntimeError("EPL is not initialized: call epl.init() first.")
+        return cls._instance
+
+    @classmethod
+    def initialized(cls):
+        return cls._instance is not None
+
+
+# Features whose rewrite passes have not landed yet.  Setting one of these keys
+# to a non-default value must fail loudly rather than be silently ignored.
+_NOT_YET = {
+    "gradient_checkpoint.type": "gradient checkpointing",
+    "zero.level": "ZeRO",
+    "offload.level": "CPU offload",
+    "amp.level": "memory-efficient AMP",
+    "auto.auto_parallel": "automatic parallelism",
+    "communication.fp16": "FP16 all-reduce",
+    "io.slicing": "IO slicing",
+}
+
+
+def init(config=None):
+    """Initialize EPL for this process (seed 001 §3).
+
+    Must run in graph mode (TF1): eager execution has no graph to rewrite.
+    """
+    import tensorflow as tf
+    from epl import strategies, tf_patches
+    from epl.cluster import Cluster
+    if tf.executing_eagerly():
+        raise RuntimeError("epl.init(): eager execution is enabled, but EPL rewrites TF1 graphs. "
+                           "Remove tf.enable_eager_execution() / tf.compat.v1.enable_v2_behavior(), "
+                           "or call tf.compat.v1.disable_eager_execution() first.")
+    if config is None:
+        config = Config()
+    if not isinstance(config, Config):
+        raise TypeError("epl.init(config): expected epl.Config, got %r; wrap a dict as "
+                        "epl.Config({...})." % type(config).__name__)
+    from epl.config import SCHEMA
+    defaults = {k.name: k.default for k in SCHEMA}
+    for key, feature in _NOT_YET.items():
+        if config.get(key) != defaults[key]:
+            raise NotImplementedError(
+                "epl.Config: %r = %r asks for %s, which this EPL version does not implement "
+                "yet; remove the key (the model then trains without it)."
+                % (key, config.get(key), feature))
+    Env._instance = Env(config, Cluster(config))
+    strategies.reset()
+    tf_patches.install()
+    return Env._instance

@@ -1,0 +1,65 @@
+"""InputShardingPass: give every clone its own share of the input batch.
+
+Each model replica runs its own copy of the input pipeline's dequeue
+(``IteratorGetNext``...), so it pulls its own batch from the shared iterator;
+a replica over ``d`` devices splits that batch into ``d`` shards (seed 003).
+A fed placeholder with an unknown first dimension holds the global batch and
+is split into one shard per clone.
+"""
+import tensorflow as tf
+
+from epl.rewrite.cloner import clone_op, new_ops
+
+
+def _split(graph, t, n, device, name):
+    with new_ops(graph), tf.device(device):
+        rows = tf.shape(t)[0]
+        check = tf.debugging.assert_equal(
+            tf.math.floormod(rows, n), 0,
+            message="EPL: input %r has a batch that cannot be split into %d equal shards "
+                    "(one per device of the replica); use a batch size divisible by %d."
+                    % (t.name, n, n))
+        with tf.control_dependencies([check]):
+            return tf.split(t, n, axis=0, name=name)
+
+
+def _rewire_originals(state, old, new):
+    """Make the replica's original ops read ``new`` instead of ``old``."""
+    for consumer in list(old.consumers()):
+        if consumer in state.selection:
+            for i, inp in enumerate(consumer.inputs):
+                if inp is old:
+                    consumer._update_input(i, new)  # pylint: disable=protected-access
+
+
+def shard_inputs(state):
+    layout = state.layout
+    d = layout.device_count
+    for src in state.selection.sources:
+        pulls = [src]
+        for r in range(1, layout.num_replicas):
+            pulls.append(clone_op(src, src.inputs, state.clone_name(r * d, src.name),
+                                  src.device, control_inputs=src.control_inputs))
+        for i, out in enumerate(src.outputs):
+            per_clone = []
+            for r, pull in enumerate(pulls):
+                if d == 1:
+                    per_clone.append(pull.outputs[i])
+                else:
+                    dev = state.devices[r * d]
+                    per_clone.extend(_split(state.graph, pull.outputs[i], d, dev,
+                                            "EPL_SHARD/%s_%d_r%d" % (src.name, i, r)))
+            _install(state, out, per_clone)
+    for ph in state.selection.placeholders:
+        out = ph.outputs[0]
+        shards = _split(state.graph, out, state.num_clones, state.devices[0],
+                        "EPL_SHARD/%s" % ph.name)
+        _install(state, out, shards)
+
+
+def _install(state, original, per_clone):
+    """Clone c reads per_clone[c] where the user's graph read ``original``."""
+    if per_clone[0] is not original:
+        _rewire_originals(state, original, per_clone[0])
+    for c in range(state.num_clones):
+        state.tensor_map[c][per_clone[0]] = per_clone[c]

@@ -1,0 +1,32 @@
+"""MirrorVariableWritesPass: writes to replica 0's variables reach every copy.
+
+Variable initializers, checkpoint restores and users' own ``tf.assign`` ops
+live outside the replica and write replica 0's variable.  Each gets a twin per
+clone that writes the same value into that clone's copy, and the original waits
+for its twins: initializing or restoring replica 0 broadcasts to all replicas.
+"""
+from epl import ir
+from epl.rewrite.cloner import clone_op
+from epl.rewrite.selection import ASSIGN_OPS
+
+
+def mirror_writes(state):
+    variables = set(state.selection.variables)
+    for op in list(state.graph.get_operations()):
+        mirror_one(state, op, variables)
+
+
+def mirror_one(state, op, variables=None):
+    variables = set(state.selection.variables) if variables is None else variables
+    if op.type not in ASSIGN_OPS or op in state.selection:
+        return
+    if state.ir_graph.phase_of(op) == ir.REWRITE or not op.inputs:
+        return
+    target = op.inputs[0].op
+    if target not in variables:
+        return
+    twins = []
+    for c in range(1, state.num_clones):
+        inputs = [state.tensor(c, op.inputs[0])] + list(op.inputs[1:])
+        twins.append(clone_op(op, inputs, state.clone_name(c, op.name), state.devices[c]))
+    op._add_control_inputs(twins)  # pylint: disable=protected-access

@@ -1,0 +1,77 @@
+"""ReplicaClonePass: one copy of the replica's ops per clone, on its device.
+
+Ops are copied in creation order (a topological order of the user's graph).
+Just before the first apply op of an ``apply_gradients`` call is copied, the
+gradients of that call are reduced across clones (``gradients.py``), so every
+clone's optimizer reads the reduced gradient.
+"""
+from epl import ir
+from epl.rewrite.cloner import check_clonable, clone_op
+from epl.rewrite.gradients import reduce_gradients
+
+
+def place_originals(state):
+    for op in state.selection.ops:
+        check_clonable(op)
+        op._set_device(state.devices[0])  # pylint: disable=protected-access
+
+
+def clone_replicas(state):
+    sel = state.selection
+    records = [(_first_id(state, rec), rec) for rec in state.ir_graph.apply_records]
+    records = [(fid, rec) for fid, rec in records if fid is not None]
+    records.sort(key=lambda x: x[0])
+    pending = list(records)
+    for op in sel.ops:
+        while pending and op._id >= pending[0][0]:  # pylint: disable=protected-access
+            reduce_gradients(state, pending.pop(0)[1])
+        for c in range(1, state.num_clones):
+            inputs = [state.tensor(c, t) for t in op.inputs]
+            controls = [state.op(c, ci) for ci in op.control_inputs]
+            attr = None
+            if op.type == "VarHandleOp":
+                import tensorflow as tf
+                attr = {"shared_name": tf.AttrValue(s=state.clone_name(c, op.name).encode())}
+            new = clone_op(op, inputs, state.clone_name(c, op.name), state.devices[c],
+                           controls, seed_offset=c, attr_overrides=attr)
+            state.op_map[c][op] = new
+            for old_t, new_t in zip(op.outputs, new.outputs):
+                state.tensor_map[c][old_t] = new_t
+    for _, rec in pending:
+        reduce_gradients(state, rec)
+
+
+def _first_id(state, record):
+    ids = [op._id for op in state.selection.ops  # pylint: disable=protected-access
+           if op._id in record.op_ids]  # pylint: disable=protected-access
+    return min(ids) if ids else None
+
+
+def join_clones(state):
+    """Running the user's train op must run every clone's update.
+
+    * An apply op nobody consumes (the op ``minimize`` returns when there is
+      no global_step) waits for its copies.
+    * An op outside the replica that reads or waits for a replica's apply op
+      (the ``global_step`` increment) waits for all copies of it.
+    """
+    sel = state.selection
+    for op in sel.ops:
+        if state.ir_graph.phase_of(op) != ir.APPLY:
+            continue
+        used = any(out.consumers() for out in op.outputs) or _has_control_consumers(state, op)
+        if not used:
+            op._add_control_inputs([state.op(c, op) for c in range(1, state.num_clones)])
+    for op in state.graph.get_operations():
+        if op in sel or state.ir_graph.phase_of(op) == ir.REWRITE:
+            continue
+        upstream = list(op.control_inputs) + [t.op for t in op.inputs]
+        extra = [state.op(c, up) for up in upstream if up in sel
+                 and state.ir_graph.phase_of(up) == ir.APPLY
+                 for c in range(1, state.num_clones)]
+        if extra:
+            op._add_control_inputs(extra)  # pylint: disable=protected-access
+
+
+def _has_control_consumers(state, op):
+    return bool(op._control_outputs)  # pylint: disable=protected-access

@@ -1,0 +1,154 @@
+"""Which ops of a replicate TaskGraph are copied per replica, and which are shared.
+
+Copied ("the replica"): forward, backward and apply ops of the TaskGraph, plus
+any op outside it that computes on the input batch on its way in.  Shared: the
+input pipeline's state (iterators, queues, datasets' resources), placeholders,
+``global_step`` and the ops that touch it, save/restore ops, and variable
+initializers (those are mirrored instead, see ``mirror.py``).
+"""
+import tensorflow as tf
+
+from epl import ir
+
+VARIABLE_OPS = frozenset(["VariableV2", "Variable", "VarHandleOp"])
+ASSIGN_OPS = frozenset(["Assign", "AssignAdd", "AssignSub", "AssignVariableOp",
+                        "AssignAddVariableOp", "AssignSubVariableOp"])
+# Each replica pulls its own batch by running its own copy of these.
+SOURCE_OPS = frozenset(["IteratorGetNext", "IteratorGetNextSync", "QueueDequeueV2",
+                        "QueueDequeueManyV2", "QueueDequeueUpToV2", "QueueDequeue",
+                        "QueueDequeueMany", "QueueDequeueUpTo"])
+_CHECKPOINT_OPS = frozenset(["SaveV2", "RestoreV2", "MergeV2Checkpoints", "Save", "Restore",
+                             "RestoreSlice", "SaveSlices"])
+
+
+class Selection(object):
+    """The result: ``ops`` to copy (creation order), and the input edges."""
+
+    def __init__(self):
+        self.ops = []
+        self.op_set = set()
+        self.variables = []        # variable ops that get one copy per replica
+        self.sources = []          # SOURCE_OPS whose outputs the replica consumes
+        self.placeholders = []     # batch placeholders the replica consumes
+
+    def __contains__(self, op):
+        return op in self.op_set
+
+
+def is_batch_placeholder(op):
+    if op.type != "Placeholder":
+        return False
+    shape = op.outputs[0].shape
+    return shape.ndims is not None and shape.ndims >= 1 and shape.dims[0].value is None
+
+
+def _is_stateful_handle(t):
+    return t.dtype == tf.resource or t.dtype._is_ref_dtype  # pylint: disable=protected-access
+
+
+def _is_shared_resource(op):
+    """An op that creates state other than a variable (iterator, queue, table)."""
+    if op.type in VARIABLE_OPS:
+        return False
+    return (any(_is_stateful_handle(o) for o in op.outputs)
+            and not any(_is_stateful_handle(i) for i in op.inputs))
+
+
+def select(ir_graph, taskgraph):
+    graph = ir_graph.tf_graph
+    initializers = set()
+    for key in (tf.GraphKeys.GLOBAL_VARIABLES, tf.GraphKeys.LOCAL_VARIABLES):
+        for v in graph.get_collection(key):
+            initializers.add(v.initializer)
+    step = tf.train.get_global_step(graph)
+    step_op = step.op if step is not None else None
+    from_step = _step_only_ops(graph, step_op)
+
+    def excluded(op):
+        if op.type in SOURCE_OPS or op.type == "Placeholder" or op.type in _CHECKPOINT_OPS:
+            return True
+        if op in initializers or op in from_step or _is_shared_resource(op):
+            return True
+        return ir_graph.phase_of(op) in (ir.SAVE, ir.REWRITE)
+
+    sel = Selection()
+    wanted = [op for op in taskgraph.ops
+              if ir_graph.phase_of(op) in (ir.FORWARD, ir.BACKWARD, ir.APPLY)
+              and not excluded(op)]
+    chosen = set(wanted)
+
+    # Ops outside the TaskGraph that compute on the batch before it enters
+    # (e.g. preprocessing built before set_default_strategy) are per-replica too.
+    on_batch = _downstream_of_batch(graph)
+    frontier = list(wanted)
+    while frontier:
+        op = frontier.pop()
+        for t in op.inputs:
+            up = t.op
+            if up not in chosen and up in on_batch and not excluded(up):
+                chosen.add(up)
+                frontier.append(up)
+
+    sel.ops = sorted(chosen, key=lambda o: o._id)  # pylint: disable=protected-access
+    sel.op_set = chosen
+    sel.variables = [op for op in sel.ops if op.type in VARIABLE_OPS]
+    seen = set()
+    for op in sel.ops:
+        for t in op.inputs:
+            up = t.op
+            if up in seen:
+                continue
+            if up.type in SOURCE_OPS:
+                sel.sources.append(up)
+                seen.add(up)
+            elif is_batch_placeholder(up):
+                sel.placeholders.append(up)
+                seen.add(up)
+    return sel
+
+
+def _downstream_of_batch(graph):
+    """Ops that (transitively) read an input batch."""
+    frontier = [op for op in graph.get_operations()
+                if op.type in SOURCE_OPS or is_batch_placeholder(op)]
+    seen = set(frontier)
+    while frontier:
+        op = frontier.pop()
+        for out in op.outputs:
+            for consumer in out.consumers():
+                if consumer not in seen:
+                    seen.add(consumer)
+                    frontier.append(consumer)
+    return seen
+
+
+def _step_only_ops(graph, step_op):
+    """global_step, the ops that change it, and values computed from it alone.
+
+    Such values (a learning-rate schedule, the step's own initialization
+    guards) are the same in every replica: they are computed once and shared,
+    and global_step advances once per iteration.
+    """
+    if step_op is None:
+        return set()
+    ops = graph.get_operations()
+    direct = set(op for op in ops if any(t.op is step_op for t in op.inputs))
+    variant = set()   # ops whose value may differ between replicas
+    derived = set([step_op]) | direct
+    changed = True
+    while changed:    # creation order is not always topological (tf.cond): iterate
+        changed = False
+        for op in ops:
+            if op is step_op or op in direct:
+                continue
+            ups = [t.op for t in op.inputs] + list(op.control_inputs)
+            if op not in variant and (
+                    op.type in SOURCE_OPS or op.type in VARIABLE_OPS or is_batch_placeholder(op)
+                    or (op.op_def.is_stateful and not _is_shared_resource(op))
+                    or any(u in variant for u in ups)):
+                variant.add(op)
+                changed = True
+            if op not in derived and any(u in derived for u in ups):
+                derived.add(op)
+                changed = True
+    return (derived - variant) | direct

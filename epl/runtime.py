@@ -1,0 +1,43 @@
+"""Session integration: EPL's devices in every session, merged fetches."""
+import tensorflow as tf
+
+from epl import ir
+
+
+def session_config(config):
+    """The user's ConfigProto plus what EPL's devices need."""
+    from epl.env import Env
+    if not Env.initialized():
+        return config
+    cluster = Env.get().cluster
+    merged = tf.ConfigProto()
+    if config is not None:
+        merged.CopyFrom(config)
+    if cluster.device_type == "cpu":
+        have = merged.device_count.get("CPU", 1)
+        merged.device_count["CPU"] = max(have, cluster.gpu_num_per_worker)
+    elif cluster.run_visible_devices:
+        merged.gpu_options.visible_device_list = cluster.run_visible_devices
+    return merged
+
+
+def map_fetches(graph, fetches):
+    """Replace fetched tensors that have a merged counterpart (epl.GraphKeys)."""
+    result = ir.Graph.get(graph).rewrite_result
+    if result is None or not result.merged:
+        return fetches
+    return _map(fetches, result.merged, graph)
+
+
+def _map(fetch, merged, graph):
+    if isinstance(fetch, tf.Tensor):
+        return merged.get(fetch.name, fetch)
+    if isinstance(fetch, str):
+        return merged[fetch].name if fetch in merged else fetch
+    if isinstance(fetch, dict):
+        return type(fetch)((k, _map(v, merged, graph)) for k, v in fetch.items())
+    if isinstance(fetch, tuple) and hasattr(fetch, "_fields"):
+        return type(fetch)(*[_map(v, merged, graph) for v in fetch])
+    if isinstance(fetch, (list, tuple)):
+        return type(fetch)(_map(v, merged, graph) for v in fetch)
+    return fetch

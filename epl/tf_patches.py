@@ -1,0 +1,222 @@
+"""Every TensorFlow monkey-patch EPL needs, in one place.
+
+Patch points (all installed by :func:`install`, idempotent):
+
+1. ``ops.Graph._create_op_helper``: every new op is recorded in the IR with its
+   TaskGraph and phase (capture).
+2. ``gradients_util._maybe_colocate_with``: tf.gradients enters it once per
+   forward op; ops made inside are that op's backward ops.
+3. ``gradients_util._GradientsHelper``: the whole tf.gradients call is the
+   backward phase (ops not tied to one forward op go to the loss's TaskGraph).
+4. ``optimizer.Optimizer.apply_gradients``: the apply phase; records the
+   (grad, var) pairs the rewriter reduces, and densifies sparse gradients when
+   ``communication.sparse_as_dense`` is set.
+5. ``saver.Saver.build``: save/restore ops; ``saver.Saver.save`` writes only on
+   the chief.
+6. ``ops.Graph.finalize``: rewrite before the graph is frozen
+   (MonitoredTrainingSession, Estimator).
+7. ``session.BaseSession.__init__``: the session sees EPL's devices.
+8. ``session.BaseSession.run``: rewrite before the first run of a plain
+   Session, and map fetches of merged tensors (epl.GraphKeys).
+
+Everything else reads and edits graphs through :mod:`epl.ir` and the rewriter.
+"""
+import contextlib
+import threading
+
+from tensorflow.python.client import session as tf_session
+from tensorflow.python.framework import ops
+from tensorflow.python.ops import gradients_util
+from tensorflow.python.training import optimizer as tf_optimizer
+from tensorflow.python.training import saver as tf_saver
+
+from epl import ir
+
+_ctx = threading.local()
+_originals = {}
+
+
+def _c():
+    if not hasattr(_ctx, "grad_ops"):
+        _ctx.grad_ops = []      # forward ops whose gradients are being built
+        _ctx.grad_default = []  # TaskGraph of the loss of each tf.gradients call
+        _ctx.apply = []         # TaskGraph of each apply_gradients call in progress
+        _ctx.save = 0
+        _ctx.rewriting = 0
+    return _ctx
+
+
+@contextlib.contextmanager
+def rewriting():
+    """Ops created inside are EPL's own (phase REWRITE), not the user's."""
+    c = _c()
+    c.rewriting += 1
+    try:
+        yield
+    finally:
+        c.rewriting -= 1
+
+
+def _classify(graph, op):
+    """(TaskGraph, phase) of a new op from the capture context."""
+    from epl.strategies import current_strategy
+    c = _c()
+    epl_graph = ir.Graph.get(graph)
+    if c.rewriting:
+        return None, ir.REWRITE
+    if c.save:
+        return None, ir.SAVE
+    if c.apply:
+        tg = _colocated_taskgraph(epl_graph, op)
+        return (tg if tg is not None else c.apply[-1]), ir.APPLY
+    if c.grad_ops:
+        fwd = c.grad_ops[-1]
+        tg = epl_graph.taskgraph_of(fwd) if fwd is not None else None
+        if tg is None and c.grad_default:
+            tg = c.grad_default[-1]
+        return tg, ir.BACKWARD
+    strategy = current_strategy()
+    tg = epl_graph.taskgraph_for(strategy) if strategy is not None else None
+    return tg, ir.FORWARD
+
+
+def _colocated_taskgraph(epl_graph, op):
+    for group in op.colocation_groups():
+        name = group.decode()[len("loc:@"):]
+        tg = epl_graph.op_taskgraph.get(name)
+        if tg is not None:
+            return tg
+    return None
+
+
+def _create_op_helper(self, op, compute_device=True):
+    _originals["create_op_helper"](self, op, compute_device=compute_device)
+    from epl.env import Env
+    if Env.initialized():
+        tg, phase = _classify(self, op)
+        ir.Graph.get(self).record(op, tg, phase)
+        if phase != ir.REWRITE:
+            from epl.rewrite import on_new_op
+            on_new_op(self, op)
+
+
+@contextlib.contextmanager
+def _maybe_colocate_with(op, gradient_uid, colocate_gradients_with_ops):
+    c = _c()
+    c.grad_ops.append(op)
+    try:
+        with _originals["maybe_colocate_with"](op, gradient_uid, colocate_gradients_with_ops):
+            yield
+    finally:
+        c.grad_ops.pop()
+
+
+def _gradients_helper(ys, *args, **kwargs):
+    c = _c()
+    ys_list = ys if isinstance(ys, (list, tuple)) else [ys]
+    tg = None
+    for y in ys_list:
+        if hasattr(y, "op"):
+            tg = ir.Graph.get(y.graph).taskgraph_of(y.op)
+            if tg is not None:
+                break
+    c.grad_default.append(tg)
+    c.grad_ops.append(None)
+    try:
+        return _originals["gradients_helper"](ys, *args, **kwargs)
+    finally:
+        c.grad_ops.pop()
+        c.grad_default.pop()
+
+
+def _apply_gradients(self, grads_and_vars, global_step=None, name=None):
+    from epl.env import Env
+    if not Env.initialized():
+        return _originals["apply_gradients"](self, grads_and_vars, global_step, name)
+    import tensorflow as tf
+    grads_and_vars = list(grads_and_vars)
+    if Env.get().config.get("communication.sparse_as_dense"):
+        grads_and_vars = [(tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g, v)
+                          for g, v in grads_and_vars]
+    graph = tf.get_default_graph()
+    epl_graph = ir.Graph.get(graph)
+    record = ir.ApplyRecord(grads_and_vars, global_step)
+    tg = None
+    for _, v in grads_and_vars:
+        tg = epl_graph.taskgraph_of(v.op)
+        if tg is not None:
+            break
+    c = _c()
+    c.apply.append(tg)
+    first_id = graph._last_id + 1  # pylint: disable=protected-access
+    try:
+        result = _originals["apply_gradients"](self, grads_and_vars, global_step, name)
+    finally:
+        c.apply.pop()
+    record.op_ids = range(first_id, graph._last_id + 1)  # pylint: disable=protected-access
+    record.result = result
+    epl_graph.apply_records.append(record)
+    return result
+
+
+def _saver_build(self, *args, **kwargs):
+    c = _c()
+    c.save += 1
+    try:
+        return _originals["saver_build"](self, *args, **kwargs)
+    finally:
+        c.save -= 1
+
+
+def _saver_save(self, sess, save_path, *args, **kwargs):
+    from epl.env import Env
+    if Env.initialized() and not Env.get().cluster.is_chief:
+        return None  # only the chief writes checkpoints
+    return _originals["saver_save"](self, sess, save_path, *args, **kwargs)
+
+
+def _finalize(self):
+    from epl.rewrite import rewrite_if_needed
+    rewrite_if_needed(self)
+    return _originals["finalize"](self)
+
+
+def _session_init(self, target="", graph=None, config=None):
+    from epl.runtime import session_config
+    config = session_config(config)
+    return _originals["session_init"](self, target, graph, config)
+
+
+def _session_run(self, fetches, feed_dict=None, options=None, run_metadata=None):
+    from epl.rewrite import rewrite_if_needed
+    from epl.runtime import map_fetches
+    rewrite_if_needed(self.graph)
+    fetches = map_fetches(self.graph, fetches)
+    return _originals["session_run"](self, fetches, feed_dict, options, run_metadata)
+
+
+_PATCHES = [
+    ("create_op_helper", ops.Graph, "_create_op_helper", _create_op_helper),
+    ("maybe_colocate_with", gradients_util, "_maybe_colocate_with", _maybe_colocate_with),
+    ("gradients_helper", gradients_util, "_GradientsHelper", _gradients_helper),
+    ("apply_gradients", tf_optimizer.Optimizer, "apply_gradients", _apply_gradients),
+    ("saver_build", tf_saver.Saver, "build", _saver_build),
+    ("saver_save", tf_saver.Saver, "save", _saver_save),
+    ("finalize", ops.Graph, "finalize", _finalize),
+    ("session_init", tf_session.BaseSession, "__init__", _session_init),
+    ("session_run", tf_session.BaseSession, "run", _session_run),
+]
+
+
+def install():
+    if _originals:
+        return
+    for key, owner, attr, replacement in _PATCHES:
+        _originals[key] = getattr(owner, attr)
+        setattr(owner, attr, replacement)
+
+
+def uninstall():
+    for key, owner, attr, _ in _PATCHES:
+        if key in _originals:
+            setattr(owner, attr, _originals.pop(key))

@@ -1,0 +1,19 @@
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+
+
+@pytest.fixture(autouse=True)
+def fresh_graph():
+    """Every test starts with a new default graph and no EPL strategy."""
+    from epl import strategies
+    strategies.reset()
+    tf.reset_default_graph()
+    yield
+    strategies.reset()
+    tf.reset_default_graph()

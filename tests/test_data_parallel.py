@@ -1,0 +1,179 @@
+"""Data parallelism on N virtual devices equals one device with an N-times batch."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import epl
+from tests import models
+
+STEPS, BATCH = 5, 4
+
+
+def _init(n, **extra):
+    cfg = {"cluster.devices_per_worker": n}
+    cfg.update(extra)
+    epl.init(epl.Config(cfg))
+    epl.set_default_strategy(epl.replicate(1))
+
+
+def _replica_weights(sess, n):
+    """Every replica's copy of every weight (replica 0 under the user's names)."""
+    return [models.weights(sess, "" if c == 0 else "EPL_REPLICA_%d/" % c) for c in range(n)]
+
+
+def run_dp_session(n, optimizer, use_resource=False, runner="session"):
+    x, y = models.data(STEPS * n * BATCH)
+    _init(n)
+    bx, by = models.input_batch(x, y, BATCH)
+    _, loss = models.forward(bx, by, use_resource)
+    step = tf.train.get_or_create_global_step()
+    op = models.train_op(loss, optimizer, step)
+    if runner == "session":
+        sess = tf.Session()
+        sess.run(tf.global_variables_initializer())
+    else:
+        sess = tf.train.MonitoredTrainingSession()
+    with sess:
+        for _ in range(STEPS):
+            sess.run(op)
+        raw = sess if runner == "session" else sess._tf_sess()  # pylint: disable=protected-access
+        per_replica = _replica_weights(raw, n)
+        final_step = raw.run(step)
+    return per_replica, final_step
+
+
+@pytest.mark.parametrize("runner", ["session", "monitored"])
+@pytest.mark.parametrize("optimizer", ["momentum", "adam"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_dp_matches_big_batch(n, optimizer, runner):
+    x, y = models.data(STEPS * n * BATCH)
+    want, _ = models.train_local(x, y, n * BATCH, STEPS, optimizer)
+    per_replica, final_step = run_dp_session(n, optimizer, runner=runner)
+    for got in per_replica:
+        models.assert_weights_close(got, want)
+    assert final_step == STEPS
+
+
+def test_dp_resource_variables():
+    n = 2
+    x, y = models.data(STEPS * n * BATCH)
+    want, _ = models.train_local(x, y, n * BATCH, STEPS, "momentum", use_resource=True)
+    per_replica, _ = run_dp_session(n, "momentum", use_resource=True)
+    for got in per_replica:
+        models.assert_weights_close(got, want)
+
+
+def test_replicas_start_from_replica_zero_random_init():
+    """Random initializers are broadcast: every copy starts from replica 0's value."""
+    _init(3)
+    v = tf.get_variable("v", [50], initializer=tf.random_normal_initializer())
+    r = tf.get_variable("r", [50], initializer=tf.random_uniform_initializer(),
+                        use_resource=True)
+    loss = tf.reduce_sum(v * r)
+    op = tf.train.GradientDescentOptimizer(0.1).minimize(loss)
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
+        g = tf.get_default_graph()
+        v0, r0 = sess.run([v, r])
+        for c in (1, 2):
+            vc = sess.run(g.get_tensor_by_name("EPL_REPLICA_%d/v:0" % c))
+            rc = sess.run(g.get_tensor_by_name("EPL_REPLICA_%d/r/Read/ReadVariableOp:0" % c))
+            np.testing.assert_array_equal(vc, v0)
+            np.testing.assert_array_equal(rc, r0)
+        assert op is not None
+
+
+def test_dp_estimator(tmp_path):
+    n, optimizer = 2, "momentum"
+    x, y = models.data(STEPS * n * BATCH)
+    want, _ = models.train_local(x, y, n * BATCH, STEPS, optimizer)
+    _init(n)
+
+    def input_fn():
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+
+    def model_fn(features, labels, mode):
+        _, loss = models.forward(features, labels)
+        op = models.train_op(loss, optimizer, tf.train.get_global_step())
+        return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=op)
+
+    est = tf.estimator.Estimator(model_fn, model_dir=str(tmp_path))
+    est.train(input_fn, steps=STEPS)
+    got = {name: est.get_variable_value(name) for name in models.initial_weights()}
+    models.assert_weights_close(got, want)
+    assert est.get_variable_value("global_step") == STEPS
+
+
+def test_gradients_reduce_sum():
+    """'sum' reduction equals the big batch with an N-times learning rate (SGD)."""
+    n = 2
+    x, y = models.data(STEPS * n * BATCH)
+    with tf.Graph().as_default():
+        bx, by = models.input_batch(x, y, n * BATCH)
+        _, loss = models.forward(bx, by)
+        opt = tf.train.GradientDescentOptimizer(0.1 * n)
+        gvs = opt.compute_gradients(loss)
+        with tf.control_dependencies([g for g, _ in gvs]):
+            op = opt.apply_gradients(gvs)
+        with tf.Session() as sess:
+            sess.run(tf.global_variables_initializer())
+            for _ in range(STEPS):
+                sess.run(op)
+            want = models.weights(sess)
+    _init(n, **{"communication.gradients_reduce_method": "sum"})
+    bx, by = models.input_batch(x, y, BATCH)
+    _, loss = models.forward(bx, by)
+    op = models.train_op(loss, "sgd")
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
+        for _ in range(STEPS):
+            sess.run(op)
+        models.assert_weights_close(models.weights(sess), want)
+
+
+def test_fetch_returns_replica_zero_and_merged_collections():
+    n = 2
+    _init(n)
+    x = tf.placeholder(tf.float32, [None, 3])
+    w = tf.get_variable("w", initializer=tf.ones([3, 1]))
+    y = tf.matmul(x, w)
+    total = tf.reduce_sum(y)
+    mean_t = tf.identity(total)
+    sum_t = tf.identity(total)
+    epl.add_to_collection(mean_t, epl.GraphKeys.GLOBAL_MEAN_OBJECTS)
+    epl.add_to_collection(sum_t, epl.GraphKeys.LOCAL_SUM_OBJECTS)
+    epl.add_to_collection(y, epl.GraphKeys.GLOBAL_CONCAT_OBJECTS)
+    feed = np.arange(12, dtype=np.float32).reshape(4, 3)
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
+        t, m, s, cat = sess.run([total, mean_t, sum_t, y], {x: feed})
+    rows = feed.sum(axis=1)
+    assert t == pytest.approx(rows[:2].sum())          # replica 0's shard
+    assert m == pytest.approx(rows.sum() / 2)           # mean over replicas
+    assert s == pytest.approx(rows.sum())               # sum over replicas
+    np.testing.assert_allclose(cat[:, 0], rows)         # concat of both shards
+
+
+def test_fed_batch_not_divisible_names_placeholder():
+    _init(2)
+    x = tf.placeholder(tf.float32, [None, 3], name="features")
+    w = tf.get_variable("w", initializer=tf.ones([3, 1]))
+    loss = tf.reduce_sum(tf.matmul(x, w))
+    op = tf.train.GradientDescentOptimizer(0.1).minimize(loss)
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
+        with pytest.raises(tf.errors.InvalidArgumentError, match="features"):
+            sess.run(op, {x: np.ones([3, 3], np.float32)})
+
+
+def test_global_step_advances_once_without_explicit_global_step():
+    _init(4)
+    x, y = models.data(64)
+    bx, by = models.input_batch(x, y, 4)
+    _, loss = models.forward(bx, by)
+    step = tf.train.get_or_create_global_step()
+    op = tf.train.MomentumOptimizer(0.1, 0.9).minimize(loss, global_step=step)
+    with tf.train.MonitoredTrainingSession() as sess:
+        for i in range(3):
+            sess.run(op)
+        assert sess.run(step) == 3
