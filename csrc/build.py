@@ -1,0 +1,79 @@
+"""Build EPL's TensorFlow custom-op library (csrc/ -> epl/lib/libepl_ops.so).
+
+Uses the compile and link flags TensorFlow reports (ABI included).  The NCCL
+backend is compiled only when CUDA and NCCL headers are found *and* the
+installed TensorFlow is a CUDA build; the CPU backends are always built.
+Prints which backends it built.
+"""
+import argparse
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _find_header(name, extra_dirs):
+    dirs = list(extra_dirs) + ["/usr/local/cuda/include", "/usr/include", "/usr/local/include"]
+    for d in dirs:
+        if d and os.path.exists(os.path.join(d, name)):
+            return d
+    return None
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    try:
+        import tensorflow as tf
+    except ImportError:
+        sys.exit("csrc/build.py: TensorFlow is not importable from %s; run `make setup`."
+                 % sys.executable)
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        sys.exit("csrc/build.py: no C++ compiler %r found; install g++ (Debian: apt-get "
+                 "install g++) or set CXX." % cxx)
+    flags = list(tf.sysconfig.get_compile_flags())
+    link = list(tf.sysconfig.get_link_flags())
+    sources = sorted(glob.glob(os.path.join(HERE, "*.cc")))
+    backends = ["cpu-inprocess", "cpu-shm", "cpu-tcp"]
+    defines = []
+    cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    cuda_inc = _find_header("cuda_runtime.h", [os.path.join(cuda_home, "include")])
+    nccl_inc = _find_header("nccl.h", [os.environ.get("NCCL_INCLUDE_DIR", "")])
+    if cuda_inc and nccl_inc and tf.test.is_built_with_cuda():
+        sources += sorted(glob.glob(os.path.join(HERE, "nccl", "*.cc")))
+        defines += ["-DEPL_WITH_NCCL=1", "-DGOOGLE_CUDA=1", "-I" + cuda_inc, "-I" + nccl_inc]
+        link += ["-L" + os.path.join(cuda_home, "lib64"), "-lcudart", "-lnccl"]
+        backends.append("nccl")
+        skipped = ""
+    else:
+        why = []
+        if not cuda_inc:
+            why.append("no cuda_runtime.h")
+        if not nccl_inc:
+            why.append("no nccl.h")
+        if not tf.test.is_built_with_cuda():
+            why.append("TensorFlow is the CPU build")
+        skipped = "nccl skipped (%s)" % ", ".join(why)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    tmp = args.out + ".tmp"
+    cmd = ([cxx, "-std=c++11", "-shared", "-fPIC", "-O3", "-march=native",
+            "-pthread", "-Wall", "-Wno-sign-compare", "-Wno-unused-function",
+            "-DEPL_BACKENDS=\"%s\"" % ",".join(backends)]
+           + defines + flags + sources + ["-o", tmp] + link + ["-lrt"])
+    print("csrc/build.py: building %s" % args.out)
+    proc = subprocess.run(cmd)
+    if proc.returncode != 0:
+        sys.exit("csrc/build.py: the C++ build failed (command above). It needs g++ and the "
+                 "TensorFlow headers from the venv's tensorflow==1.15.5.")
+    os.replace(tmp, args.out)
+    print("csrc/build.py: built backends: %s%s" % (", ".join(backends),
+                                                   ("; " + skipped) if skipped else ""))
+
+
+if __name__ == "__main__":
+    main()

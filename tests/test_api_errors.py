@@ -1,0 +1,91 @@
+"""Annotation rules and early, clear errors."""
+import subprocess
+import sys
+
+import pytest
+import tensorflow as tf
+
+import epl
+from epl.plan import LayoutError
+
+
+def test_nested_scopes_rejected():
+    epl.init()
+    with epl.replicate(1):
+        with pytest.raises(RuntimeError, match="Nested strategy annotations are not allowed"):
+            with epl.split(2):
+                pass
+
+
+def test_default_strategy_inside_scope_rejected():
+    epl.init()
+    with epl.replicate(1):
+        with pytest.raises(RuntimeError, match="outside any"):
+            epl.set_default_strategy(epl.replicate(1))
+
+
+def test_scope_overrides_default_and_each_annotation_is_a_taskgraph():
+    epl.init()
+    epl.set_default_strategy(epl.replicate(1))
+    a = tf.constant(1.0, name="a")
+    with epl.replicate(1, name="second"):
+        b = tf.identity(a, name="b")
+    c = tf.identity(b, name="c")
+    g = epl.Graph.get()
+    assert len(g.taskgraphs) == 2
+    assert g.taskgraph_of(a.op) is g.taskgraph_of(c.op) is g.taskgraphs[0]
+    assert g.taskgraph_of(b.op) is g.taskgraphs[1]
+
+
+def test_backward_and_apply_follow_forward_taskgraph():
+    epl.init()
+    with epl.replicate(1):
+        w = tf.get_variable("w", initializer=tf.ones([2]))
+        loss = tf.reduce_sum(w * w)
+    opt = tf.train.GradientDescentOptimizer(0.1)
+    grads = opt.compute_gradients(loss)
+    train = opt.apply_gradients(grads)
+    g = epl.Graph.get()
+    tg = g.taskgraphs[0]
+    assert g.taskgraph_of(grads[0][0].op) is tg and g.phase_of(grads[0][0].op) == "backward"
+    assert g.taskgraph_of(train) is tg and g.phase_of(train) == "apply"
+
+
+def test_bad_device_count():
+    epl.init()
+    with pytest.raises(ValueError, match="device_count must be a positive integer"):
+        epl.replicate(0)
+
+
+def test_use_before_init():
+    from epl.env import Env
+    saved, Env._instance = Env._instance, None
+    try:
+        with pytest.raises(RuntimeError, match="before epl.init"):
+            with epl.replicate(1):
+                pass
+    finally:
+        Env._instance = saved
+
+
+def test_impossible_layout_raises_at_rewrite():
+    epl.init(epl.Config({"cluster.devices_per_worker": 3}))
+    with epl.replicate(2):
+        w = tf.get_variable("w", initializer=tf.ones([2]))
+        loss = tf.reduce_sum(w)
+    with pytest.raises(LayoutError, match=r"3 devices cannot be divided"):
+        with tf.Session() as sess:
+            sess.run(loss)
+
+
+def test_unimplemented_feature_is_loud():
+    with pytest.raises(NotImplementedError, match="'zero.level' = 'v1'"):
+        epl.init(epl.Config({"zero.level": "v1"}))
+
+
+def test_eager_mode_rejected():
+    code = ("import tensorflow as tf; tf.enable_eager_execution(); import epl\n"
+            "try:\n    epl.init()\nexcept RuntimeError as e:\n    print('ERR', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, timeout=120).stdout.decode()
+    assert "ERR epl.init(): eager execution is enabled" in out

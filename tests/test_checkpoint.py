@@ -1,0 +1,100 @@
+"""Checkpoints: DP writes the local model's names; restores reach every replica."""
+import glob
+import os
+
+import tensorflow as tf
+
+import epl
+from tests import models
+
+N, BATCH, STEPS = 2, 4, 3
+
+
+def _train_dp_and_save(path):
+    x, y = models.data(STEPS * N * BATCH)
+    epl.init(epl.Config({"cluster.devices_per_worker": N}))
+    epl.set_default_strategy(epl.replicate(1))
+    bx, by = models.input_batch(x, y, BATCH)
+    _, loss = models.forward(bx, by)
+    step = tf.train.get_or_create_global_step()
+    op = models.train_op(loss, "adam", step)
+    saver = tf.train.Saver()
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
+        for _ in range(STEPS):
+            sess.run(op)
+        saver.save(sess, path, global_step=step)
+        return models.weights(sess)
+
+
+def test_dp_checkpoint_restores_into_local_model(tmp_path):
+    path = str(tmp_path / "model.ckpt")
+    trained = _train_dp_and_save(path)
+    names = [n for n, _ in tf.train.list_variables(str(tmp_path))]
+    assert not any("EPL" in n for n in names), names
+    assert "dense/kernel" in names and "global_step" in names
+    epl.strategies.reset()
+    with tf.Graph().as_default():            # the plain local script
+        x, y = models.data(8)
+        bx, by = models.input_batch(x, y, BATCH)
+        _, loss = models.forward(bx, by)
+        models.train_op(loss, "adam", tf.train.get_or_create_global_step())
+        with tf.Session() as sess:
+            tf.train.Saver().restore(sess, tf.train.latest_checkpoint(str(tmp_path)))
+            models.assert_weights_close(models.weights(sess), trained, rtol=0, atol=0)
+            assert sess.run(tf.train.get_global_step()) == STEPS
+
+
+def test_restore_reaches_every_replica(tmp_path):
+    path = str(tmp_path / "model.ckpt")
+    trained = _train_dp_and_save(path)
+    tf.reset_default_graph()
+    epl.init(epl.Config({"cluster.devices_per_worker": N}))
+    epl.set_default_strategy(epl.replicate(1))
+    x, y = models.data(8)
+    bx, by = models.input_batch(x, y, BATCH)
+    _, loss = models.forward(bx, by)
+    models.train_op(loss, "adam", tf.train.get_or_create_global_step())
+    saver = tf.train.Saver()
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
+        saver.restore(sess, tf.train.latest_checkpoint(str(tmp_path)))
+        for c in range(N):
+            got = models.weights(sess, "" if c == 0 else "EPL_REPLICA_%d/" % c)
+            models.assert_weights_close(got, trained, rtol=0, atol=0)
+
+
+def test_saver_built_after_first_run_still_mirrors(tmp_path):
+    trained = _train_dp_and_save(str(tmp_path / "model.ckpt"))
+    tf.reset_default_graph()
+    epl.init(epl.Config({"cluster.devices_per_worker": N}))
+    epl.set_default_strategy(epl.replicate(1))
+    x, y = models.data(8)
+    bx, by = models.input_batch(x, y, BATCH)
+    _, loss = models.forward(bx, by)
+    models.train_op(loss, "adam", tf.train.get_or_create_global_step())
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())      # rewrite happens here
+        tf.train.Saver().restore(sess, tf.train.latest_checkpoint(str(tmp_path)))
+        got = models.weights(sess, "EPL_REPLICA_1/")
+        models.assert_weights_close(got, trained, rtol=0, atol=0)
+
+
+def test_summaries_written_once(tmp_path):
+    epl.init(epl.Config({"cluster.devices_per_worker": N}))
+    epl.set_default_strategy(epl.replicate(1))
+    x, y = models.data(STEPS * N * BATCH)
+    bx, by = models.input_batch(x, y, BATCH)
+    _, loss = models.forward(bx, by)
+    tf.summary.scalar("loss", loss)
+    step = tf.train.get_or_create_global_step()
+    op = models.train_op(loss, "sgd", step)
+    with tf.train.MonitoredTrainingSession(checkpoint_dir=str(tmp_path),
+                                           save_summaries_steps=1) as sess:
+        for _ in range(STEPS):
+            sess.run(op)
+    events = glob.glob(os.path.join(str(tmp_path), "events.out.tfevents.*"))
+    assert len(events) == 1
+    values = [v.tag for e in tf.train.summary_iterator(events[0])
+              for v in e.summary.value if v.tag == "loss"]
+    assert len(values) == STEPS

@@ -1,0 +1,91 @@
+"""Cluster from TF_CONFIG and the pure-Python layout plan (no TF graphs)."""
+import collections
+
+import pytest
+
+from epl.cluster import Cluster
+from epl.config import Config
+from epl.plan import LayoutError, ReplicaLayout, plan
+
+
+def _cfg(**kv):
+    return Config({k.replace("__", "."): v for k, v in kv.items()}, environ={})
+
+
+def test_no_tf_config_is_one_local_worker():
+    c = Cluster(_cfg(cluster__devices_per_worker=4), tf_config={}, visible_gpus=0)
+    assert (c.worker_num, c.worker_index, c.gpu_num_per_worker, c.total_gpu_num) == (1, 0, 4, 4)
+    assert c.device_type == "cpu" and c.is_chief
+    assert c.device(3) == "/job:localhost/replica:0/task:0/device:CPU:3"
+
+
+def test_workers_and_chief():
+    tf_config = {"cluster": {"chief": ["h0:1"], "worker": ["h1:1", "h2:1"], "ps": ["p:1"]},
+                 "task": {"type": "worker", "index": 1}}
+    c = Cluster(_cfg(cluster__devices_per_worker=2), tf_config=tf_config, visible_gpus=0)
+    assert c.worker_num == 3            # chief + 2 workers train; ps does not
+    assert c.worker_index == 2          # chief is worker 0
+    assert c.total_gpu_num == 6 and not c.is_chief
+    assert c.ps_hosts == ["p:1"]
+    assert c.device(0) == "/job:chief/replica:0/task:0/device:CPU:0"
+    assert c.device(5) == "/job:worker/replica:0/task:1/device:CPU:1"
+    assert c.local_devices == ["/job:worker/replica:0/task:1/device:CPU:0",
+                               "/job:worker/replica:0/task:1/device:CPU:1"]
+
+
+def test_ps_task_trains_nothing():
+    tf_config = {"cluster": {"worker": ["a:1"], "ps": ["p:1"]}, "task": {"type": "ps", "index": 0}}
+    c = Cluster(_cfg(), tf_config=tf_config, visible_gpus=0)
+    assert c.worker_index == -1 and c.worker_num == 1
+
+
+def test_only_workers():
+    tf_config = {"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": 0}}
+    c = Cluster(_cfg(), tf_config=tf_config, visible_gpus=0)
+    assert c.worker_num == 2 and c.is_chief and c.total_gpu_num == 2
+
+
+def test_gpus_and_visible_devices():
+    c = Cluster(_cfg(cluster__run_visible_devices="1,3"), tf_config={}, visible_gpus=4)
+    assert c.device_type == "gpu" and c.gpu_num_per_worker == 2
+    assert c.device(1).endswith("/device:GPU:1")
+
+
+def test_gpu_requested_but_none():
+    with pytest.raises(ValueError, match="no GPU is visible"):
+        Cluster(_cfg(cluster__device_type="gpu"), tf_config={}, visible_gpus=0)
+
+
+def test_bad_tf_config(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", "{not json")
+    with pytest.raises(ValueError, match="TF_CONFIG is not valid JSON"):
+        Cluster(_cfg())
+
+
+TG = collections.namedtuple("TG", "kind device_count strategy")
+
+
+def test_layout_infers_replicas():
+    lay = ReplicaLayout(8, 1, 4)
+    assert lay.num_replicas == 8 and lay.num_clones == 8
+    lay = ReplicaLayout(8, 2, 4)
+    assert lay.num_replicas == 4 and lay.devices[1] == [2, 3]
+
+
+def test_layout_prefer_inter_node_spreads_replica():
+    lay = ReplicaLayout(8, 2, 4, prefer_intra_node=False)
+    assert lay.devices[0] == [0, 4] and lay.devices[3] == [3, 7]
+
+
+def test_layout_errors_name_the_numbers():
+    with pytest.raises(LayoutError, match=r"6 devices cannot be divided.*of 4 devices.*6 % 4 = 2"):
+        ReplicaLayout(6, 4, 6)
+    with pytest.raises(LayoutError, match=r"needs 8 devices per model replica.*only 4"):
+        ReplicaLayout(4, 8, 4)
+
+
+def test_plan_from_cluster():
+    c = Cluster(_cfg(cluster__devices_per_worker=4), tf_config={}, visible_gpus=0)
+    lay = plan(c, [TG("replicate", 2, "epl.replicate(2)")], _cfg())
+    assert lay.num_replicas == 2
+    assert plan(c, [], _cfg()) is None
