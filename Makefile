@@ -35,7 +35,7 @@ bench: setup
 	$(PY) benchmarks/run_all.py
 
 docs: $(STAMP)
-	$(PY) -m epl.config --markdown > docs/config.md
+	$(PY) -c 'import sys, epl.config; sys.stdout.write(epl.config.markdown())' > docs/config.md
 
 # Horovod with Gloo in its own venv, only for the collectives comparison.
 horovod: $(STAMP)

@@ -11,9 +11,8 @@ Key = collections.namedtuple("Key", "name type default choices doc")
 
 _INT, _STR, _BOOL, _LOSS_SCALE = "integer", "str", "bool", "integer/str"
 
-# (key, type, default, choices or None, one-line doc).  Keep in sync with
-# docs/config.md via `python -m epl.config --markdown > docs/config.md`
-# (a test checks the two are equal).
+# (key, type, default, choices or None, one-line doc).  docs/config.md is
+# generated from it by `make docs` (a test checks the two are equal).
 SCHEMA = [
     Key("pipeline.num_micro_batch", _INT, 1, None,
         "Number of micro-batches per model replica and iteration (pipeline or gradient accumulation)."),
@@ -48,6 +47,10 @@ SCHEMA = [
         "EPL extension: devices to train on; 'auto' = GPUs when visible, else CPU."),
     Key("cluster.devices_per_worker", _INT, 0, None,
         "EPL extension: devices per worker; 0 = all visible GPUs or 1 CPU; N>1 on CPU gives N virtual CPU devices."),
+    Key("cluster.variable_copies", _STR, "auto", ("auto", "per_device", "per_worker"),
+        "EPL extension: 'per_device' mirrors variables on every device; 'per_worker' keeps one "
+        "copy per worker that its devices share (one update per worker); 'auto' = per_worker "
+        "on CPU, per_device on GPU."),
     Key("communication.num_communicators", _INT, 2, None, "Number of communicators."),
     Key("communication.sparse_as_dense", _BOOL, False, None,
         "Transform sparse gradients to dense before communication."),
@@ -213,7 +216,7 @@ class Config(object):
 def markdown():
     """The configuration reference as Markdown (docs/config.md)."""
     lines = ["# EPL configuration", "",
-             "Generated from `epl/config.py` by `python -m epl.config --markdown`; do not edit.",
+             "Generated from `epl/config.py` by `make docs`; do not edit.",
              "", "Every key can also be set by the environment variable `EPL_<SECTION>_<KEY>` "
              "(e.g. `EPL_PIPELINE_NUM_MICRO_BATCH=4`); a key given to `epl.Config` wins.", "",
              "| Param Key | Type | Default | Choices | Environment variable | Description |",
@@ -224,10 +227,3 @@ def markdown():
                      % (k.name, k.type, k.default, choices, env_var_name(k.name), k.doc))
     return "\n".join(lines) + "\n"
 
-
-if __name__ == "__main__":
-    import sys
-    if sys.argv[1:] == ["--markdown"]:
-        sys.stdout.write(markdown())
-    else:
-        sys.exit("usage: python -m epl.config --markdown")

@@ -2,6 +2,7 @@
 import glob
 import os
 
+import pytest
 import tensorflow as tf
 
 import epl
@@ -10,9 +11,13 @@ from tests import models
 N, BATCH, STEPS = 2, 4, 3
 
 
-def _train_dp_and_save(path):
+def _init(copies="per_device"):
+    epl.init(epl.Config({"cluster.devices_per_worker": N, "cluster.variable_copies": copies}))
+
+
+def _train_dp_and_save(path, copies="per_device"):
     x, y = models.data(STEPS * N * BATCH)
-    epl.init(epl.Config({"cluster.devices_per_worker": N}))
+    _init(copies)
     epl.set_default_strategy(epl.replicate(1))
     bx, by = models.input_batch(x, y, BATCH)
     _, loss = models.forward(bx, by)
@@ -27,9 +32,10 @@ def _train_dp_and_save(path):
         return models.weights(sess)
 
 
-def test_dp_checkpoint_restores_into_local_model(tmp_path):
+@pytest.mark.parametrize("copies", ["per_device", "per_worker"])
+def test_dp_checkpoint_restores_into_local_model(tmp_path, copies):
     path = str(tmp_path / "model.ckpt")
-    trained = _train_dp_and_save(path)
+    trained = _train_dp_and_save(path, copies)
     names = [n for n, _ in tf.train.list_variables(str(tmp_path))]
     assert not any("EPL" in n for n in names), names
     assert "dense/kernel" in names and "global_step" in names
@@ -49,7 +55,7 @@ def test_restore_reaches_every_replica(tmp_path):
     path = str(tmp_path / "model.ckpt")
     trained = _train_dp_and_save(path)
     tf.reset_default_graph()
-    epl.init(epl.Config({"cluster.devices_per_worker": N}))
+    _init()
     epl.set_default_strategy(epl.replicate(1))
     x, y = models.data(8)
     bx, by = models.input_batch(x, y, BATCH)
@@ -67,7 +73,7 @@ def test_restore_reaches_every_replica(tmp_path):
 def test_saver_built_after_first_run_still_mirrors(tmp_path):
     trained = _train_dp_and_save(str(tmp_path / "model.ckpt"))
     tf.reset_default_graph()
-    epl.init(epl.Config({"cluster.devices_per_worker": N}))
+    _init()
     epl.set_default_strategy(epl.replicate(1))
     x, y = models.data(8)
     bx, by = models.input_batch(x, y, BATCH)
@@ -81,7 +87,7 @@ def test_saver_built_after_first_run_still_mirrors(tmp_path):
 
 
 def test_summaries_written_once(tmp_path):
-    epl.init(epl.Config({"cluster.devices_per_worker": N}))
+    _init()
     epl.set_default_strategy(epl.replicate(1))
     x, y = models.data(STEPS * N * BATCH)
     bx, by = models.input_batch(x, y, BATCH)

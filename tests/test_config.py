@@ -28,7 +28,7 @@ def test_all_26_seed_keys_with_defaults():
     for key, default in SEED_KEYS.items():
         assert cfg.get(key) == default, key
     extensions = {k.name for k in SCHEMA} - set(SEED_KEYS)
-    assert extensions == {"cluster.device_type", "cluster.devices_per_worker",
+    assert extensions == {"cluster.device_type", "cluster.devices_per_worker", "cluster.variable_copies",
                           "communication.timeout_seconds"}
 
 

@@ -21,9 +21,9 @@ def _replica_weights(sess, n):
     return [models.weights(sess, "" if c == 0 else "EPL_REPLICA_%d/" % c) for c in range(n)]
 
 
-def run_dp_session(n, optimizer, use_resource=False, runner="session"):
+def run_dp_session(n, optimizer, use_resource=False, runner="session", copies="per_device"):
     x, y = models.data(STEPS * n * BATCH)
-    _init(n)
+    _init(n, **{"cluster.variable_copies": copies})
     bx, by = models.input_batch(x, y, BATCH)
     _, loss = models.forward(bx, by, use_resource)
     step = tf.train.get_or_create_global_step()
@@ -37,35 +37,37 @@ def run_dp_session(n, optimizer, use_resource=False, runner="session"):
         for _ in range(STEPS):
             sess.run(op)
         raw = sess if runner == "session" else sess._tf_sess()  # pylint: disable=protected-access
-        per_replica = _replica_weights(raw, n)
+        per_replica = _replica_weights(raw, n if copies == "per_device" else 1)
         final_step = raw.run(step)
     return per_replica, final_step
 
 
+@pytest.mark.parametrize("copies", ["per_device", "per_worker"])
 @pytest.mark.parametrize("runner", ["session", "monitored"])
 @pytest.mark.parametrize("optimizer", ["momentum", "adam"])
 @pytest.mark.parametrize("n", [2, 4])
-def test_dp_matches_big_batch(n, optimizer, runner):
+def test_dp_matches_big_batch(n, optimizer, runner, copies):
     x, y = models.data(STEPS * n * BATCH)
     want, _ = models.train_local(x, y, n * BATCH, STEPS, optimizer)
-    per_replica, final_step = run_dp_session(n, optimizer, runner=runner)
+    per_replica, final_step = run_dp_session(n, optimizer, runner=runner, copies=copies)
     for got in per_replica:
         models.assert_weights_close(got, want)
     assert final_step == STEPS
 
 
-def test_dp_resource_variables():
+@pytest.mark.parametrize("copies", ["per_device", "per_worker"])
+def test_dp_resource_variables(copies):
     n = 2
     x, y = models.data(STEPS * n * BATCH)
     want, _ = models.train_local(x, y, n * BATCH, STEPS, "momentum", use_resource=True)
-    per_replica, _ = run_dp_session(n, "momentum", use_resource=True)
+    per_replica, _ = run_dp_session(n, "momentum", use_resource=True, copies=copies)
     for got in per_replica:
         models.assert_weights_close(got, want)
 
 
 def test_replicas_start_from_replica_zero_random_init():
     """Random initializers are broadcast: every copy starts from replica 0's value."""
-    _init(3)
+    _init(3, **{"cluster.variable_copies": "per_device"})
     v = tf.get_variable("v", [50], initializer=tf.random_normal_initializer())
     r = tf.get_variable("r", [50], initializer=tf.random_uniform_initializer(),
                         use_resource=True)

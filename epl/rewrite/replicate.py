@@ -5,23 +5,40 @@ Just before the first apply op of an ``apply_gradients`` call is copied, the
 gradients of that call are reduced across clones (``gradients.py``), so every
 clone's optimizer reads the reduced gradient.
 """
+import tensorflow as tf
+
 from epl import ir
 from epl.rewrite.cloner import check_clonable, clone_op
 from epl.rewrite.gradients import reduce_gradients
+from epl.rewrite.selection import VARIABLE_OPS
 
 
 def place_originals(state):
-    for op in state.selection.ops:
+    """The user's replica ops go to clone 0's device (shared variables and the
+    single update too, when a worker shares one copy of its variables)."""
+    ops = list(state.selection.ops)
+    if state.share_variables:
+        ops += [op for op in state.taskgraph.ops if op not in state.selection and
+                (op.type in VARIABLE_OPS or state.ir_graph.phase_of(op) == ir.APPLY)]
+    for op in ops:
         check_clonable(op)
         op._set_device(state.devices[0])  # pylint: disable=protected-access
 
 
+def _device_for(state, c, op, inputs):
+    """Clone c's device, unless the op reads a shared resource variable: TF keeps
+    resource reads on the resource's device."""
+    for orig, new in zip(op.inputs, inputs):
+        if orig is new and new.dtype == tf.resource and new.op.type in VARIABLE_OPS:
+            return new.op.device
+    return state.devices[c]
+
+
 def clone_replicas(state):
     sel = state.selection
-    records = [(_first_id(state, rec), rec) for rec in state.ir_graph.apply_records]
-    records = [(fid, rec) for fid, rec in records if fid is not None]
-    records.sort(key=lambda x: x[0])
-    pending = list(records)
+    # A record whose apply ops are not copied (shared variables) is reduced last.
+    pending = sorted(((_first_id(state, rec), rec) for rec in state.ir_graph.apply_records),
+                     key=lambda x: x[0])
     for op in sel.ops:
         while pending and op._id >= pending[0][0]:  # pylint: disable=protected-access
             reduce_gradients(state, pending.pop(0)[1])
@@ -30,9 +47,8 @@ def clone_replicas(state):
             controls = [state.op(c, ci) for ci in op.control_inputs]
             attr = None
             if op.type == "VarHandleOp":
-                import tensorflow as tf
                 attr = {"shared_name": tf.AttrValue(s=state.clone_name(c, op.name).encode())}
-            new = clone_op(op, inputs, state.clone_name(c, op.name), state.devices[c],
+            new = clone_op(op, inputs, state.clone_name(c, op.name), _device_for(state, c, op, inputs),
                            controls, seed_offset=c, attr_overrides=attr)
             state.op_map[c][op] = new
             for old_t, new_t in zip(op.outputs, new.outputs):
@@ -44,7 +60,7 @@ def clone_replicas(state):
 def _first_id(state, record):
     ids = [op._id for op in state.selection.ops  # pylint: disable=protected-access
            if op._id in record.op_ids]  # pylint: disable=protected-access
-    return min(ids) if ids else None
+    return min(ids) if ids else float("inf")
 
 
 def join_clones(state):

@@ -54,7 +54,9 @@ def _is_shared_resource(op):
             and not any(_is_stateful_handle(i) for i in op.inputs))
 
 
-def select(ir_graph, taskgraph):
+def select(ir_graph, taskgraph, share_variables=False):
+    """The replica's ops.  With ``share_variables`` the clones of one worker read
+    the user's variables and only the user's apply ops update them, once."""
     graph = ir_graph.tf_graph
     initializers = set()
     for key in (tf.GraphKeys.GLOBAL_VARIABLES, tf.GraphKeys.LOCAL_VARIABLES):
@@ -68,6 +70,8 @@ def select(ir_graph, taskgraph):
         if op.type in SOURCE_OPS or op.type == "Placeholder" or op.type in _CHECKPOINT_OPS:
             return True
         if op in initializers or op in from_step or _is_shared_resource(op):
+            return True
+        if share_variables and (op.type in VARIABLE_OPS or ir_graph.phase_of(op) == ir.APPLY):
             return True
         return ir_graph.phase_of(op) in (ir.SAVE, ir.REWRITE)
 

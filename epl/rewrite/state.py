@@ -17,6 +17,7 @@ class ReplicaState(object):
         self.cluster = cluster
         self.config = config
         self.devices = [cluster.device(dev) for _, _, dev in layout.clones]
+        self.share_variables = share_variables(cluster, config)
         self.tensor_map = [dict() for _ in layout.clones]
         self.op_map = [dict() for _ in layout.clones]
         self.merged = {}          # fetched tensor name -> merged tensor
@@ -39,3 +40,15 @@ class ReplicaState(object):
     @staticmethod
     def clone_name(c, name):
         return "EPL_REPLICA_%d/%s" % (c, name)
+
+
+def share_variables(cluster, config):
+    """True when a worker's clones share one copy of each variable (``cluster.variable_copies``).
+
+    On CPU every virtual device of a worker lives in one address space, so one
+    copy and one update per worker is the fast choice; GPUs mirror.
+    """
+    mode = config.get("cluster.variable_copies")
+    if mode == "auto":
+        return cluster.device_type == "cpu"
+    return mode == "per_worker"

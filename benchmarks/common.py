@@ -1,0 +1,48 @@
+"""Helpers shared by the benchmarks: timing, tables, JSON output."""
+import json
+import os
+import time
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def median(xs):
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
+def time_calls(fn, repeats, warmup=2):
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def print_table(rows, columns, title=None):
+    if title:
+        print("\n" + title)
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths)))
+
+
+def _fmt(v):
+    if isinstance(v, float):
+        return "%.4g" % v
+    return "" if v is None else str(v)
+
+
+def write_json(name, records, path=None):
+    path = path or os.path.join(RESULTS, name + ".json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(records, f, indent=1)
+    print("wrote %s" % path)
+    return path
