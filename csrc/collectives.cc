@@ -1,0 +1,244 @@
+// Shared pieces of EPL's collectives: reductions, parallel loops, rendezvous.
+#include "collectives.h"
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+
+#include "tensorflow/core/common_runtime/dma_helper.h"
+#include "tensorflow/core/framework/register_types.h"
+#include "tensorflow/core/lib/core/errors.h"
+#include "tensorflow/core/lib/strings/strcat.h"
+#include "tensorflow/core/util/work_sharder.h"
+
+namespace epl {
+
+using tensorflow::errors::InvalidArgument;
+using tensorflow::strings::StrCat;
+
+Status ParseReduceOp(const string& name, ReduceOp* op) {
+  if (name == "sum") *op = ReduceOp::kSum;
+  else if (name == "mean") *op = ReduceOp::kMean;
+  else if (name == "max") *op = ReduceOp::kMax;
+  else if (name == "min") *op = ReduceOp::kMin;
+  else return InvalidArgument("reduce_op must be sum, mean, max or min; got '", name, "'");
+  return Status::OK();
+}
+
+namespace {
+
+template <typename T> struct Wide { using type = T; };
+template <> struct Wide<Eigen::half> { using type = float; };
+
+struct SumF { template <typename T> T operator()(T a, T b) const { return a + b; } };
+struct MaxF { template <typename T> T operator()(T a, T b) const { return a > b ? a : b; } };
+struct MinF { template <typename T> T operator()(T a, T b) const { return a < b ? a : b; } };
+
+// Reduce block by block so the output block stays in L1 while every input is
+// streamed once; up to four inputs per pass so the loop vectorizes.
+template <typename T, typename F>
+void ReduceTyped(const std::vector<const void*>& ins, void* out_v, int64 begin, int64 end,
+                 F f, bool mean) {
+  using W = typename Wide<T>::type;
+  const int n = static_cast<int>(ins.size());
+  T* __restrict out = static_cast<T*>(out_v);
+  const int64 kBlock = 4096;
+  for (int64 b = begin; b < end; b += kBlock) {
+    const int64 e = std::min(end, b + kBlock);
+    const T* a0 = static_cast<const T*>(ins[0]);
+    int k = 1;
+    if (n == 1) {
+      if (out != a0) std::memcpy(out + b, a0 + b, (e - b) * sizeof(T));
+    } else if (n >= 4) {
+      const T* a1 = static_cast<const T*>(ins[1]);
+      const T* a2 = static_cast<const T*>(ins[2]);
+      const T* a3 = static_cast<const T*>(ins[3]);
+      for (int64 i = b; i < e; ++i)
+        out[i] = T(f(f(W(a0[i]), W(a1[i])), f(W(a2[i]), W(a3[i]))));
+      k = 4;
+    } else {
+      const T* a1 = static_cast<const T*>(ins[1]);
+      for (int64 i = b; i < e; ++i) out[i] = T(f(W(a0[i]), W(a1[i])));
+      k = 2;
+    }
+    for (; k + 1 < n; k += 2) {
+      const T* x = static_cast<const T*>(ins[k]);
+      const T* y = static_cast<const T*>(ins[k + 1]);
+      for (int64 i = b; i < e; ++i) out[i] = T(f(W(out[i]), f(W(x[i]), W(y[i]))));
+    }
+    for (; k < n; ++k) {
+      const T* x = static_cast<const T*>(ins[k]);
+      for (int64 i = b; i < e; ++i) out[i] = T(f(W(out[i]), W(x[i])));
+    }
+    if (mean) {
+      const W d = static_cast<W>(n);
+      for (int64 i = b; i < e; ++i) out[i] = T(W(out[i]) / d);
+    }
+  }
+}
+
+template <typename T>
+void ReduceDispatch(ReduceOp op, const std::vector<const void*>& ins, void* out, int64 begin,
+                    int64 end) {
+  switch (op) {
+    case ReduceOp::kSum: ReduceTyped<T>(ins, out, begin, end, SumF(), false); break;
+    case ReduceOp::kMean: ReduceTyped<T>(ins, out, begin, end, SumF(), true); break;
+    case ReduceOp::kMax: ReduceTyped<T>(ins, out, begin, end, MaxF(), false); break;
+    case ReduceOp::kMin: ReduceTyped<T>(ins, out, begin, end, MinF(), false); break;
+  }
+}
+
+}  // namespace
+
+void ReduceRange(DataType dtype, ReduceOp op, const std::vector<const void*>& ins, void* out,
+                 int64 begin, int64 end) {
+  switch (dtype) {
+    case tensorflow::DT_HALF: ReduceDispatch<Eigen::half>(op, ins, out, begin, end); break;
+    case tensorflow::DT_FLOAT: ReduceDispatch<float>(op, ins, out, begin, end); break;
+    case tensorflow::DT_DOUBLE: ReduceDispatch<double>(op, ins, out, begin, end); break;
+    case tensorflow::DT_INT32: ReduceDispatch<tensorflow::int32>(op, ins, out, begin, end); break;
+    case tensorflow::DT_INT64: ReduceDispatch<tensorflow::int64>(op, ins, out, begin, end); break;
+    default: break;  // the op registrations admit only the types above
+  }
+}
+
+void ParallelFor(OpKernelContext* ctx, int64 total, int64 cost_per_unit,
+                 const std::function<void(int64, int64)>& fn) {
+  if (total <= 0) return;
+  auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+  tensorflow::Shard(workers->NumThreads(), workers, total, cost_per_unit, fn);
+}
+
+void ParallelCopy(OpKernelContext* ctx, void* dst, const void* src, int64 bytes) {
+  if (bytes <= 0 || dst == src) return;
+  const int64 kChunk = 1 << 20;
+  const int64 chunks = (bytes + kChunk - 1) / kChunk;
+  ParallelFor(ctx, chunks, 1 << 20, [&](int64 b, int64 e) {
+    const int64 lo = b * kChunk, hi = std::min(bytes, e * kChunk);
+    std::memcpy(static_cast<char*>(dst) + lo, static_cast<const char*>(src) + lo, hi - lo);
+  });
+}
+
+string DescribeMissing(const std::vector<bool>& seen) {
+  string s;
+  for (size_t r = 0; r < seen.size(); ++r) {
+    if (seen[r]) continue;
+    if (!s.empty()) s += ", ";
+    s += std::to_string(r);
+  }
+  return s;
+}
+
+InProcessRendezvous* InProcessRendezvous::Get() {
+  static InProcessRendezvous* instance = new InProcessRendezvous();
+  return instance;
+}
+
+InProcessRendezvous::InProcessRendezvous() {
+  std::thread([this] { Watchdog(); }).detach();
+}
+
+void InProcessRendezvous::FailAll(Entry* e, const Status& s) {
+  for (size_t r = 0; r < e->by_rank.size(); ++r) {
+    if (!e->seen[r]) continue;
+    e->by_rank[r].ctx->SetStatus(s);
+    e->by_rank[r].done();
+  }
+}
+
+void InProcessRendezvous::Arrive(const string& key, int size, int timeout_seconds,
+                                 const string& what, Arrival arrival, Complete complete) {
+  std::vector<Arrival> ready;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Entry& e = entries_[key];
+    if (e.size == 0) {
+      e.size = size;
+      e.what = what;
+      e.by_rank.resize(size);
+      e.seen.assign(size, false);
+      e.timeout_seconds = timeout_seconds;
+      e.deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_seconds);
+    }
+    Status bad;
+    if (size != e.size || what != e.what) {
+      bad = InvalidArgument("EPL collective group '", key, "': rank ", arrival.rank, " runs ",
+                            what, " over ", size, " ranks but another rank runs ", e.what,
+                            " over ", e.size, " ranks; every rank must build the same "
+                            "collective (same op, dtype, reduction and rank count).");
+    } else if (arrival.rank < 0 || arrival.rank >= size) {
+      bad = InvalidArgument("EPL collective group '", key, "': rank ", arrival.rank,
+                            " is outside [0, ", size, ").");
+    } else if (e.seen[arrival.rank]) {
+      bad = InvalidArgument("EPL collective group '", key, "': rank ", arrival.rank,
+                            " arrived twice; two ops claim the same rank.");
+    }
+    if (!bad.ok()) {
+      FailAll(&e, bad);
+      entries_.erase(key);
+      arrival.ctx->SetStatus(bad);
+      arrival.done();
+      return;
+    }
+    e.seen[arrival.rank] = true;
+    e.by_rank[arrival.rank] = std::move(arrival);
+    if (++e.arrived < e.size) return;
+    ready = std::move(e.by_rank);
+    entries_.erase(key);
+  }
+  complete(&ready);
+}
+
+void InProcessRendezvous::Watchdog() {
+  while (true) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::vector<Entry> expired;
+    std::vector<string> keys;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      const auto now = std::chrono::steady_clock::now();
+      for (auto it = entries_.begin(); it != entries_.end();) {
+        if (now > it->second.deadline) {
+          keys.push_back(it->first);
+          expired.push_back(std::move(it->second));
+          it = entries_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    for (size_t i = 0; i < expired.size(); ++i) {
+      Entry& e = expired[i];
+      FailAll(&e, tensorflow::errors::DeadlineExceeded(
+          "EPL ", e.what, " (group '", keys[i], "'): rank(s) ", DescribeMissing(e.seen), " of ",
+          e.size, " did not arrive within ", e.timeout_seconds,
+          " s (communication.timeout_seconds). Every replica must run the collective in the "
+          "same step: a fetch that runs only some replicas, or a worker that died, leaves the "
+          "others waiting."));
+    }
+  }
+}
+
+Status AllocateShared(OpKernelContext* ctx, const string& group, DataType dtype,
+                      const TensorShape& shape, Tensor* out) {
+  static std::mutex mu;
+  static std::map<string, Tensor>* cache = new std::map<string, Tensor>();
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache->find(group);
+    if (it != cache->end() && it->second.dtype() == dtype && it->second.shape() == shape &&
+        tensorflow::DMAHelper::buffer(&it->second) != nullptr &&
+        tensorflow::DMAHelper::buffer(&it->second)->RefCountIsOne()) {
+      *out = it->second;
+      return Status::OK();
+    }
+  }
+  TF_RETURN_IF_ERROR(ctx->allocate_temp(dtype, shape, out));
+  if (shape.num_elements() * tensorflow::DataTypeSize(dtype) >= (1 << 16)) {
+    std::lock_guard<std::mutex> lock(mu);
+    (*cache)[group] = *out;
+  }
+  return Status::OK();
+}
+
+}  // namespace epl

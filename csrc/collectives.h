@@ -1,0 +1,94 @@
+// EPL collectives: shared pieces (reduction kernels, rendezvous, timeouts).
+//
+// A collective is a group of op instances, one per rank, that share a
+// `group` attr.  Within one process the instances meet in a rendezvous keyed
+// by (group, generation): the k-th run of every rank's kernel meets the k-th
+// run of the others.  The last rank to arrive does the work (in parallel
+// chunks on the device's worker threads) and completes every rank.  Kernels
+// are asynchronous: no inter-op thread ever waits for a peer.
+#ifndef EPL_CSRC_COLLECTIVES_H_
+#define EPL_CSRC_COLLECTIVES_H_
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/tensor.h"
+
+namespace epl {
+
+using tensorflow::AsyncOpKernel;
+using tensorflow::DataType;
+using tensorflow::OpKernelContext;
+using tensorflow::Status;
+using tensorflow::Tensor;
+using tensorflow::TensorShape;
+using tensorflow::int64;
+using std::string;
+
+enum class ReduceOp { kSum, kMean, kMax, kMin };
+Status ParseReduceOp(const string& name, ReduceOp* op);
+
+// out[i] = reduce(ins[0][i], ..., ins[n-1][i]) for i in [begin, end).
+// `out` may alias ins[0].  Mean divides by ins.size().
+void ReduceRange(DataType dtype, ReduceOp op, const std::vector<const void*>& ins, void* out,
+                 int64 begin, int64 end);
+
+// Runs fn(begin, end) over [0, total) on the context's CPU worker threads.
+void ParallelFor(OpKernelContext* ctx, int64 total, int64 cost_per_unit,
+                 const std::function<void(int64, int64)>& fn);
+
+// Copies `bytes` from src to dst using several threads for large copies.
+void ParallelCopy(OpKernelContext* ctx, void* dst, const void* src, int64 bytes);
+
+struct Arrival {
+  int rank = 0;
+  OpKernelContext* ctx = nullptr;
+  AsyncOpKernel::DoneCallback done;
+  std::vector<Tensor> inputs;
+};
+
+// Meeting point of the ranks of one collective run within this process.
+class InProcessRendezvous {
+ public:
+  using Complete = std::function<void(std::vector<Arrival>* by_rank)>;
+  static InProcessRendezvous* Get();
+
+  // `what` describes the collective (op, dtype, reduction); all ranks must agree.
+  void Arrive(const string& key, int size, int timeout_seconds, const string& what,
+              Arrival arrival, Complete complete);
+
+ private:
+  struct Entry {
+    int size = 0;
+    int arrived = 0;
+    string what;
+    std::vector<Arrival> by_rank;
+    std::vector<bool> seen;
+    std::chrono::steady_clock::time_point deadline;
+    int timeout_seconds = 0;
+  };
+  InProcessRendezvous();
+  void Watchdog();
+  static void FailAll(Entry* e, const Status& s);
+
+  std::mutex mu_;
+  std::map<string, Entry> entries_;
+};
+
+// A reusable output buffer per collective group: a step's output is handed to
+// the ranks and, once every consumer dropped it, reused by the next step
+// (saves the page faults of a fresh large allocation every step).
+Status AllocateShared(OpKernelContext* ctx, const string& group, DataType dtype,
+                      const TensorShape& shape, Tensor* out);
+
+string DescribeMissing(const std::vector<bool>& seen);
+
+}  // namespace epl
+
+#endif  // EPL_CSRC_COLLECTIVES_H_

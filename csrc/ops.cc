@@ -1,0 +1,485 @@
+// EPL collective ops: registrations and kernels.
+//
+// Every op has attrs group (shared by the ranks of one collective), rank,
+// size, timeout_seconds and transport: "inprocess" (ranks are devices of this
+// process: rendezvous, zero-copy outputs) or "shm" (ranks are processes of
+// one host: see shm.cc).
+#include <algorithm>
+#include <cstring>
+
+#include "collectives.h"
+#include "shm.h"
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/lib/core/errors.h"
+#include "tensorflow/core/lib/strings/strcat.h"
+
+namespace epl {
+
+using tensorflow::DEVICE_CPU;
+using tensorflow::OpKernelConstruction;
+using tensorflow::errors::InvalidArgument;
+using tensorflow::shape_inference::InferenceContext;
+using tensorflow::shape_inference::ShapeHandle;
+using tensorflow::strings::StrCat;
+
+#define EPL_COMMON_ATTRS                                   \
+  Attr("T: {half, float, double, int32, int64}")           \
+      .Attr("group: string")                               \
+      .Attr("rank: int >= 0")                              \
+      .Attr("size: int >= 1")                              \
+      .Attr("timeout_seconds: int = 600")                  \
+      .Attr("transport: {'inprocess', 'shm'} = 'inprocess'")
+
+static Status FirstDimUnknown(InferenceContext* c) {
+  ShapeHandle in = c->input(0);
+  if (!c->RankKnown(in)) {
+    c->set_output(0, c->UnknownShape());
+    return Status::OK();
+  }
+  if (c->Rank(in) == 0) return InvalidArgument("EPL collective input must have rank >= 1");
+  ShapeHandle out;
+  TF_RETURN_IF_ERROR(c->ReplaceDim(in, 0, c->UnknownDim(), &out));
+  c->set_output(0, out);
+  return Status::OK();
+}
+
+REGISTER_OP("EplAllReduce")
+    .Input("input: T")
+    .Output("output: T")
+    .Attr("reduce_op: {'sum', 'mean', 'max', 'min'}")
+    .EPL_COMMON_ATTRS
+    .SetIsStateful()
+    .SetShapeFn(tensorflow::shape_inference::UnchangedShape);
+
+REGISTER_OP("EplAllGather")
+    .Input("input: T")
+    .Output("output: T")
+    .Output("sizes: int64")
+    .EPL_COMMON_ATTRS
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(FirstDimUnknown(c));
+      int size;
+      TF_RETURN_IF_ERROR(c->GetAttr("size", &size));
+      c->set_output(1, c->Vector(size));
+      return Status::OK();
+    });
+
+REGISTER_OP("EplReduceScatter")
+    .Input("input: T")
+    .Output("output: T")
+    .Attr("reduce_op: {'sum', 'mean', 'max', 'min'}")
+    .EPL_COMMON_ATTRS
+    .SetIsStateful()
+    .SetShapeFn(FirstDimUnknown);
+
+REGISTER_OP("EplBroadcast")
+    .Input("input: T")
+    .Output("output: T")
+    .Attr("root: int >= 0")
+    .EPL_COMMON_ATTRS
+    .SetIsStateful()
+    .SetShapeFn(tensorflow::shape_inference::UnchangedShape);
+
+REGISTER_OP("EplReduce")
+    .Input("input: T")
+    .Output("output: T")
+    .Attr("root: int >= 0")
+    .Attr("reduce_op: {'sum', 'mean', 'max', 'min'}")
+    .EPL_COMMON_ATTRS
+    .SetIsStateful()
+    .SetShapeFn(tensorflow::shape_inference::UnchangedShape);
+
+REGISTER_OP("EplAllToAll")
+    .Input("input: T")
+    .Input("split_sizes: int64")
+    .Output("output: T")
+    .Output("recv_sizes: int64")
+    .EPL_COMMON_ATTRS
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(FirstDimUnknown(c));
+      int size;
+      TF_RETURN_IF_ERROR(c->GetAttr("size", &size));
+      c->set_output(1, c->Vector(size));
+      return Status::OK();
+    });
+
+namespace {
+
+int64 RowBytes(const Tensor& t) {
+  if (t.dims() == 0 || t.dim_size(0) == 0) {
+    int64 inner = 1;
+    for (int d = 1; d < t.dims(); ++d) inner *= t.dim_size(d);
+    return inner * tensorflow::DataTypeSize(t.dtype());
+  }
+  return t.TotalBytes() / t.dim_size(0);
+}
+
+TensorShape WithFirstDim(const TensorShape& s, int64 rows) {
+  TensorShape out = s;
+  out.set_dim(0, rows);
+  return out;
+}
+
+Status SameInnerShape(const std::vector<Arrival>& all, const char* what) {
+  const Tensor& a = all[0].inputs[0];
+  for (size_t r = 1; r < all.size(); ++r) {
+    const Tensor& b = all[r].inputs[0];
+    bool ok = a.dims() == b.dims() && a.dims() >= 1;
+    for (int d = 1; ok && d < a.dims(); ++d) ok = a.dim_size(d) == b.dim_size(d);
+    if (!ok)
+      return InvalidArgument("EPL ", what, ": rank ", r, " has shape ", b.shape().DebugString(),
+                             " but rank 0 has ", a.shape().DebugString(),
+                             "; all dimensions but the first must match.");
+  }
+  return Status::OK();
+}
+
+Status SameShape(const std::vector<Arrival>& all, const char* what) {
+  for (size_t r = 1; r < all.size(); ++r)
+    if (all[r].inputs[0].shape() != all[0].inputs[0].shape())
+      return InvalidArgument("EPL ", what, ": rank ", r, " has shape ",
+                             all[r].inputs[0].shape().DebugString(), " but rank 0 has ",
+                             all[0].inputs[0].shape().DebugString(), "; shapes must match.");
+  return Status::OK();
+}
+
+void FinishAll(std::vector<Arrival>* all, const Status& s) {
+  for (auto& a : *all) {
+    if (!s.ok()) a.ctx->SetStatus(s);
+    a.done();
+  }
+}
+
+// Rows of rank r when `rows` are split over `n` ranks like numpy.array_split.
+void SplitRows(int64 rows, int n, int r, int64* start, int64* count) {
+  const int64 base = rows / n, extra = rows % n;
+  *count = base + (r < extra ? 1 : 0);
+  *start = r * base + std::min<int64>(r, extra);
+}
+
+class CollectiveKernel : public AsyncOpKernel {
+ public:
+  explicit CollectiveKernel(OpKernelConstruction* c) : AsyncOpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("group", &group_));
+    OP_REQUIRES_OK(c, c->GetAttr("rank", &rank_));
+    OP_REQUIRES_OK(c, c->GetAttr("size", &size_));
+    OP_REQUIRES_OK(c, c->GetAttr("timeout_seconds", &timeout_));
+    OP_REQUIRES_OK(c, c->GetAttr("transport", &transport_));
+    OP_REQUIRES_OK(c, c->GetAttr("T", &dtype_));
+    OP_REQUIRES(c, rank_ < size_,
+                InvalidArgument("EPL collective '", group_, "': rank ", rank_,
+                                " is not below size ", size_));
+  }
+
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    const int64 gen = generation_.fetch_add(1);
+    if (transport_ == "shm") {
+      RunShm(ctx, gen, std::move(done));
+      return;
+    }
+    Arrival a;
+    a.rank = rank_;
+    a.ctx = ctx;
+    a.done = std::move(done);
+    for (int i = 0; i < ctx->num_inputs(); ++i) a.inputs.push_back(ctx->input(i));
+    InProcessRendezvous::Get()->Arrive(
+        StrCat(group_, "#", gen), size_, timeout_, Describe(), std::move(a),
+        [this](std::vector<Arrival>* all) { Complete(all); });
+  }
+
+ protected:
+  virtual string Describe() const = 0;
+  // Called once per run, by the last rank to arrive; (*all)[r] is rank r.
+  virtual void Complete(std::vector<Arrival>* all) = 0;
+  virtual void RunShm(OpKernelContext* ctx, int64 gen, DoneCallback done) {
+    ctx->SetStatus(tensorflow::errors::Unimplemented(Describe(), " has no shm transport"));
+    done();
+  }
+  ShmArgs MakeShmArgs(int64 gen) const {
+    ShmArgs a;
+    a.group = group_;
+    a.generation = gen;
+    a.rank = rank_;
+    a.size = size_;
+    a.timeout_seconds = timeout_;
+    a.what = Describe();
+    return a;
+  }
+
+  string group_, transport_;
+  int rank_ = 0, size_ = 1, timeout_ = 600;
+  DataType dtype_;
+  std::atomic<int64> generation_{0};
+};
+
+class AllReduceOp : public CollectiveKernel {
+ public:
+  explicit AllReduceOp(OpKernelConstruction* c) : CollectiveKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &op_name_));
+    OP_REQUIRES_OK(c, ParseReduceOp(op_name_, &op_));
+  }
+
+ protected:
+  string Describe() const override {
+    return StrCat("all_reduce(", op_name_, ", ", tensorflow::DataTypeString(dtype_), ")");
+  }
+  void Complete(std::vector<Arrival>* all) override {
+    Status s = SameShape(*all, "all_reduce");
+    Tensor out;
+    OpKernelContext* ctx = all->back().ctx;
+    const Tensor& in0 = (*all)[0].inputs[0];
+    if (s.ok()) s = AllocateShared(ctx, group_, in0.dtype(), in0.shape(), &out);
+    if (s.ok()) {
+      std::vector<const void*> ins;
+      for (auto& a : *all) ins.push_back(a.inputs[0].tensor_data().data());
+      void* dst = const_cast<char*>(out.tensor_data().data());
+      ParallelFor(ctx, in0.NumElements(), 4 * static_cast<int64>(all->size()),
+                  [&](int64 b, int64 e) { ReduceRange(in0.dtype(), op_, ins, dst, b, e); });
+      for (auto& a : *all) a.ctx->set_output(0, out);
+    }
+    FinishAll(all, s);
+  }
+  void RunShm(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
+    ShmAllReduce(MakeShmArgs(gen), op_, ctx, std::move(done));
+  }
+
+ private:
+  string op_name_;
+  ReduceOp op_;
+};
+
+class AllGatherOp : public CollectiveKernel {
+ public:
+  using CollectiveKernel::CollectiveKernel;
+
+ protected:
+  string Describe() const override {
+    return StrCat("all_gather(", tensorflow::DataTypeString(dtype_), ")");
+  }
+  void Complete(std::vector<Arrival>* all) override {
+    Status s = SameInnerShape(*all, "all_gather");
+    OpKernelContext* ctx = all->back().ctx;
+    Tensor out, sizes;
+    int64 rows = 0;
+    if (s.ok()) {
+      for (auto& a : *all) rows += a.inputs[0].dim_size(0);
+      s = AllocateShared(ctx, group_, dtype_, WithFirstDim((*all)[0].inputs[0].shape(), rows),
+                         &out);
+    }
+    if (s.ok()) s = ctx->allocate_temp(tensorflow::DT_INT64, TensorShape({size_}), &sizes);
+    if (s.ok()) {
+      char* dst = const_cast<char*>(out.tensor_data().data());
+      for (auto& a : *all) {
+        const auto src = a.inputs[0].tensor_data();
+        ParallelCopy(ctx, dst, src.data(), src.size());
+        dst += src.size();
+      }
+      auto sz = sizes.vec<int64>();
+      for (int r = 0; r < size_; ++r) sz(r) = (*all)[r].inputs[0].dim_size(0);
+      for (auto& a : *all) {
+        a.ctx->set_output(0, out);
+        a.ctx->set_output(1, sizes);
+      }
+    }
+    FinishAll(all, s);
+  }
+  void RunShm(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
+    ShmAllGather(MakeShmArgs(gen), ctx, std::move(done));
+  }
+};
+
+class ReduceScatterOp : public CollectiveKernel {
+ public:
+  explicit ReduceScatterOp(OpKernelConstruction* c) : CollectiveKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &op_name_));
+    OP_REQUIRES_OK(c, ParseReduceOp(op_name_, &op_));
+  }
+
+ protected:
+  string Describe() const override {
+    return StrCat("reduce_scatter(", op_name_, ", ", tensorflow::DataTypeString(dtype_), ")");
+  }
+  void Complete(std::vector<Arrival>* all) override {
+    Status s = SameShape(*all, "reduce_scatter");
+    const Tensor& in0 = (*all)[0].inputs[0];
+    if (s.ok() && in0.dims() == 0) s = InvalidArgument("reduce_scatter needs rank >= 1");
+    std::vector<const void*> ins;
+    for (auto& a : *all) ins.push_back(a.inputs[0].tensor_data().data());
+    const int64 row_elems = s.ok() ? RowBytes(in0) / tensorflow::DataTypeSize(dtype_) : 0;
+    for (int r = 0; s.ok() && r < size_; ++r) {
+      int64 start, count;
+      SplitRows(in0.dim_size(0), size_, r, &start, &count);
+      Tensor out;
+      s = (*all)[r].ctx->allocate_temp(dtype_, WithFirstDim(in0.shape(), count), &out);
+      if (!s.ok()) break;
+      std::vector<const void*> shifted;
+      const int64 off = start * row_elems * tensorflow::DataTypeSize(dtype_);
+      for (auto p : ins) shifted.push_back(static_cast<const char*>(p) + off);
+      void* dst = const_cast<char*>(out.tensor_data().data());
+      ParallelFor((*all)[r].ctx, count * row_elems, 4 * size_, [&](int64 b, int64 e) {
+        ReduceRange(dtype_, op_, shifted, dst, b, e);
+      });
+      (*all)[r].ctx->set_output(0, out);
+    }
+    FinishAll(all, s);
+  }
+  void RunShm(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
+    ShmReduceScatter(MakeShmArgs(gen), op_, ctx, std::move(done));
+  }
+
+ private:
+  string op_name_;
+  ReduceOp op_;
+};
+
+class BroadcastOp : public CollectiveKernel {
+ public:
+  explicit BroadcastOp(OpKernelConstruction* c) : CollectiveKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("root", &root_));
+    OP_REQUIRES(c, root_ < size_, InvalidArgument("broadcast root ", root_, " >= size ", size_));
+  }
+
+ protected:
+  string Describe() const override {
+    return StrCat("broadcast(root=", root_, ", ", tensorflow::DataTypeString(dtype_), ")");
+  }
+  void Complete(std::vector<Arrival>* all) override {
+    Status s = SameShape(*all, "broadcast");
+    if (s.ok())  // every rank shares the root's (immutable) buffer: no copy
+      for (auto& a : *all) a.ctx->set_output(0, (*all)[root_].inputs[0]);
+    FinishAll(all, s);
+  }
+  void RunShm(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
+    ShmBroadcast(MakeShmArgs(gen), root_, ctx, std::move(done));
+  }
+
+ private:
+  int root_ = 0;
+};
+
+class ReduceOpKernel : public CollectiveKernel {
+ public:
+  explicit ReduceOpKernel(OpKernelConstruction* c) : CollectiveKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("root", &root_));
+    OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &op_name_));
+    OP_REQUIRES_OK(c, ParseReduceOp(op_name_, &op_));
+    OP_REQUIRES(c, root_ < size_, InvalidArgument("reduce root ", root_, " >= size ", size_));
+  }
+
+ protected:
+  string Describe() const override {
+    return StrCat("reduce(root=", root_, ", ", op_name_, ", ",
+                  tensorflow::DataTypeString(dtype_), ")");
+  }
+  void Complete(std::vector<Arrival>* all) override {
+    Status s = SameShape(*all, "reduce");
+    const Tensor& in0 = (*all)[0].inputs[0];
+    Tensor out, zeros;
+    OpKernelContext* root_ctx = (*all)[root_].ctx;
+    if (s.ok()) s = root_ctx->allocate_temp(dtype_, in0.shape(), &out);
+    if (s.ok() && size_ > 1) s = root_ctx->allocate_temp(dtype_, in0.shape(), &zeros);
+    if (s.ok()) {
+      std::vector<const void*> ins;
+      for (auto& a : *all) ins.push_back(a.inputs[0].tensor_data().data());
+      void* dst = const_cast<char*>(out.tensor_data().data());
+      ParallelFor(root_ctx, in0.NumElements(), 4 * size_,
+                  [&](int64 b, int64 e) { ReduceRange(dtype_, op_, ins, dst, b, e); });
+      if (size_ > 1) std::memset(const_cast<char*>(zeros.tensor_data().data()), 0, zeros.TotalBytes());
+      for (int r = 0; r < size_; ++r) (*all)[r].ctx->set_output(0, r == root_ ? out : zeros);
+    }
+    FinishAll(all, s);
+  }
+  void RunShm(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
+    ShmReduce(MakeShmArgs(gen), root_, op_, ctx, std::move(done));
+  }
+
+ private:
+  int root_ = 0;
+  string op_name_;
+  ReduceOp op_;
+};
+
+// Rows rank `src` sends to each rank, from its split_sizes input (empty: equal split).
+Status SendCounts(const Tensor& x, const Tensor& splits, int size, int src,
+                  std::vector<int64>* counts) {
+  const int64 rows = x.dims() ? x.dim_size(0) : 0;
+  counts->assign(size, 0);
+  if (splits.NumElements() == 0) {
+    if (rows % size)
+      return InvalidArgument("EPL all_to_all: rank ", src, " has ", rows,
+                             " rows, which do not split evenly over ", size,
+                             " ranks; pass explicit split sizes.");
+    for (int r = 0; r < size; ++r) (*counts)[r] = rows / size;
+    return Status::OK();
+  }
+  if (splits.NumElements() != size)
+    return InvalidArgument("EPL all_to_all: rank ", src, " gave ", splits.NumElements(),
+                           " split sizes for ", size, " ranks.");
+  int64 total = 0;
+  for (int r = 0; r < size; ++r) {
+    (*counts)[r] = splits.vec<int64>()(r);
+    if ((*counts)[r] < 0) return InvalidArgument("EPL all_to_all: negative split size");
+    total += (*counts)[r];
+  }
+  if (total != rows)
+    return InvalidArgument("EPL all_to_all: rank ", src, "'s split sizes add up to ", total,
+                           " but its input has ", rows, " rows.");
+  return Status::OK();
+}
+
+class AllToAllOp : public CollectiveKernel {
+ public:
+  using CollectiveKernel::CollectiveKernel;
+
+ protected:
+  string Describe() const override {
+    return StrCat("all_to_all(", tensorflow::DataTypeString(dtype_), ")");
+  }
+  void Complete(std::vector<Arrival>* all) override {
+    Status s = SameInnerShape(*all, "all_to_all");
+    std::vector<std::vector<int64>> counts(size_);
+    for (int src = 0; s.ok() && src < size_; ++src)
+      s = SendCounts((*all)[src].inputs[0], (*all)[src].inputs[1], size_, src, &counts[src]);
+    for (int dst = 0; s.ok() && dst < size_; ++dst) {
+      int64 rows = 0;
+      for (int src = 0; src < size_; ++src) rows += counts[src][dst];
+      OpKernelContext* ctx = (*all)[dst].ctx;
+      Tensor out, recv;
+      s = ctx->allocate_temp(dtype_, WithFirstDim((*all)[0].inputs[0].shape(), rows), &out);
+      if (s.ok()) s = ctx->allocate_temp(tensorflow::DT_INT64, TensorShape({size_}), &recv);
+      if (!s.ok()) break;
+      char* p = const_cast<char*>(out.tensor_data().data());
+      for (int src = 0; src < size_; ++src) {
+        const Tensor& x = (*all)[src].inputs[0];
+        const int64 rb = RowBytes(x);
+        int64 offset = 0;
+        for (int r = 0; r < dst; ++r) offset += counts[src][r];
+        const int64 bytes = counts[src][dst] * rb;
+        ParallelCopy(ctx, p, x.tensor_data().data() + offset * rb, bytes);
+        p += bytes;
+        recv.vec<int64>()(src) = counts[src][dst];
+      }
+      ctx->set_output(0, out);
+      ctx->set_output(1, recv);
+    }
+    FinishAll(all, s);
+  }
+  void RunShm(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
+    ShmAllToAll(MakeShmArgs(gen), ctx, std::move(done));
+  }
+};
+
+}  // namespace
+
+REGISTER_KERNEL_BUILDER(Name("EplAllReduce").Device(DEVICE_CPU), AllReduceOp);
+REGISTER_KERNEL_BUILDER(Name("EplAllGather").Device(DEVICE_CPU), AllGatherOp);
+REGISTER_KERNEL_BUILDER(Name("EplReduceScatter").Device(DEVICE_CPU), ReduceScatterOp);
+REGISTER_KERNEL_BUILDER(Name("EplBroadcast").Device(DEVICE_CPU), BroadcastOp);
+REGISTER_KERNEL_BUILDER(Name("EplReduce").Device(DEVICE_CPU), ReduceOpKernel);
+REGISTER_KERNEL_BUILDER(Name("EplAllToAll").Device(DEVICE_CPU), AllToAllOp);
+
+}  // namespace epl

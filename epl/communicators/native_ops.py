@@ -1,0 +1,118 @@
+"""Thin wrappers over the C++ collective ops (csrc/), with their gradients.
+
+Each function builds the op of ONE rank; the ranks of a collective share the
+``group`` string.  Gradients pair all-reduce with all-reduce, all-gather with
+reduce-scatter (here: all-reduce + own slice, which also handles unequal
+sizes), broadcast with reduce, and all-to-all with all-to-all.
+"""
+import tensorflow as tf
+from tensorflow.python.framework import ops
+
+from epl import native
+
+DTYPES = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
+
+
+def _common(group, rank, size, timeout_seconds, transport):
+    return dict(group=group, rank=rank, size=size, timeout_seconds=int(timeout_seconds),
+                transport=transport)
+
+
+def all_reduce(x, group, rank, size, reduce_op="sum", timeout_seconds=600,
+               transport="inprocess", name=None):
+    return native.ops().epl_all_reduce(x, reduce_op=reduce_op, name=name,
+                                       **_common(group, rank, size, timeout_seconds, transport))
+
+
+def all_gather(x, group, rank, size, timeout_seconds=600, transport="inprocess", name=None):
+    """Concatenation of every rank's ``x`` along axis 0 (sizes may differ)."""
+    out, _ = native.ops().epl_all_gather(x, name=name,
+                                         **_common(group, rank, size, timeout_seconds, transport))
+    return out
+
+
+def reduce_scatter(x, group, rank, size, reduce_op="sum", timeout_seconds=600,
+                   transport="inprocess", name=None):
+    """This rank's rows of the reduction, rows split like numpy.array_split."""
+    return native.ops().epl_reduce_scatter(x, reduce_op=reduce_op, name=name,
+                                           **_common(group, rank, size, timeout_seconds,
+                                                     transport))
+
+
+def broadcast(x, group, rank, size, root=0, timeout_seconds=600, transport="inprocess",
+              name=None):
+    return native.ops().epl_broadcast(x, root=root, name=name,
+                                      **_common(group, rank, size, timeout_seconds, transport))
+
+
+def reduce(x, group, rank, size, root=0, reduce_op="sum", timeout_seconds=600,
+           transport="inprocess", name=None):
+    """The reduction on ``root``; zeros on the other ranks."""
+    return native.ops().epl_reduce(x, root=root, reduce_op=reduce_op, name=name,
+                                   **_common(group, rank, size, timeout_seconds, transport))
+
+
+def all_to_all(x, group, rank, size, split_sizes=None, timeout_seconds=600,
+               transport="inprocess", name=None):
+    """Rank r sends rows ``split_sizes[j]`` to rank j; returns (received rows, recv sizes)."""
+    if split_sizes is None:
+        split_sizes = tf.zeros([0], tf.int64)
+    split_sizes = tf.cast(split_sizes, tf.int64)
+    return native.ops().epl_all_to_all(x, split_sizes, name=name,
+                                       **_common(group, rank, size, timeout_seconds, transport))
+
+
+def _attrs(op):
+    return dict(group=op.get_attr("group").decode() + "/grad", rank=op.get_attr("rank"),
+                size=op.get_attr("size"), timeout_seconds=op.get_attr("timeout_seconds"),
+                transport=op.get_attr("transport").decode())
+
+
+@ops.RegisterGradient("EplAllReduce")
+def _all_reduce_grad(op, grad):
+    how = op.get_attr("reduce_op").decode()
+    if how not in ("sum", "mean"):
+        return [None]
+    return [native.ops().epl_all_reduce(grad, reduce_op=how, **_attrs(op))]
+
+
+@ops.RegisterGradient("EplAllGather")
+def _all_gather_grad(op, grad, _):
+    total = native.ops().epl_all_reduce(grad, reduce_op="sum", **_attrs(op))
+    sizes = op.outputs[1]
+    rank = op.get_attr("rank")
+    start = tf.reduce_sum(sizes[:rank])
+    return [total[start:start + sizes[rank]]]
+
+
+@ops.RegisterGradient("EplReduceScatter")
+def _reduce_scatter_grad(op, grad):
+    if op.get_attr("reduce_op").decode() not in ("sum", "mean"):
+        return [None]
+    out, _ = native.ops().epl_all_gather(grad, **_attrs(op))
+    if op.get_attr("reduce_op").decode() == "mean":
+        out = out / tf.cast(op.get_attr("size"), out.dtype)
+    return [out]
+
+
+@ops.RegisterGradient("EplBroadcast")
+def _broadcast_grad(op, grad):
+    return [native.ops().epl_reduce(grad, root=op.get_attr("root"), reduce_op="sum",
+                                    **_attrs(op))]
+
+
+@ops.RegisterGradient("EplReduce")
+def _reduce_grad(op, grad):
+    how = op.get_attr("reduce_op").decode()
+    if how not in ("sum", "mean"):
+        return [None]
+    out = native.ops().epl_broadcast(grad, root=op.get_attr("root"), **_attrs(op))
+    if how == "mean":
+        out = out / tf.cast(op.get_attr("size"), out.dtype)
+    return [out]
+
+
+@ops.RegisterGradient("EplAllToAll")
+def _all_to_all_grad(op, grad, _):
+    back, _ = native.ops().epl_all_to_all(grad, op.outputs[1], **_attrs(op))
+    return [back, None]
