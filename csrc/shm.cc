@@ -102,9 +102,12 @@ class Group {
         std::chrono::steady_clock::now() + std::chrono::seconds(a.timeout_seconds);
     for (int k = 0; k < size_; ++k) {
       int spins = 0;
+      int64 sleep_us = 1;
       while (c[k].v.load(std::memory_order_acquire) < target) {
-        if (++spins < 256) continue;
-        if (spins < 4096) {
+        // Spin briefly (a peer on another core answers within microseconds),
+        // then back off so waiting threads leave the cores to the peers.
+        if (++spins < 128) continue;
+        if (spins < 160) {
           sched_yield();
           continue;
         }
@@ -117,7 +120,8 @@ class Group {
                                   " s (communication.timeout_seconds): a worker died, or ran a "
                                   "different step.");
         }
-        usleep(20);
+        usleep(sleep_us);
+        sleep_us = std::min<int64>(sleep_us * 2, 500);
       }
     }
     return Status::OK();

@@ -1,0 +1,86 @@
+"""One rank of the cross-process collective test (run by test_collectives_xproc.py).
+
+Builds every case of CASES with transport="shm" and saves the results to an .npz.
+"""
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+from epl.communicators import native_ops as C
+
+DTYPES = ["float16", "float32", "float64", "int32", "int64"]
+SHAPES = [(0,), (1,), (7, 3), ((2 << 20) + 5,)]     # the last spans several 4 MiB chunks
+
+
+def _pattern(n, rank, seed):
+    return (np.arange(n, dtype=np.int64) * (7 + 3 * rank) + seed) % 101 - 50
+
+
+def inputs(rank, shape, dtype, seed):
+    """Small integers: exact in every dtype, and cheap to build in TF (no big constants)."""
+    return _pattern(int(np.prod(shape)), rank, seed).reshape(shape).astype(dtype)
+
+
+def tf_inputs(rank, shape, dtype, seed):
+    n = int(np.prod(shape))
+    x = (tf.range(n, dtype=tf.int64) * (7 + 3 * rank) + seed) % 101 - 50
+    return tf.cast(tf.reshape(x, shape), dtype)
+
+
+def cases(size):
+    for i, (dtype, shape) in enumerate((d, s) for d in DTYPES for s in SHAPES):
+        yield "all_reduce_sum_%d" % i, "all_reduce", dtype, shape, i
+        yield "all_reduce_max_%d" % i, "all_reduce_max", dtype, shape, i
+    for i, dtype in enumerate(DTYPES):
+        yield "all_gather_%d" % i, "all_gather", dtype, None, 100 + i
+        yield "reduce_scatter_%d" % i, "reduce_scatter", dtype, (7, 2), 200 + i
+        yield "broadcast_%d" % i, "broadcast", dtype, (5,), 300 + i
+        yield "reduce_%d" % i, "reduce", dtype, (5,), 400 + i
+        yield "all_to_all_%d" % i, "all_to_all", dtype, (2 * size, 3), 500 + i
+        yield "all_to_all_split_%d" % i, "all_to_all_split", dtype, (5, 3), 600 + i
+
+
+def build(kind, x, group, rank, size):
+    if kind == "all_reduce":
+        return C.all_reduce(x, group, rank, size, "sum", transport="shm")
+    if kind == "all_reduce_max":
+        return C.all_reduce(x, group, rank, size, "max", transport="shm")
+    if kind == "all_gather":
+        return C.all_gather(x, group, rank, size, transport="shm")
+    if kind == "reduce_scatter":
+        return C.reduce_scatter(x, group, rank, size, "sum", transport="shm")
+    if kind == "broadcast":
+        return C.broadcast(x, group, rank, size, root=size - 1, transport="shm")
+    if kind == "reduce":
+        return C.reduce(x, group, rank, size, root=0, transport="shm")
+    if kind == "all_to_all":
+        return C.all_to_all(x, group, rank, size, transport="shm")[0]
+    splits = split_sizes(rank, size)
+    return C.all_to_all(x, group, rank, size, splits, transport="shm")[0]
+
+
+def split_sizes(rank, size):
+    return np.random.RandomState(rank).multinomial(5, [1.0 / size] * size)
+
+
+def gather_rows(rank):
+    return 2 * rank + (rank % 2)
+
+
+def main():
+    rank, size, job, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    names, fetches = [], []
+    for name, kind, dtype, shape, seed in cases(size):
+        if kind == "all_gather":
+            shape = (gather_rows(rank), 3)
+        x = tf_inputs(rank, shape, dtype, seed)
+        names.append(name)
+        fetches.append(build(kind, x, "%s/%s" % (job, name), rank, size))
+    with tf.Session() as sess:
+        results = sess.run(fetches)
+    np.savez(out, **dict(zip(names, results)))
+
+
+if __name__ == "__main__":
+    main()
