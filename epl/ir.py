@@ -36,6 +36,7 @@ class ApplyRecord(object):
         self.global_step = global_step
         self.result = None                    # the op apply_gradients returned
         self.op_ids = range(0)                # ids of the ops it created
+        self.computed = None                  # the compute_gradients result it came from
 
 
 class Graph(object):
@@ -48,6 +49,7 @@ class Graph(object):
         self.op_taskgraph = {}    # op name -> TaskGraph or None
         self.op_phase = {}        # op name -> phase
         self.apply_records = []
+        self.compute_records = []  # results of Optimizer.compute_gradients, in call order
         self.rewritten = False
         self.rewrite_result = None
 

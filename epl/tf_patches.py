@@ -8,8 +8,9 @@ Patch points (all installed by :func:`install`, idempotent):
    forward op; ops made inside are that op's backward ops.
 3. ``gradients_util._GradientsHelper``: the whole tf.gradients call is the
    backward phase (ops not tied to one forward op go to the loss's TaskGraph).
-4. ``optimizer.Optimizer.apply_gradients``: the apply phase; records the
-   (grad, var) pairs the rewriter reduces, and densifies sparse gradients when
+4. ``optimizer.Optimizer.compute_gradients`` / ``apply_gradients``: the apply
+   phase; records the (grad, var) pairs the rewriter reduces (as computed, and
+   as applied), and densifies sparse gradients when
    ``communication.sparse_as_dense`` is set.
 5. ``saver.Saver.build``: save/restore ops; ``saver.Saver.save`` writes only on
    the chief.
@@ -154,8 +155,21 @@ def _apply_gradients(self, grads_and_vars, global_step=None, name=None):
     finally:
         c.apply.pop()
     record.op_ids = range(first_id, graph._last_id + 1)  # pylint: disable=protected-access
+    for computed in reversed(epl_graph.compute_records):
+        if set(id(v) for g, v in computed if g is not None) == \
+                set(id(v) for g, v in grads_and_vars if g is not None):
+            record.computed = [(g, v) for g, v in computed if g is not None]
+            break
     record.result = result
     epl_graph.apply_records.append(record)
+    return result
+
+
+def _compute_gradients(self, *args, **kwargs):
+    result = _originals["compute_gradients"](self, *args, **kwargs)
+    from epl.env import Env
+    if Env.initialized() and result:
+        ir.Graph.get(result[0][1].graph).compute_records.append(list(result))
     return result
 
 
@@ -199,6 +213,7 @@ _PATCHES = [
     ("create_op_helper", ops.Graph, "_create_op_helper", _create_op_helper),
     ("maybe_colocate_with", gradients_util, "_maybe_colocate_with", _maybe_colocate_with),
     ("gradients_helper", gradients_util, "_GradientsHelper", _gradients_helper),
+    ("compute_gradients", tf_optimizer.Optimizer, "compute_gradients", _compute_gradients),
     ("apply_gradients", tf_optimizer.Optimizer, "apply_gradients", _apply_gradients),
     ("saver_build", tf_saver.Saver, "build", _saver_build),
     ("saver_save", tf_saver.Saver, "save", _saver_save),

@@ -1,6 +1,8 @@
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# A collective whose peers never come fails fast in tests instead of after 10 minutes.
+os.environ.setdefault("EPL_COMMUNICATION_TIMEOUT_SECONDS", "60")
 
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402

@@ -1,57 +1,119 @@
 """GradientAggregationPass: reduce each apply_gradients call's gradients across clones.
 
-Dense gradients are all-reduced (``communication.gradients_reduce_method``:
-mean or sum); ``IndexedSlices`` gradients are all-gathered (values and
-indices), which is their sum, and scaled for the mean.  With variables shared
-per worker only the user's (rank 0's) apply ops consume the result.  Every clone's updates
-then wait for all of its reduced gradients, so no update overtakes a
-gradient computation that still reads the old weights (ref variables).
+Dense gradients are fused (``fusion.py``) into at most
+``communication.max_splits`` buffers per dtype, in the order backprop
+produces them so the first buffer's all-reduce overlaps the rest of the
+backward pass; buffers are spread over ``communication.num_communicators``
+communicators (buffers of one communicator run in order, different
+communicators concurrently).  ``communication.fp16`` sends float32 buffers as
+float16, multiplied by ``fp16_scale`` before and divided after.
+``IndexedSlices`` gradients are all-gathered (values and indices: their sum)
+and scaled for the mean.  With ``communication.clip_after_allreduce`` the
+gradients are reduced where ``compute_gradients`` returns them, so the user's
+clipping between compute and apply sees the reduced gradients.
+
+Every clone's updates wait for all of its reduced gradients, so no update
+overtakes a gradient computation still reading the old weights (ref variables).
 """
 import tensorflow as tf
 
 from epl import communicators
+from epl.rewrite import fusion
 from epl.rewrite.cloner import new_ops
 
 
+def targets(state, record):
+    """The (grad, var) pairs to reduce for ``record`` and the ops that read them."""
+    if state.config.get("communication.clip_after_allreduce") and record.computed is not None:
+        return record.computed
+    return [(g, v) for g, v in record.grads_and_vars if g is not None]
+
+
 def reduce_gradients(state, record):
-    method = state.config.get("communication.gradients_reduce_method")
+    cfg = state.config
+    method = cfg.get("communication.gradients_reduce_method")
     n = state.num_clones
-    # With shared variables only the user's apply ops run: they need rank 0's result.
-    users = 1 if state.share_variables else n
+    users = 1 if state.share_variables else n  # shared variables: only rank 0's result is read
     index = state.ir_graph.apply_records.index(record)
-    comm = communicators.create(state.devices, name="EPL_GRADIENTS_%d" % index)
-    reduced_per_clone = [[] for _ in range(users)]
+    name = "EPL_GRADIENTS_%d" % index
+    pairs = targets(state, record)
+    record.reduced_tensors = set()
+    reduced = [[] for _ in range(n)]   # every rank's reduced tensors (all must run)
+    installs = []
     with new_ops(state.graph):
-        for g, _ in record.grads_and_vars:
-            if g is None:
-                continue
+        comms = [communicators.create(state.devices, "%s/comm_%d" % (name, i),
+                                      cfg.get("communication.timeout_seconds"))
+                 for i in range(max(1, cfg.get("communication.num_communicators")))]
+        dense = sorted((g for g, _ in pairs if not isinstance(g, tf.IndexedSlices)),
+                       key=lambda t: t.op._id)  # pylint: disable=protected-access
+        buckets = fusion.plan_buckets([(g, g.dtype, fusion.nbytes(g)) for g in dense],
+                                      cfg.get("communication.max_splits"))
+        last = {}
+        for b, (_, grads) in enumerate(buckets):
+            comm = comms[b % len(comms)]
+            out = _reduce_bucket(state, comm, grads, method, users)
+            for c in range(n):
+                reduced[c].append(out["collective"][c])
+                if comm in last:
+                    out["collective"][c].op._add_control_inputs([last[comm][c].op])  # pylint: disable=protected-access
+            last[comm] = out["collective"]
+            for i, g in enumerate(grads):
+                installs.append((g, [out["grads"][c][i] for c in range(users)]))
+        for g, _ in pairs:
             if isinstance(g, tf.IndexedSlices):
+                comm = comms[0]
                 values = comm.all_gather(state.copies(g.values))
+                indices = comm.all_gather(state.copies(g.indices))
+                for c in range(n):
+                    reduced[c] += [values[c], indices[c]]
                 if method == "mean":
                     values = [_scale(v, 1.0 / n, dev) for v, dev in zip(values, state.devices)]
-                indices = comm.all_gather(state.copies(g.indices))
-                pairs = [(g.values, values), (g.indices, indices)]
-            else:
-                pairs = [(g, comm.all_reduce(state.copies(g), method))]
-            for original, per_clone in pairs:
-                _install(state, record, original, per_clone[:users])
-                for c in range(users):
-                    reduced_per_clone[c].append(per_clone[c])
+                installs += [(g.values, values[:users]), (g.indices, indices[:users])]
         barriers = []
         for c in range(users):
             with tf.device(state.devices[c]):
-                barriers.append(tf.group(*reduced_per_clone[c],
-                                         name="EPL_GRADIENTS_%d_ready_%d" % (index, c)))
+                # Rank 0 also waits for every other rank's collectives: they must all run.
+                deps = [t for cc in range(n) for t in reduced[cc]] if users == 1 else reduced[c]
+                deps += [t for _, per in installs for t in per[c:c + 1]]
+                barriers.append(tf.group(*deps, name="%s_ready_%d" % (name, c)))
+    for original, per_clone in installs:
+        _install(state, record, original, per_clone)
+        record.reduced_tensors.add(original)
     for c in range(users):
         state.op_map[c][barriers[0]] = barriers[c]
+    # Every update waits for the whole reduction (not slot initializers: they
+    # run before any gradient exists).
+    wanted = set(per[0] for _, per in installs)
+    for g, _ in record.grads_and_vars:
+        if isinstance(g, tf.IndexedSlices):
+            wanted.update([g.values, g.indices])
+        elif g is not None:
+            wanted.add(g)
     for op in _apply_ops(state, record):
-        if _reads_any(op, reduced_per_clone[0]):
+        if any(t in wanted for t in op.inputs):
             op._add_control_inputs([barriers[0]])  # pylint: disable=protected-access
 
 
-def _apply_ops(state, record):
-    return [state.graph._nodes_by_id[i] for i in record.op_ids  # pylint: disable=protected-access
-            if i in state.graph._nodes_by_id]  # pylint: disable=protected-access
+def _reduce_bucket(state, comm, grads, method, users):
+    cfg = state.config
+    fp16 = cfg.get("communication.fp16") and grads[0].dtype == tf.float32
+    scale = float(cfg.get("communication.fp16_scale"))
+    flats = []
+    for c, dev in enumerate(state.devices):
+        with tf.device(dev):
+            flat = fusion.pack([state.tensor(c, g) for g in grads])
+            if fp16:
+                flat = tf.cast(flat * scale, tf.float16)
+            flats.append(flat)
+    collective = comm.all_reduce(flats, method)
+    per_clone = []
+    for c in range(users):
+        with tf.device(state.devices[c]):
+            flat = collective[c]
+            if fp16:
+                flat = tf.cast(flat, tf.float32) / scale
+            per_clone.append(fusion.unpack(flat, [state.tensor(c, g) for g in grads]))
+    return {"collective": collective, "grads": per_clone}
 
 
 def _scale(t, factor, device):
@@ -59,17 +121,18 @@ def _scale(t, factor, device):
         return t * tf.cast(factor, t.dtype)
 
 
-def _reads_any(op, tensors):
-    wanted = set(tensors)
-    return any(t in wanted for t in op.inputs)
+def _apply_ops(state, record):
+    nodes = state.graph._nodes_by_id  # pylint: disable=protected-access
+    return [nodes[i] for i in record.op_ids if i in nodes]
 
 
 def _install(state, record, original, per_clone):
-    """The record's apply ops read per_clone[c] in clone c instead of ``original``."""
+    """The user's ops read per_clone[0] instead of ``original``; clone c reads per_clone[c]."""
     for consumer in list(original.consumers()):
-        if consumer._id in record.op_ids:  # pylint: disable=protected-access
-            for i, inp in enumerate(consumer.inputs):
-                if inp is original:
-                    consumer._update_input(i, per_clone[0])  # pylint: disable=protected-access
+        if state.ir_graph.phase_of(consumer) == "rewrite":
+            continue
+        for i, inp in enumerate(consumer.inputs):
+            if inp is original:
+                consumer._update_input(i, per_clone[0])  # pylint: disable=protected-access
     for c in range(len(per_clone)):
         state.tensor_map[c][per_clone[0]] = per_clone[c]

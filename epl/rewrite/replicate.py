@@ -1,15 +1,15 @@
 """ReplicaClonePass: one copy of the replica's ops per clone, on its device.
 
 Ops are copied in creation order (a topological order of the user's graph).
-Just before the first apply op of an ``apply_gradients`` call is copied, the
-gradients of that call are reduced across clones (``gradients.py``), so every
-clone's optimizer reads the reduced gradient.
+Just before the first op that reads the gradients of an ``apply_gradients``
+call is copied, those gradients are reduced across clones (``gradients.py``),
+so every clone's optimizer reads the reduced gradient.
 """
 import tensorflow as tf
 
 from epl import ir
 from epl.rewrite.cloner import check_clonable, clone_op
-from epl.rewrite.gradients import reduce_gradients
+from epl.rewrite.gradients import reduce_gradients, targets
 from epl.rewrite.selection import VARIABLE_OPS
 
 
@@ -58,8 +58,12 @@ def clone_replicas(state):
 
 
 def _first_id(state, record):
+    """The first copied op that reads the record's gradients (or is its apply op)."""
+    wanted = set()
+    for g, _ in targets(state, record):
+        wanted.update([g.values, g.indices] if isinstance(g, tf.IndexedSlices) else [g])
     ids = [op._id for op in state.selection.ops  # pylint: disable=protected-access
-           if op._id in record.op_ids]  # pylint: disable=protected-access
+           if op._id in record.op_ids or any(t in wanted for t in op.inputs)]  # pylint: disable=protected-access
     return min(ids) if ids else float("inf")
 
 

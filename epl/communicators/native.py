@@ -1,0 +1,57 @@
+"""Communicator over EPL's C++ collectives (csrc/): one op per rank, each on its device."""
+import tensorflow as tf
+
+from epl.communicators import native_ops
+from epl.communicators.base import Communicator
+
+
+class NativeCommunicator(Communicator):
+    """Ranks are devices of this process (``transport="inprocess"``).
+
+    Every call makes a new collective group named ``<name>/<op>_<k>``: the
+    graph is built in the same order on every worker, so names agree, and
+    the kernels check that every rank runs the same collective.
+    """
+
+    def __init__(self, devices, name, timeout_seconds=600, transport="inprocess"):
+        super(NativeCommunicator, self).__init__(devices, name)
+        self.timeout_seconds = timeout_seconds
+        self.transport = transport
+        self._calls = 0
+
+    def _group(self, what):
+        self._calls += 1
+        return "%s/%s_%d" % (self.name, what, self._calls)
+
+    def _per_rank(self, tensors, what, fn):
+        self._check(tensors, what)
+        group = self._group(what)
+        outs = []
+        for rank, (dev, t) in enumerate(zip(self.devices, tensors)):
+            with tf.device(dev):
+                outs.append(fn(t, group, rank))
+        return outs
+
+    def _kw(self):
+        return dict(timeout_seconds=self.timeout_seconds, transport=self.transport)
+
+    def all_reduce(self, tensors, reduce_op="sum"):
+        return self._per_rank(tensors, "all_reduce", lambda t, g, r: native_ops.all_reduce(
+            t, g, r, self.size, reduce_op, **self._kw()))
+
+    def all_gather(self, tensors):
+        return self._per_rank(tensors, "all_gather", lambda t, g, r: native_ops.all_gather(
+            t, g, r, self.size, **self._kw()))
+
+    def reduce_scatter(self, tensors, reduce_op="sum"):
+        return self._per_rank(tensors, "reduce_scatter", lambda t, g, r: native_ops.reduce_scatter(
+            t, g, r, self.size, reduce_op, **self._kw()))
+
+    def broadcast(self, tensors, root=0):
+        return self._per_rank(tensors, "broadcast", lambda t, g, r: native_ops.broadcast(
+            t, g, r, self.size, root, **self._kw()))
+
+    def all_to_all(self, tensors, split_sizes=None):
+        return self._per_rank(tensors, "all_to_all", lambda t, g, r: native_ops.all_to_all(
+            t, g, r, self.size, None if split_sizes is None else split_sizes[r],
+            **self._kw())[0])
