@@ -1,0 +1,342 @@
+"""Collective bandwidth: EPL's C++ collectives vs TensorFlow's collective ops vs a numpy copy
+(and Horovod-Gloo when importable), in one process (4 virtual CPU devices) and across 2
+local processes.
+
+    python benchmarks/collectives.py --sizes-mib 1,16,64,256 --json FILE
+
+Prints a table and writes a JSON list of records
+{"impl", "op", "scope", "ranks", "bytes", "seconds", "busbw_gbps"}.  Bus bandwidth as
+nccl-tests defines it: all-reduce size/time * 2(n-1)/n; all-gather and all-to-all
+size/time * (n-1)/n (size = the full output); copy: size/time.
+Every implementation runs in its own fresh process.
+"""
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+OPS = ("allreduce", "allgather", "alltoall")
+
+
+def busbw(op, nbytes, seconds, n):
+    algbw = nbytes / seconds / 1e9
+    if op == "allreduce":
+        return algbw * 2 * (n - 1) / n
+    if op in ("allgather", "alltoall"):
+        return algbw * (n - 1) / n
+    return algbw
+
+
+def repeats_for(nbytes):
+    return int(max(3, min(20, (512 << 20) // max(nbytes, 1))))
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+# ---------------------------------------------------------------- children
+
+
+def _timed(sess, op, nbytes):
+    import tensorflow as tf  # noqa: F401
+    for _ in range(2):
+        sess.run(op)
+    times = []
+    for _ in range(repeats_for(nbytes)):
+        t0 = time.perf_counter()
+        sess.run(op)
+        times.append(time.perf_counter() - t0)
+    return _median(times)
+
+
+def _inputs(tf, n_elems, device):
+    # Unique names: a tf.train.Server keeps variables of earlier graphs by name.
+    with tf.device(device):
+        v = tf.Variable(tf.random.uniform([n_elems], dtype=tf.float32), trainable=False,
+                        name="x_%s" % uuid.uuid4().hex[:8])
+    return v
+
+
+def child_in_process(impl, sizes, n):
+    """4 ranks = 4 virtual devices of this process."""
+    import tensorflow as tf
+    tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+    from tensorflow.python.ops import collective_ops
+    from epl.communicators import native_ops as C
+    records = []
+    key = [100]
+    for size in sizes:
+        per_rank = size // 4  # float32 elements per rank
+        for op in OPS:
+            if impl == "tf_collective" and op == "alltoall":
+                continue   # TensorFlow 1.15 has no all-to-all collective
+            with tf.Graph().as_default():
+                outs = []
+                elems = per_rank if op == "allreduce" else per_rank // n
+                if op == "alltoall":
+                    elems = (per_rank // n) * n
+                group = uuid.uuid4().hex
+                key[0] += 1   # one instance key per collective, shared by its ranks
+                for r in range(n):
+                    dev = "/device:CPU:%d" % r
+                    x = _inputs(tf, elems, dev)
+                    with tf.device(dev):
+                        if impl == "epl":
+                            if op == "allreduce":
+                                y = C.all_reduce(x, group, r, n, "sum")
+                            elif op == "allgather":
+                                y = C.all_gather(x, group, r, n)
+                            else:
+                                y = C.all_to_all(x, group, r, n)[0]
+                        elif op == "allreduce":
+                            y = collective_ops.all_reduce(x, n, 1, key[0], "Add", "Id")
+                        else:
+                            y = collective_ops.all_gather(x, n, 1, key[0])
+                        outs.append(y.op)
+                step = tf.group(*outs)
+                cfg = tf.ConfigProto(device_count={"CPU": n})
+                with tf.Session(config=cfg) as sess:
+                    sess.run(tf.global_variables_initializer())
+                    nbytes = elems * 4 * (n if op == "allgather" else 1)
+                    sec = _timed(sess, step, nbytes)
+            records.append(dict(impl=impl, op=op, scope="in_process", ranks=n, bytes=nbytes,
+                                seconds=sec, busbw_gbps=busbw(op, nbytes, sec, n)))
+    return records
+
+
+def child_cross_process(impl, sizes, rank, n, ports, job):
+    """One rank per process; TF's collectives over gRPC need a server per process."""
+    import tensorflow as tf
+    tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+    from tensorflow.python.ops import collective_ops
+    from epl.communicators import native_ops as C
+    target = ""
+    device = "/device:CPU:0"
+    if impl == "tf_collective":
+        cluster = tf.train.ClusterSpec({"worker": ["127.0.0.1:%d" % p for p in ports]})
+        cfg = tf.ConfigProto()
+        cfg.experimental.collective_group_leader = "/job:worker/replica:0/task:0"
+        server = tf.train.Server(cluster, job_name="worker", task_index=rank, config=cfg)
+        target = server.target
+        device = "/job:worker/replica:0/task:%d/device:CPU:0" % rank
+    records = []
+    key = [100]
+    for si, size in enumerate(sizes):
+        per_rank = size // 4
+        for op in OPS:
+            if impl == "tf_collective" and op == "alltoall":
+                continue
+            with tf.Graph().as_default():
+                elems = per_rank if op == "allreduce" else per_rank // n
+                if op == "alltoall":
+                    elems = (per_rank // n) * n
+                x = _inputs(tf, elems, device)
+                with tf.device(device):
+                    group = "%s/%s_%d" % (job, op, si)
+                    if impl == "epl":
+                        if op == "allreduce":
+                            y = C.all_reduce(x, group, rank, n, "sum", transport="shm")
+                        elif op == "allgather":
+                            y = C.all_gather(x, group, rank, n, transport="shm")
+                        else:
+                            y = C.all_to_all(x, group, rank, n, transport="shm")[0]
+                    else:
+                        key[0] += 1
+                        if op == "allreduce":
+                            y = collective_ops.all_reduce(x, n, 1, key[0], "Add", "Id")
+                        else:
+                            y = collective_ops.all_gather(x, n, 1, key[0])
+                step = y.op
+                cfg = tf.ConfigProto()
+                if impl == "tf_collective":
+                    cfg.experimental.collective_group_leader = "/job:worker/replica:0/task:0"
+                with tf.Session(target, config=cfg) as sess:
+                    sess.run(x.initializer)
+                    nbytes = elems * 4 * (n if op == "allgather" else 1)
+                    sec = _timed(sess, step, nbytes)
+            records.append(dict(impl=impl, op=op, scope="cross_process", ranks=n, bytes=nbytes,
+                                seconds=sec, busbw_gbps=busbw(op, nbytes, sec, n)))
+    return records
+
+
+def child_horovod(sizes):
+    import tensorflow as tf
+    import horovod.tensorflow as hvd
+    hvd.init()
+    n = hvd.size()
+    records = []
+    for size in sizes:
+        with tf.Graph().as_default():
+            x = _inputs(tf, size // 4, "/device:CPU:0")
+            y = hvd.allreduce(x, average=False)
+            step = y[:1]  # horovod's op is not stateful: fetch a slice so it is not pruned
+            with tf.Session() as sess:
+                sess.run(x.initializer)
+                sec = _timed(sess, step, size)
+        records.append(dict(impl="horovod", op="allreduce", scope="cross_process", ranks=n,
+                            bytes=size, seconds=sec, busbw_gbps=busbw("allreduce", size, sec, n)))
+    return records if hvd.rank() == 0 else []
+
+
+def memcpy_records(sizes):
+    import numpy as np
+    out = []
+    for size in sizes:
+        src = np.random.rand(size // 8)
+        dst = np.empty_like(src)
+        np.copyto(dst, src)
+        times = []
+        for _ in range(repeats_for(size)):
+            t0 = time.perf_counter()
+            np.copyto(dst, src)
+            times.append(time.perf_counter() - t0)
+        sec = _median(times)
+        out.append(dict(impl="memcpy", op="copy", scope="in_process", ranks=1, bytes=size,
+                        seconds=sec, busbw_gbps=size / sec / 1e9))
+    return out
+
+
+# ---------------------------------------------------------------- driver
+
+
+def _free_ports(k):
+    socks, ports = [], []
+    for _ in range(k):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _run_child(args, timeout):
+    out = subprocess.run([sys.executable, os.path.abspath(__file__)] + args,
+                         stdout=subprocess.PIPE, timeout=timeout, check=True)
+    return json.loads(out.stdout.decode().strip().splitlines()[-1])
+
+
+def _run_cross(impl, sizes_arg, n, timeout):
+    ports = _free_ports(n)
+    job = uuid.uuid4().hex[:12]
+    procs = []
+    for r in range(n):
+        procs.append(subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--child", impl, "--scope",
+             "cross_process", "--rank", str(r), "--ranks", str(n), "--sizes-mib", sizes_arg,
+             "--ports", ",".join(map(str, ports)), "--job", job], stdout=subprocess.PIPE))
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    if any(p.returncode for p in procs):
+        raise RuntimeError("cross-process %s benchmark failed" % impl)
+    return json.loads(outs[0].decode().strip().splitlines()[-1])
+
+
+def _horovod(sizes_arg, timeout):
+    horovodrun = None
+    for cand in (os.path.join(os.path.dirname(sys.executable), "horovodrun"),
+                 os.path.join(os.path.dirname(HERE), ".venv-horovod", "bin", "horovodrun")):
+        if os.path.exists(cand):
+            horovodrun = cand
+            break
+    if horovodrun is None:
+        return []
+    py = os.path.join(os.path.dirname(horovodrun), "python")
+    out = subprocess.run([horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", py,
+                          os.path.abspath(__file__), "--child", "horovod", "--sizes-mib",
+                          sizes_arg], stdout=subprocess.PIPE, timeout=timeout)
+    lines = [ln for ln in out.stdout.decode().splitlines() if ln.strip().startswith("[") or
+             "[{" in ln]
+    for ln in reversed(lines):
+        try:
+            return json.loads(ln[ln.index("["):])
+        except ValueError:
+            continue
+    return []
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--sizes-mib", default="1,16,64,256")
+    p.add_argument("--json")
+    p.add_argument("--ranks", type=int, default=0)
+    p.add_argument("--child")
+    p.add_argument("--scope")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--ports", default="")
+    p.add_argument("--job", default="")
+    p.add_argument("--timeout", type=int, default=1800)
+    a = p.parse_args()
+    sizes = [int(float(s) * (1 << 20)) for s in a.sizes_mib.split(",")]
+    if a.child == "horovod":
+        print(json.dumps(child_horovod(sizes)))
+        return
+    if a.child:
+        if a.scope == "in_process":
+            recs = child_in_process(a.child, sizes, a.ranks or 4)
+        else:
+            recs = child_cross_process(a.child, sizes, a.rank, a.ranks or 2,
+                                       [int(x) for x in a.ports.split(",")], a.job)
+        print(json.dumps(recs))
+        return
+    records = memcpy_records(sizes)
+    for impl in ("epl", "tf_collective"):
+        records += _run_child(["--child", impl, "--scope", "in_process", "--ranks", "4",
+                               "--sizes-mib", a.sizes_mib], a.timeout)
+    for impl in ("epl", "tf_collective"):
+        records += _run_cross(impl, a.sizes_mib, 2, a.timeout)
+    records += _horovod(a.sizes_mib, a.timeout)
+    from common import print_table, write_json
+    rows = sorted(records, key=lambda r: (r["scope"], r["op"], r["bytes"], r["impl"]))
+    for r in rows:
+        r["MiB"] = r["bytes"] / float(1 << 20)
+        r["ms"] = r["seconds"] * 1e3
+    print_table(rows, ["scope", "op", "ranks", "MiB", "impl", "ms", "busbw_gbps"],
+                "Collectives (bus bandwidth, GB/s)")
+    _print_ratios(records)
+    for r in rows:
+        r.pop("MiB")
+        r.pop("ms")
+    write_json("collectives", records, a.json)
+
+
+def _print_ratios(records):
+    def bw(impl, scope, op, nbytes):
+        for r in records:
+            if (r["impl"], r["scope"], r["op"], r["bytes"]) == (impl, scope, op, nbytes):
+                return r["busbw_gbps"]
+        return None
+    print("\nRatios (EPL bus bandwidth / other)")
+    for r in records:
+        if r["impl"] != "epl":
+            continue
+        parts = []
+        for other in ("tf_collective", "horovod"):
+            o = bw(other, r["scope"], r["op"], r["bytes"])
+            if o:
+                parts.append("%s x%.2f" % (other, r["busbw_gbps"] / o))
+        mem = [m for m in records if m["impl"] == "memcpy" and m["bytes"] == r["bytes"]]
+        if mem:
+            parts.append("of memcpy %.0f%%" % (100 * r["busbw_gbps"] / mem[0]["busbw_gbps"]))
+        print("  %-13s %-9s %7.1f MiB: %s" % (r["scope"], r["op"], r["bytes"] / float(1 << 20),
+                                             ", ".join(parts)))
+
+
+if __name__ == "__main__":
+    main()
