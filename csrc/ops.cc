@@ -53,6 +53,19 @@ REGISTER_OP("EplAllReduce")
     .SetIsStateful()
     .SetShapeFn(tensorflow::shape_inference::UnchangedShape);
 
+REGISTER_OP("EplAllReduceN")
+    .Input("inputs: N * T")
+    .Output("outputs: N * T")
+    .Attr("N: int >= 1")
+    .Attr("reduce_op: {'sum', 'mean', 'max', 'min'}")
+    .EPL_COMMON_ATTRS
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      for (int i = 0; i < c->num_inputs(); ++i) c->set_output(i, c->input(i));
+      return Status::OK();
+    })
+    .Doc("Fused all-reduce of N tensors: one collective for the whole list.");
+
 REGISTER_OP("EplAllGather")
     .Input("input: T")
     .Output("output: T")
@@ -250,6 +263,69 @@ class AllReduceOp : public CollectiveKernel {
  private:
   string op_name_;
   ReduceOp op_;
+};
+
+// Fused all-reduce: the list is reduced as one virtual buffer, with no
+// concat/split ops in the graph.
+class AllReduceNOp : public CollectiveKernel {
+ public:
+  explicit AllReduceNOp(OpKernelConstruction* c) : CollectiveKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &op_name_));
+    OP_REQUIRES_OK(c, ParseReduceOp(op_name_, &op_));
+    OP_REQUIRES_OK(c, c->GetAttr("N", &n_));
+  }
+
+ protected:
+  string Describe() const override {
+    return StrCat("all_reduce_n(", n_, ", ", op_name_, ", ", tensorflow::DataTypeString(dtype_),
+                  ")");
+  }
+  void Complete(std::vector<Arrival>* all) override {
+    Status s;
+    for (size_t r = 1; s.ok() && r < all->size(); ++r)
+      for (int i = 0; s.ok() && i < n_; ++i)
+        if ((*all)[r].inputs[i].shape() != (*all)[0].inputs[i].shape())
+          s = InvalidArgument("EPL all_reduce_n: tensor ", i, " of rank ", r, " has shape ",
+                              (*all)[r].inputs[i].shape().DebugString(), " but rank 0 has ",
+                              (*all)[0].inputs[i].shape().DebugString());
+    OpKernelContext* ctx = all->back().ctx;
+    std::vector<Tensor> outs(n_);
+    std::vector<int64> offsets(n_ + 1, 0);
+    for (int i = 0; s.ok() && i < n_; ++i) {
+      const Tensor& t = (*all)[0].inputs[i];
+      s = AllocateShared(ctx, StrCat(group_, "/", i), dtype_, t.shape(), &outs[i]);
+      offsets[i + 1] = offsets[i] + t.NumElements();
+    }
+    if (s.ok()) {
+      // One parallel loop over the concatenation of all tensors.
+      ParallelFor(ctx, offsets[n_], 4 * static_cast<int64>(all->size()), [&](int64 b, int64 e) {
+        int i = static_cast<int>(std::upper_bound(offsets.begin(), offsets.end(), b) -
+                                 offsets.begin()) - 1;
+        const int64 es = tensorflow::DataTypeSize(dtype_);
+        for (int64 pos = b; pos < e; ++i) {
+          const int64 lo = pos - offsets[i], hi = std::min(e, offsets[i + 1]) - offsets[i];
+          if (hi > lo) {
+            std::vector<const void*> ins;
+            for (auto& a : *all) ins.push_back(a.inputs[i].tensor_data().data() + lo * es);
+            ReduceRange(dtype_, op_, ins, const_cast<char*>(outs[i].tensor_data().data()) + lo * es,
+                        0, hi - lo);
+          }
+          pos = offsets[i + 1];
+        }
+      });
+      for (auto& a : *all)
+        for (int i = 0; i < n_; ++i) a.ctx->set_output(i, outs[i]);
+    }
+    FinishAll(all, s);
+  }
+  void RunShm(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
+    ShmAllReduceN(MakeShmArgs(gen), op_, ctx, std::move(done));
+  }
+
+ private:
+  string op_name_;
+  ReduceOp op_;
+  int n_ = 1;
 };
 
 class AllGatherOp : public CollectiveKernel {
@@ -476,6 +552,7 @@ class AllToAllOp : public CollectiveKernel {
 }  // namespace
 
 REGISTER_KERNEL_BUILDER(Name("EplAllReduce").Device(DEVICE_CPU), AllReduceOp);
+REGISTER_KERNEL_BUILDER(Name("EplAllReduceN").Device(DEVICE_CPU), AllReduceNOp);
 REGISTER_KERNEL_BUILDER(Name("EplAllGather").Device(DEVICE_CPU), AllGatherOp);
 REGISTER_KERNEL_BUILDER(Name("EplReduceScatter").Device(DEVICE_CPU), ReduceScatterOp);
 REGISTER_KERNEL_BUILDER(Name("EplBroadcast").Device(DEVICE_CPU), BroadcastOp);

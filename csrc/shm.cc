@@ -307,6 +307,45 @@ void ShmAllReduce(const ShmArgs& a, ReduceOp op, OpKernelContext* ctx,
   });
 }
 
+void ShmAllReduceN(const ShmArgs& a, ReduceOp op, OpKernelContext* ctx,
+                   AsyncOpKernel::DoneCallback done) {
+  Run(a, ctx, std::move(done), [a, op, ctx](Group* g) -> Status {
+    const int n = ctx->num_inputs();
+    int64 total = 0;
+    std::vector<int64> counts;
+    for (int i = 0; i < n; ++i) {
+      counts.push_back(ctx->input(i).NumElements());
+      total += counts.back();
+    }
+    std::vector<std::vector<int64>> meta;
+    TF_RETURN_IF_ERROR(g->ExchangeMeta(a, {total, n}, &meta));
+    for (int k = 0; k < a.size; ++k)
+      if (meta[k][0] != total || meta[k][1] != n)
+        return InvalidArgument("EPL ", a.what, ": rank ", k, " reduces ", meta[k][0],
+                               " elements in ", meta[k][1], " tensors, rank ", a.rank, " ",
+                               total, " in ", n);
+    const DataType dtype = ctx->input(0).dtype();
+    const int64 es = tensorflow::DataTypeSize(dtype);
+    Tensor packed, reduced;
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(dtype, TensorShape({total}), &packed));
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(dtype, TensorShape({total}), &reduced));
+    char* p = const_cast<char*>(packed.tensor_data().data());
+    for (int i = 0; i < n; ++i) {
+      std::memcpy(p, ctx->input(i).tensor_data().data(), counts[i] * es);
+      p += counts[i] * es;
+    }
+    char* q = const_cast<char*>(reduced.tensor_data().data());
+    TF_RETURN_IF_ERROR(g->AllReduce(a, dtype, op, packed.tensor_data().data(), q, total));
+    for (int i = 0; i < n; ++i) {
+      Tensor* out = nullptr;
+      TF_RETURN_IF_ERROR(ctx->allocate_output(i, ctx->input(i).shape(), &out));
+      std::memcpy(const_cast<char*>(out->tensor_data().data()), q, counts[i] * es);
+      q += counts[i] * es;
+    }
+    return Status::OK();
+  });
+}
+
 void ShmReduceScatter(const ShmArgs& a, ReduceOp op, OpKernelContext* ctx,
                       AsyncOpKernel::DoneCallback done) {
   Run(a, ctx, std::move(done), [a, op, ctx](Group* g) -> Status {

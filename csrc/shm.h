@@ -22,6 +22,8 @@ struct ShmArgs {
 
 void ShmAllReduce(const ShmArgs& a, ReduceOp op, OpKernelContext* ctx,
                   AsyncOpKernel::DoneCallback done);
+void ShmAllReduceN(const ShmArgs& a, ReduceOp op, OpKernelContext* ctx,
+                   AsyncOpKernel::DoneCallback done);
 void ShmAllGather(const ShmArgs& a, OpKernelContext* ctx, AsyncOpKernel::DoneCallback done);
 void ShmReduceScatter(const ShmArgs& a, ReduceOp op, OpKernelContext* ctx,
                       AsyncOpKernel::DoneCallback done);

@@ -175,3 +175,37 @@ def _onehot(shape, idx):
     z = np.zeros(shape)
     z[idx] = 1
     return z
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_all_reduce_n_fused(n, dtype):
+    shapes = [(3,), (0,), (2, 5), (1,), (1001,)]
+    xs = [[_inputs(1, s, dtype, seed=10 * r + i)[0] for i, s in enumerate(shapes)]
+          for r in range(n)]
+    g = _group()
+    got = _run(n, lambda r: C.all_reduce_n([tf.constant(x) for x in xs[r]], g, r, n, "sum"))
+    for i in range(len(shapes)):
+        want = np.sum([xs[r][i].astype(np.float64) for r in range(n)], axis=0)
+        for r in range(n):
+            np.testing.assert_allclose(got[r][i].astype(np.float64), want, **_tol(dtype))
+
+
+def test_all_reduce_n_gradient():
+    n = 2
+    g = _group()
+    with tf.Graph().as_default():
+        xs = [[tf.constant(np.full([2], r + 1.0)), tf.constant(np.full([3], 2.0 * r))]
+              for r in range(n)]
+        outs = []
+        for r in range(n):
+            with tf.device("/device:CPU:%d" % r):
+                a, b = C.all_reduce_n(xs[r], g, r, n, "sum")
+                outs.append(tf.reduce_sum(a) * (r + 1) + tf.reduce_sum(b * b))
+        grads = tf.gradients(tf.add_n(outs), [x for pair in xs for x in pair])
+        with tf.Session(config=tf.ConfigProto(device_count={"CPU": n})) as sess:
+            got = sess.run(grads)
+    # d/dx_a = sum_r (r+1) = 3 ; d/dx_b = sum_r 2*(b_total) = 2 * 2 * 2.0
+    for r in range(n):
+        np.testing.assert_allclose(got[2 * r], np.full([2], 3.0))
+        np.testing.assert_allclose(got[2 * r + 1], np.full([3], 8.0))

@@ -64,7 +64,7 @@ def test_all_ops_across_processes(size, tmp_path):
         wide = np.stack([x.astype(np.float64) for x in xs]) if kind != "all_gather" else None
         for r in range(size):
             got = results[r][name]
-            if kind == "all_reduce":
+            if kind in ("all_reduce", "all_reduce_n"):
                 np.testing.assert_allclose(got.astype(np.float64), wide.sum(0), err_msg=name,
                                            **_tol(dtype))
             elif kind == "all_reduce_max":

@@ -43,7 +43,7 @@ def test_fusion_splits_and_communicators(splits, comms, copies):
                                 "communication.num_communicators": comms,
                                 "cluster.variable_copies": copies})
     models.assert_weights_close(got, want)
-    n_collectives = types.count("EplAllReduce") // N
+    n_collectives = types.count("EplAllReduceN") // N
     assert 1 <= n_collectives <= min(splits, 4)   # 4 gradients, one dtype
     if splits in (1, 100):
         assert n_collectives == min(splits, 4)
@@ -54,14 +54,14 @@ def test_in_graph_communicator_fallback(monkeypatch):
     monkeypatch.setattr(native, "available", lambda: False)
     want = _local()
     got, types = _dp_weights()
-    assert "EplAllReduce" not in types
+    assert "EplAllReduceN" not in types
     models.assert_weights_close(got, want)
 
 
 def test_fp16_allreduce_close_to_fp32():
     want = _local()
     got, types = _dp_weights(**{"communication.fp16": True})
-    assert "EplAllReduce" in types
+    assert "EplAllReduceN" in types and "Cast" in types
     models.assert_weights_close(got, want, rtol=2e-3, atol=2e-4)
 
 

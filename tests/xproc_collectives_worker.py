@@ -33,6 +33,7 @@ def cases(size):
         yield "all_reduce_sum_%d" % i, "all_reduce", dtype, shape, i
         yield "all_reduce_max_%d" % i, "all_reduce_max", dtype, shape, i
     for i, dtype in enumerate(DTYPES):
+        yield "all_reduce_n_%d" % i, "all_reduce_n", dtype, ((1 << 20) + 3,), 700 + i
         yield "all_gather_%d" % i, "all_gather", dtype, None, 100 + i
         yield "reduce_scatter_%d" % i, "reduce_scatter", dtype, (7, 2), 200 + i
         yield "broadcast_%d" % i, "broadcast", dtype, (5,), 300 + i
@@ -46,6 +47,9 @@ def build(kind, x, group, rank, size):
         return C.all_reduce(x, group, rank, size, "sum", transport="shm")
     if kind == "all_reduce_max":
         return C.all_reduce(x, group, rank, size, "max", transport="shm")
+    if kind == "all_reduce_n":   # the tensor, split in three uneven parts, fused
+        parts = [x[:5], x[5:5], x[5:]]
+        return tf.concat(C.all_reduce_n(parts, group, rank, size, "sum", transport="shm"), 0)
     if kind == "all_gather":
         return C.all_gather(x, group, rank, size, transport="shm")
     if kind == "reduce_scatter":

@@ -24,6 +24,13 @@ class Communicator(object):
     def all_reduce(self, tensors, reduce_op="sum"):
         raise NotImplementedError
 
+    def all_reduce_n(self, lists, reduce_op="sum"):
+        """Fused all-reduce: ``lists[rank]`` is that rank's list of tensors (one dtype)."""
+        self._check(lists, "all_reduce_n")
+        per_tensor = [self.all_reduce([lst[i] for lst in lists], reduce_op)
+                      for i in range(len(lists[0]))]
+        return [[out[rank] for out in per_tensor] for rank in range(self.size)]
+
     def all_gather(self, tensors):
         """Concatenate along axis 0 (sizes may differ per rank)."""
         raise NotImplementedError

@@ -24,6 +24,13 @@ def all_reduce(x, group, rank, size, reduce_op="sum", timeout_seconds=600,
                                        **_common(group, rank, size, timeout_seconds, transport))
 
 
+def all_reduce_n(xs, group, rank, size, reduce_op="sum", timeout_seconds=600,
+                 transport="inprocess", name=None):
+    """Fused all-reduce of a list of same-dtype tensors: one collective, no concat/split."""
+    return native.ops().epl_all_reduce_n(list(xs), reduce_op=reduce_op, name=name,
+                                         **_common(group, rank, size, timeout_seconds, transport))
+
+
 def all_gather(x, group, rank, size, timeout_seconds=600, transport="inprocess", name=None):
     """Concatenation of every rank's ``x`` along axis 0 (sizes may differ)."""
     out, _ = native.ops().epl_all_gather(x, name=name,
@@ -74,6 +81,15 @@ def _all_reduce_grad(op, grad):
     if how not in ("sum", "mean"):
         return [None]
     return [native.ops().epl_all_reduce(grad, reduce_op=how, **_attrs(op))]
+
+
+@ops.RegisterGradient("EplAllReduceN")
+def _all_reduce_n_grad(op, *grads):
+    how = op.get_attr("reduce_op").decode()
+    if how not in ("sum", "mean"):
+        return [None] * len(grads)
+    grads = [g if g is not None else tf.zeros_like(x) for g, x in zip(grads, op.inputs)]
+    return native.ops().epl_all_reduce_n(grads, reduce_op=how, **_attrs(op))
 
 
 @ops.RegisterGradient("EplAllGather")

@@ -1,6 +1,7 @@
 """GradientAggregationPass: reduce each apply_gradients call's gradients across clones.
 
-Dense gradients are fused (``fusion.py``) into at most
+Dense gradients are fused (``fusion.py`` plans the buckets; the fused
+all-reduce op reduces a bucket as one buffer) into at most
 ``communication.max_splits`` buffers per dtype, in the order backprop
 produces them so the first buffer's all-reduce overlaps the rest of the
 backward pass; buffers are spread over ``communication.num_communicators``
@@ -95,25 +96,26 @@ def reduce_gradients(state, record):
 
 
 def _reduce_bucket(state, comm, grads, method, users):
+    """One fused all-reduce of ``grads`` (the communicator fuses: no concat/split ops)."""
     cfg = state.config
     fp16 = cfg.get("communication.fp16") and grads[0].dtype == tf.float32
     scale = float(cfg.get("communication.fp16_scale"))
-    flats = []
+    lists = []
     for c, dev in enumerate(state.devices):
         with tf.device(dev):
-            flat = fusion.pack([state.tensor(c, g) for g in grads])
+            ts = [state.tensor(c, g) for g in grads]
             if fp16:
-                flat = tf.cast(flat * scale, tf.float16)
-            flats.append(flat)
-    collective = comm.all_reduce(flats, method)
+                ts = [tf.cast(t * scale, tf.float16) for t in ts]
+            lists.append(ts)
+    collective = comm.all_reduce_n(lists, method)
     per_clone = []
     for c in range(users):
-        with tf.device(state.devices[c]):
-            flat = collective[c]
-            if fp16:
-                flat = tf.cast(flat, tf.float32) / scale
-            per_clone.append(fusion.unpack(flat, [state.tensor(c, g) for g in grads]))
-    return {"collective": collective, "grads": per_clone}
+        outs = collective[c]
+        if fp16:
+            with tf.device(state.devices[c]):
+                outs = [tf.cast(t, tf.float32) / scale for t in outs]
+        per_clone.append(outs)
+    return {"collective": [outs[0] for outs in collective], "grads": per_clone}
 
 
 def _scale(t, factor, device):
