@@ -525,7 +525,8 @@ class AllToAllOp : public CollectiveKernel {
       for (int src = 0; src < size_; ++src) rows += counts[src][dst];
       OpKernelContext* ctx = (*all)[dst].ctx;
       Tensor out, recv;
-      s = ctx->allocate_temp(dtype_, WithFirstDim((*all)[0].inputs[0].shape(), rows), &out);
+      s = AllocateShared(ctx, StrCat(group_, "/to", dst), dtype_,
+                         WithFirstDim((*all)[0].inputs[0].shape(), rows), &out);
       if (s.ok()) s = ctx->allocate_temp(tensorflow::DT_INT64, TensorShape({size_}), &recv);
       if (!s.ok()) break;
       char* p = const_cast<char*>(out.tensor_data().data());
