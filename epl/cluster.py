@@ -71,6 +71,35 @@ class Cluster(object):
         kind = "GPU" if self.device_type == "gpu" else "CPU"
         return "%s/device:%s:%d" % (self.job_of(worker), kind, local)
 
+    def local_device(self, local_index):
+        """A device of this worker as its own (local) session names it."""
+        kind = "GPU" if self.device_type == "gpu" else "CPU"
+        return "/job:localhost/replica:0/task:0/device:%s:%d" % (kind, local_index)
+
+    @property
+    def job_id(self):
+        """Identifies this job's collectives on the host: EPL_JOB_ID, else a hash of the cluster."""
+        import hashlib
+        explicit = os.environ.get("EPL_JOB_ID")
+        if explicit:
+            return explicit
+        return hashlib.sha1(json.dumps(self.cluster_spec, sort_keys=True).encode()).hexdigest()[:12]
+
+    def all_hosts_local(self):
+        """True when every worker's address is an address of this machine (shm reaches it)."""
+        import socket
+        for _, _, addr in self.workers:
+            if addr is None:
+                continue
+            host = addr.rsplit(":", 1)[0]
+            try:
+                s = socket.socket()
+                s.bind((host, 0))
+                s.close()
+            except OSError:
+                return False
+        return True
+
     @property
     def devices(self):
         return [self.device(i) for i in range(self.total_gpu_num)]

@@ -19,6 +19,7 @@ Patch points (all installed by :func:`install`, idempotent):
 7. ``session.BaseSession.__init__``: the session sees EPL's devices.
 8. ``session.BaseSession.run``: rewrite before the first run of a plain
    Session, and map fetches of merged tensors (epl.GraphKeys).
+9. ``writer.FileWriter.add_event``: summaries are written only by the chief.
 
 Everything else reads and edits graphs through :mod:`epl.ir` and the rewriter.
 """
@@ -28,6 +29,7 @@ import threading
 from tensorflow.python.client import session as tf_session
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import gradients_util
+from tensorflow.python.summary.writer import writer as tf_writer
 from tensorflow.python.training import optimizer as tf_optimizer
 from tensorflow.python.training import saver as tf_saver
 
@@ -189,6 +191,13 @@ def _saver_save(self, sess, save_path, *args, **kwargs):
     return _originals["saver_save"](self, sess, save_path, *args, **kwargs)
 
 
+def _add_event(self, event):
+    from epl.env import Env
+    if Env.initialized() and not Env.get().cluster.is_chief:
+        return None  # only the chief writes summaries
+    return _originals["add_event"](self, event)
+
+
 def _finalize(self):
     from epl.rewrite import rewrite_if_needed
     rewrite_if_needed(self)
@@ -217,6 +226,7 @@ _PATCHES = [
     ("apply_gradients", tf_optimizer.Optimizer, "apply_gradients", _apply_gradients),
     ("saver_build", tf_saver.Saver, "build", _saver_build),
     ("saver_save", tf_saver.Saver, "save", _saver_save),
+    ("add_event", tf_writer.FileWriter, "add_event", _add_event),
     ("finalize", ops.Graph, "finalize", _finalize),
     ("session_init", tf_session.BaseSession, "__init__", _session_init),
     ("session_run", tf_session.BaseSession, "run", _session_run),

@@ -10,9 +10,21 @@ from epl.communicators.base import Communicator  # noqa: F401
 from epl.communicators.in_graph import InGraphCommunicator
 
 
-def create(devices, name="epl_comm", timeout_seconds=600):
-    """The communicator used for ``devices`` (full device strings of this process)."""
+def create(devices, name="epl_comm", timeout_seconds=600, cluster=None):
+    """The communicator for ``devices`` of this process (and, in a multi-worker
+    job, the same devices of every other worker)."""
     from epl import native
+    if cluster is not None and cluster.worker_num > 1:
+        if not native.available():
+            raise RuntimeError("multi-worker training needs EPL's C++ op library; run "
+                               "`make setup`.")
+        if not cluster.all_hosts_local():
+            raise NotImplementedError(
+                "the workers in TF_CONFIG are on several hosts; EPL's cross-host transport "
+                "(TCP ring) is not implemented yet, only workers of one host (shared memory).")
+        from epl.communicators.hierarchical import HierarchicalCommunicator
+        return HierarchicalCommunicator(devices, name, timeout_seconds, cluster.worker_index,
+                                        cluster.worker_num, cluster.job_id)
     if native.available():
         from epl.communicators.native import NativeCommunicator
         return NativeCommunicator(devices, name, timeout_seconds)

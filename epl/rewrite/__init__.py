@@ -10,7 +10,8 @@ first ``Session.run`` of a plain session.  Passes, in order, each with one job:
 5. clone         copies per clone; gradients reduced before the first apply
                  op (``replicate.py``, ``gradients.py``)
 6. join          the user's train op runs every clone's update
-7. mirror        initializers / restores / assigns reach every variable copy
+7. mirror        initial values come from worker 0; initializers / restores /
+                 assigns reach every variable copy
 8. merge         merged fetches for epl.GraphKeys
 """
 import logging
@@ -59,6 +60,7 @@ def _rewrite(epl_graph, env):
     inputs.shard_inputs(state)
     replicate.clone_replicas(state)
     replicate.join_clones(state)
+    mirror.broadcast_initial_values(state)
     mirror.mirror_writes(state)
     merge.merge_outputs(state)
     return state

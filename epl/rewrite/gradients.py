@@ -18,7 +18,6 @@ overtakes a gradient computation still reading the old weights (ref variables).
 """
 import tensorflow as tf
 
-from epl import communicators
 from epl.rewrite import fusion
 from epl.rewrite.cloner import new_ops
 
@@ -42,8 +41,7 @@ def reduce_gradients(state, record):
     reduced = [[] for _ in range(n)]   # every rank's reduced tensors (all must run)
     installs = []
     with new_ops(state.graph):
-        comms = [communicators.create(state.devices, "%s/comm_%d" % (name, i),
-                                      cfg.get("communication.timeout_seconds"))
+        comms = [state.communicator("%s/comm_%d" % (name, i))
                  for i in range(max(1, cfg.get("communication.num_communicators")))]
         dense = sorted((g for g, _ in pairs if not isinstance(g, tf.IndexedSlices)),
                        key=lambda t: t.op._id)  # pylint: disable=protected-access
@@ -68,7 +66,8 @@ def reduce_gradients(state, record):
                 for c in range(n):
                     reduced[c] += [values[c], indices[c]]
                 if method == "mean":
-                    values = [_scale(v, 1.0 / n, dev) for v, dev in zip(values, state.devices)]
+                    total = n * state.cluster.worker_num
+                    values = [_scale(v, 1.0 / total, dev) for v, dev in zip(values, state.devices)]
                 installs += [(g.values, values[:users]), (g.indices, indices[:users])]
         barriers = []
         for c in range(users):

@@ -33,21 +33,20 @@ def _rewire_originals(state, old, new):
 
 
 def shard_inputs(state):
-    layout = state.layout
-    d = layout.device_count
+    d = state.layout.device_count
     for src in state.selection.sources:
         pulls = [src]
-        for r in range(1, layout.num_replicas):
-            pulls.append(clone_op(src, src.inputs, state.clone_name(r * d, src.name),
+        for _, clones in state.replicas[1:]:
+            pulls.append(clone_op(src, src.inputs, state.clone_name(clones[0], src.name),
                                   src.device, control_inputs=src.control_inputs))
         for i, out in enumerate(src.outputs):
             per_clone = []
-            for r, pull in enumerate(pulls):
+            for (r, clones), pull in zip(state.replicas, pulls):
                 if d == 1:
                     per_clone.append(pull.outputs[i])
                 else:
-                    dev = state.devices[r * d]
-                    per_clone.extend(_split(state.graph, pull.outputs[i], d, dev,
+                    per_clone.extend(_split(state.graph, pull.outputs[i], d,
+                                            state.devices[clones[0]],
                                             "EPL_SHARD/%s_%d_r%d" % (src.name, i, r)))
             _install(state, out, per_clone)
     for ph in state.selection.placeholders:

@@ -30,3 +30,21 @@ def mirror_one(state, op, variables=None):
         inputs = [state.tensor(c, op.inputs[0])] + list(op.inputs[1:])
         twins.append(clone_op(op, inputs, state.clone_name(c, op.name), state.devices[c]))
     op._add_control_inputs(twins)  # pylint: disable=protected-access
+
+
+def broadcast_initial_values(state):
+    """Multi-worker: every variable starts from worker 0's initial value."""
+    if state.cluster.worker_num <= 1:
+        return
+    import tensorflow as tf
+    from epl.communicators.hierarchical import broadcast_across_workers
+    from epl.rewrite.cloner import new_ops
+    timeout = state.config.get("communication.timeout_seconds")
+    for v in state.graph.get_collection(tf.GraphKeys.GLOBAL_VARIABLES):
+        init = v.initializer
+        if init.type not in ASSIGN_OPS or len(init.inputs) < 2:
+            continue
+        with new_ops(state.graph), tf.device(state.devices[0]):
+            value = broadcast_across_workers(init.inputs[1], "EPL_INIT/" + v.op.name,
+                                             state.cluster, timeout)
+        init._update_input(1, value)  # pylint: disable=protected-access

@@ -1,0 +1,85 @@
+"""Collectives over the devices of several workers (between-graph training).
+
+Each worker's graph holds only its own ranks.  A collective runs in three
+steps: among this worker's devices (in process), then across workers with one
+rank per worker (shared memory between the processes of a host), then the
+result is handed back to this worker's devices.
+"""
+import tensorflow as tf
+
+from epl.communicators import native_ops
+from epl.communicators.base import Communicator
+from epl.communicators.native import NativeCommunicator
+
+
+class HierarchicalCommunicator(Communicator):
+
+    def __init__(self, devices, name, timeout_seconds, worker_index, worker_num, job_id,
+                 transport="shm"):
+        super(HierarchicalCommunicator, self).__init__(devices, name)
+        self.local = NativeCommunicator(devices, name + "/local", timeout_seconds)
+        self.worker_index = worker_index
+        self.worker_num = worker_num
+        self.job_id = job_id
+        self.transport = transport
+        self.timeout_seconds = timeout_seconds
+        self._calls = 0
+
+    def _group(self, what):
+        self._calls += 1
+        return "%s/%s/%s_%d" % (self.job_id, self.name, what, self._calls)
+
+    def _cross(self):
+        return dict(rank=self.worker_index, size=self.worker_num,
+                    timeout_seconds=self.timeout_seconds, transport=self.transport)
+
+    def _fan_out(self, values):
+        outs = []
+        for dev in self.devices:
+            with tf.device(dev):
+                outs.append([tf.identity(v) for v in values])
+        return outs
+
+    def all_reduce_n(self, lists, reduce_op="sum"):
+        self._check(lists, "all_reduce_n")
+        if reduce_op not in ("sum", "mean"):
+            raise ValueError("hierarchical all_reduce supports sum and mean, got %r" % reduce_op)
+        local = self.local.all_reduce_n(lists, "sum")
+        with tf.device(self.devices[0]):
+            total = native_ops.all_reduce_n(local[0], self._group("all_reduce_n"), reduce_op="sum",
+                                            **self._cross())
+            if reduce_op == "mean":
+                n = float(self.size * self.worker_num)
+                total = [t / tf.cast(n, t.dtype) for t in total]
+        outs = self._fan_out(total)
+        # Rank 0's result depends on every local rank's collective; the others read it.
+        for rank in range(1, self.size):
+            for t in outs[rank]:
+                t.op._add_control_inputs([local[rank][0].op])  # pylint: disable=protected-access
+        return outs
+
+    def all_reduce(self, tensors, reduce_op="sum"):
+        return [out[0] for out in self.all_reduce_n([[t] for t in tensors], reduce_op)]
+
+    def all_gather(self, tensors):
+        local = self.local.all_gather(tensors)
+        with tf.device(self.devices[0]):
+            total = native_ops.all_gather(local[0], self._group("all_gather"), **self._cross())
+        outs = [o[0] for o in self._fan_out([total])]
+        for rank in range(1, self.size):
+            outs[rank].op._add_control_inputs([local[rank].op])  # pylint: disable=protected-access
+        return outs
+
+    def broadcast(self, tensors, root=0):
+        """Broadcast from rank ``root`` of worker 0."""
+        with tf.device(self.devices[0]):
+            value = native_ops.broadcast(tensors[root], self._group("broadcast"), root=0,
+                                         **self._cross())
+        return [o[0] for o in self._fan_out([value])]
+
+
+def broadcast_across_workers(value, name, cluster, timeout_seconds):
+    """``value`` of worker 0, on every worker (one rank per worker)."""
+    return native_ops.broadcast(value, "%s/%s" % (cluster.job_id, name), cluster.worker_index,
+                                cluster.worker_num, root=0, timeout_seconds=timeout_seconds,
+                                transport="shm")

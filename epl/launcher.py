@@ -1,0 +1,218 @@
+"""epl-launch: start the workers of a job with their TF_CONFIG, and watch them.
+
+    epl-launch --num_workers 2 --gpu_per_worker 1 run.sh [ARGS]
+
+Every worker's output goes to its own log file and, prefixed by its rank, to the
+console.  When a worker exits non-zero (or on Ctrl-C, or after --timeout) the
+launcher stops the others by PID (SIGTERM, then SIGKILL), names the worker and
+shows the tail of its log, and exits non-zero.  On a machine without GPUs each
+worker gets --gpu_per_worker virtual CPU devices.
+"""
+import argparse
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+GRACE_SECONDS = 10
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="epl-launch", description=__doc__.split("\n\n")[0])
+    p.add_argument("--num_workers", type=int, required=True, help="workers in the job (all hosts)")
+    p.add_argument("--gpu_per_worker", type=int, default=1,
+                   help="devices per worker (virtual CPU devices where there is no GPU)")
+    p.add_argument("--machine_list", default="",
+                   help="comma-separated host:port of every machine (multi-host); worker i of "
+                        "machine m listens on host_m:port_m+i")
+    p.add_argument("--machine_rank", type=int, default=0, help="this machine's index in --machine_list")
+    p.add_argument("--log_dir", default="epl_logs", help="where worker_<i>.log files go")
+    p.add_argument("--timeout", type=float, default=0, help="stop the job after S seconds (0: never)")
+    p.add_argument("script", help="the local training script (.sh or .py)")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    a = p.parse_args(argv)
+    if a.num_workers < 1:
+        p.error("--num_workers must be >= 1, got %d" % a.num_workers)
+    if a.gpu_per_worker < 1:
+        p.error("--gpu_per_worker must be >= 1, got %d" % a.gpu_per_worker)
+    if not os.path.exists(a.script):
+        p.error("script %r does not exist" % a.script)
+    return a
+
+
+def free_ports(n, host="127.0.0.1"):
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind((host, 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def worker_addresses(a):
+    """(addresses of all workers, indices of the workers this machine starts)."""
+    if not a.machine_list:
+        return ["127.0.0.1:%d" % p for p in free_ports(a.num_workers)], list(range(a.num_workers))
+    machines = [m.strip() for m in a.machine_list.split(",") if m.strip()]
+    if a.num_workers % len(machines):
+        raise SystemExit("epl-launch: --num_workers %d cannot be divided over %d machines"
+                         % (a.num_workers, len(machines)))
+    if not 0 <= a.machine_rank < len(machines):
+        raise SystemExit("epl-launch: --machine_rank %d is outside the %d machines of "
+                         "--machine_list" % (a.machine_rank, len(machines)))
+    per = a.num_workers // len(machines)
+    addrs = []
+    for m in machines:
+        host, _, port = m.rpartition(":")
+        if not host or not port.isdigit():
+            raise SystemExit("epl-launch: --machine_list entry %r is not host:port" % m)
+        addrs += ["%s:%d" % (host, int(port) + i) for i in range(per)]
+    mine = list(range(a.machine_rank * per, (a.machine_rank + 1) * per))
+    return addrs, mine
+
+
+def _have_gpus():
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, timeout=10)
+        return out.returncode == 0 and b"GPU" in out.stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def worker_env(a, addrs, index, job_id, gpus):
+    env = dict(os.environ)
+    env["TF_CONFIG"] = json.dumps({"cluster": {"worker": addrs},
+                                   "task": {"type": "worker", "index": index}})
+    env["EPL_JOB_ID"] = job_id
+    env["EPL_WORKER_INDEX"] = str(index)
+    env["EPL_CLUSTER_DEVICES_PER_WORKER"] = str(a.gpu_per_worker)
+    env["PYTHONUNBUFFERED"] = "1"
+    # `python` in a worker's shell script is the interpreter epl-launch runs in.
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    if gpus:
+        local = index % max(1, len(addrs))
+        first = (local * a.gpu_per_worker)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + g) for g in range(a.gpu_per_worker))
+    return env
+
+
+def command(a):
+    if a.script.endswith(".py"):
+        return [sys.executable, a.script] + a.args
+    return ["bash", a.script] + a.args
+
+
+class Worker(object):
+    def __init__(self, index, proc, log_path):
+        self.index = index
+        self.proc = proc
+        self.log_path = log_path
+        self.pump = None
+
+
+def _pump(worker, log_file):
+    prefix = "[worker %d] " % worker.index
+    for raw in iter(worker.proc.stdout.readline, b""):
+        line = raw.decode("utf-8", "replace")
+        log_file.write(line)
+        log_file.flush()
+        sys.stdout.write(prefix + line)
+        sys.stdout.flush()
+    log_file.close()
+
+
+def tail(path, lines=20):
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def stop(workers):
+    """SIGTERM every running worker's process group, then SIGKILL after a grace period."""
+    running = [w for w in workers if w.proc.poll() is None]
+    for w in running:
+        try:
+            os.killpg(w.proc.pid, signal.SIGTERM)
+        except OSError:
+            pass
+    deadline = time.time() + GRACE_SECONDS
+    for w in running:
+        try:
+            w.proc.wait(max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(w.proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            w.proc.wait()
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    addrs, mine = worker_addresses(a)
+    job_id = os.environ.get("EPL_JOB_ID") or hashlib.sha1(
+        (",".join(addrs) + str(time.time() if not a.machine_list else "")).encode()).hexdigest()[:12]
+    os.makedirs(a.log_dir, exist_ok=True)
+    gpus = _have_gpus()
+    print("epl-launch: %d worker(s) x %d %s device(s), job %s, this machine starts %s"
+          % (a.num_workers, a.gpu_per_worker, "GPU" if gpus else "virtual CPU", job_id, mine),
+          flush=True)
+    workers = []
+    for i in mine:
+        log_path = os.path.join(a.log_dir, "worker_%d.log" % i)
+        proc = subprocess.Popen(command(a), env=worker_env(a, addrs, i, job_id, gpus),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        w = Worker(i, proc, log_path)
+        w.pump = threading.Thread(target=_pump, args=(w, open(log_path, "w")), daemon=True)
+        w.pump.start()
+        workers.append(w)
+    failed, reason = None, None
+    start = time.time()
+    try:
+        while True:
+            codes = [w.proc.poll() for w in workers]
+            bad = [w for w, c in zip(workers, codes) if c not in (None, 0)]
+            if bad:
+                failed, reason = bad[0], "exited with status %d" % bad[0].proc.returncode
+                break
+            if all(c == 0 for c in codes):
+                break
+            if a.timeout and time.time() - start > a.timeout:
+                failed = next(w for w, c in zip(workers, codes) if c is None)
+                reason = "still running after --timeout %gs" % a.timeout
+                break
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        reason = "interrupted (Ctrl-C)"
+    if reason:
+        stop(workers)
+    for w in workers:
+        w.pump.join(5)
+    print("\nepl-launch summary:")
+    for w in workers:
+        code = w.proc.returncode
+        print("  worker %d: %s  log %s" % (w.index, "exit %s" % code, w.log_path))
+    if reason:
+        if failed is not None:
+            print("\nepl-launch: worker %d %s; stopped the others. Last lines of %s:\n%s"
+                  % (failed.index, reason, failed.log_path, tail(failed.log_path)))
+        else:
+            print("\nepl-launch: %s; stopped all workers." % reason)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""epl-launch and between-graph data parallelism across worker processes."""
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests import models
+from tests.mw_train import BATCH, STEPS
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def launch(args, timeout=240, cwd=None):
+    """Run epl-launch; on failure or hang show its output."""
+    cmd = [sys.executable, "-m", "epl.launcher"] + args
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("EPL_JOB_ID", None)
+    try:
+        out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                             timeout=timeout, cwd=cwd)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail("epl-launch hung:\n%s" % (e.output or b"").decode()[-5000:])
+    return out.returncode, out.stdout.decode()
+
+
+def _local_oracle(workers, devices):
+    x, y = models.data(STEPS * BATCH * devices * workers)
+    return models.train_local(x, y, BATCH * devices * workers, STEPS, "adam")[0]
+
+
+def _check_workers(tmp_path, workers, devices):
+    want = _local_oracle(workers, devices)
+    for w in range(workers):
+        got = dict(np.load(str(tmp_path / ("worker_%d.npz" % w))))
+        np.testing.assert_array_equal(got.pop("steps"), [2, 4, 6])   # global_step on every worker
+        models.assert_weights_close(got, want)
+    ckpts = os.listdir(str(tmp_path / "ckpt"))
+    assert "checkpoint" in ckpts and any(c.startswith("model-6") for c in ckpts)
+
+
+def test_two_workers_two_devices_equal_local_model(tmp_path):
+    code, out = launch(["--num_workers", "2", "--gpu_per_worker", "2", "--log_dir",
+                        str(tmp_path / "logs"), os.path.join(HERE, "mw_train.py"), str(tmp_path)])
+    assert code == 0, out[-5000:]
+    assert "[worker 1]" in out and "epl-launch summary" in out
+    assert os.path.exists(str(tmp_path / "logs" / "worker_0.log"))
+    _check_workers(tmp_path, 2, 2)
+
+
+def test_multi_host_loopback(tmp_path):
+    """Two 'hosts' on 127.0.0.2 and 127.0.0.3, one launcher each (machine_rank 0 and 1)."""
+    from epl.launcher import free_ports
+    p2, p3 = free_ports(1, "127.0.0.2")[0], free_ports(1, "127.0.0.3")[0]
+    machines = "127.0.0.2:%d,127.0.0.3:%d" % (p2, p3)
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("EPL_JOB_ID", None)
+    procs = [subprocess.Popen([sys.executable, "-m", "epl.launcher", "--num_workers", "2",
+                               "--gpu_per_worker", "1", "--machine_list", machines,
+                               "--machine_rank", str(r), "--log_dir", str(tmp_path / ("logs%d" % r)),
+                               os.path.join(HERE, "mw_train.py"), str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+             for r in (0, 1)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=240)[0].decode())
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("multi-host launch hung")
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    _check_workers(tmp_path, 2, 1)
+
+
+def test_failing_worker_stops_the_job(tmp_path):
+    script = tmp_path / "fail.sh"
+    script.write_text('if [ "$EPL_WORKER_INDEX" = "1" ]; then echo boom-from-worker-1; exit 1; '
+                      'fi\nsleep 300\n')
+    start = time.time()
+    code, out = launch(["--num_workers", "2", "--gpu_per_worker", "1", "--log_dir",
+                        str(tmp_path / "logs"), str(script)], timeout=120)
+    assert code != 0
+    assert time.time() - start < 60
+    assert "worker 1 exited with status 1" in out and "boom-from-worker-1" in out
+
+
+def test_launch_timeout_names_running_worker(tmp_path):
+    script = tmp_path / "slow.sh"
+    script.write_text("sleep 300\n")
+    code, out = launch(["--num_workers", "1", "--timeout", "2", "--log_dir",
+                        str(tmp_path / "logs"), str(script)], timeout=60)
+    assert code != 0 and "worker 0 still running after --timeout" in out
+
+
+def test_bad_arguments():
+    code, out = launch(["--num_workers", "0", "x.sh"], timeout=30)
+    assert code != 0 and "--num_workers must be >= 1" in out
