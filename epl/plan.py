@@ -45,10 +45,82 @@ class ReplicaLayout(object):
                             for r in range(self.num_replicas)]
         self.clones = [(r, j, self.devices[r][j])
                        for r in range(self.num_replicas) for j in range(device_count)]
+        self.num_stages = 1
+        self.num_micro_batch = 1
 
     @property
     def num_clones(self):
         return len(self.clones)
+
+    def stage_device(self, c, stage):
+        return self.clones[c][2]
+
+    def representative(self, c):
+        """The clone whose variables and updates clone ``c`` uses (itself: every shard
+        holds its own copy)."""
+        return c
+
+    def pull_groups(self, clone_indices):
+        """Clones that share one pull of the input pipeline (the shards of a replica)."""
+        groups = []
+        for c in clone_indices:
+            if groups and self.clones[groups[-1][0]][0] == self.clones[c][0]:
+                groups[-1].append(c)
+            else:
+                groups.append([c])
+        return groups
+
+
+class PipelineLayout(object):
+    """``num_stages`` consecutive replicate TaskGraphs (stages), ``num_micro_batch``
+    micro-batches, and as many pipeline replicas as the devices allow.
+
+    A clone is one micro-batch of one pipeline replica: ``clones[c]`` =
+    (replica, micro-batch, first device).  Stage s of replica r runs on
+    ``devices[r][s]``; all micro-batches of a replica share its variables and
+    its single update (gradient accumulation).  With one stage this is plain
+    gradient accumulation on every device.
+    """
+
+    def __init__(self, total_devices, num_stages, num_micro_batch, devices_per_worker,
+                 prefer_intra_node=True):
+        if num_micro_batch < 1:
+            raise LayoutError("epl.Config: 'pipeline.num_micro_batch' = %d is invalid; it must "
+                              "be >= 1 (1 disables gradient accumulation)." % num_micro_batch)
+        if num_stages > total_devices:
+            raise LayoutError("%d pipeline stages need at least %d devices but the cluster has "
+                              "%d; merge stages or add devices." % (num_stages, num_stages,
+                                                                    total_devices))
+        if total_devices % num_stages:
+            raise LayoutError("%d devices cannot hold whole pipelines of %d stages (%d %% %d = "
+                              "%d); use a device count divisible by the number of stages."
+                              % (total_devices, num_stages, total_devices, num_stages,
+                                 total_devices % num_stages))
+        self.num_stages = num_stages
+        self.num_micro_batch = num_micro_batch
+        self.device_count = num_stages
+        self.num_replicas = total_devices // num_stages
+        if prefer_intra_node or num_stages > devices_per_worker:
+            self.devices = [[r * num_stages + s for s in range(num_stages)]
+                            for r in range(self.num_replicas)]
+        else:
+            self.devices = [[s * self.num_replicas + r for s in range(num_stages)]
+                            for r in range(self.num_replicas)]
+        self.clones = [(r, m, self.devices[r][0])
+                       for r in range(self.num_replicas) for m in range(num_micro_batch)]
+
+    @property
+    def num_clones(self):
+        return len(self.clones)
+
+    def stage_device(self, c, stage):
+        return self.devices[self.clones[c][0]][stage]
+
+    def representative(self, c):
+        return c - self.clones[c][1]
+
+    def pull_groups(self, clone_indices):
+        return [[c] for c in clone_indices]
 
 
 def plan(cluster, taskgraphs, config):
@@ -60,20 +132,17 @@ def plan(cluster, taskgraphs, config):
         raise NotImplementedError(
             "epl.split (tensor model parallelism) is not implemented in this EPL version yet; "
             "use epl.replicate for now.")
-    if len(taskgraphs) > 1:
-        raise NotImplementedError(
-            "%d TaskGraphs were annotated (%s): pipeline parallelism over several "
-            "replicate scopes is not implemented in this EPL version yet; annotate the whole "
-            "model with one epl.replicate scope or epl.set_default_strategy call."
-            % (len(taskgraphs), ", ".join(repr(tg.strategy) for tg in taskgraphs)))
-    tg = taskgraphs[0]
     num_mb = config.get("pipeline.num_micro_batch")
-    if num_mb < 1:
-        raise LayoutError("epl.Config: 'pipeline.num_micro_batch' = %d is invalid; it must be "
-                          ">= 1 (1 disables gradient accumulation)." % num_mb)
-    if num_mb > 1:
-        raise NotImplementedError("pipeline.num_micro_batch > 1 (gradient accumulation / "
-                                  "pipeline) is not implemented in this EPL version yet.")
-    return ReplicaLayout(cluster.total_gpu_num, tg.device_count, cluster.gpu_num_per_worker,
-                         config.get("cluster.device_place_prefer_intra_node"),
-                         name=repr(tg.strategy))
+    prefer = config.get("cluster.device_place_prefer_intra_node")
+    if len(taskgraphs) == 1 and num_mb == 1:
+        tg = taskgraphs[0]
+        return ReplicaLayout(cluster.total_gpu_num, tg.device_count, cluster.gpu_num_per_worker,
+                             prefer, name=repr(tg.strategy))
+    wide = [tg for tg in taskgraphs if tg.device_count != 1]
+    if wide:
+        raise NotImplementedError(
+            "%r: a pipeline stage (or gradient accumulation) over a replicate scope with "
+            "device_count > 1 is not implemented yet; use device_count=1 per stage."
+            % (wide[0].strategy,))
+    return PipelineLayout(cluster.total_gpu_num, len(taskgraphs), num_mb,
+                          cluster.gpu_num_per_worker, prefer)

@@ -53,9 +53,9 @@ def _rewrite(epl_graph, env):
     from epl.rewrite import inputs, merge, mirror, replicate, selection
     from epl.rewrite.state import ReplicaState, share_variables
     layout = planner.plan(env.cluster, epl_graph.taskgraphs, env.config)
-    taskgraph = epl_graph.taskgraphs[0]
-    sel = selection.select(epl_graph, taskgraph, share_variables(env.cluster, env.config))
-    state = ReplicaState(epl_graph, taskgraph, sel, layout, env.cluster, env.config)
+    sel = selection.select(epl_graph, epl_graph.taskgraphs,
+                           share_variables(env.cluster, env.config))
+    state = ReplicaState(epl_graph, epl_graph.taskgraphs, sel, layout, env.cluster, env.config)
     replicate.place_originals(state)
     inputs.shard_inputs(state)
     replicate.clone_replicas(state)

@@ -41,15 +41,24 @@ def reduce_gradients(state, record):
     reduced = [[] for _ in range(n)]   # every rank's reduced tensors (all must run)
     installs = []
     with new_ops(state.graph):
-        comms = [state.communicator("%s/comm_%d" % (name, i))
-                 for i in range(max(1, cfg.get("communication.num_communicators")))]
+        num_comms = max(1, cfg.get("communication.num_communicators"))
+        comms = {}
+
+        def comm_for(stage, b):
+            """Communicator b % num_communicators over the devices of ``stage``."""
+            key = (stage, b % num_comms)
+            if key not in comms:
+                comms[key] = state.communicator("%s/stage_%d/comm_%d" % ((name,) + key), stage)
+            return comms[key]
+
         dense = sorted((g for g, _ in pairs if not isinstance(g, tf.IndexedSlices)),
                        key=lambda t: t.op._id)  # pylint: disable=protected-access
-        buckets = fusion.plan_buckets([(g, g.dtype, fusion.nbytes(g)) for g in dense],
-                                      cfg.get("communication.max_splits"))
+        # Buckets never mix pipeline stages: a stage's gradients live on its devices.
+        buckets = fusion.plan_buckets([(g, (state.stage_of(g.op), g.dtype), fusion.nbytes(g))
+                                       for g in dense], cfg.get("communication.max_splits"))
         last = {}
-        for b, (_, grads) in enumerate(buckets):
-            comm = comms[b % len(comms)]
+        for b, ((stage, _), grads) in enumerate(buckets):
+            comm = comm_for(stage, b)
             out = _reduce_bucket(state, comm, grads, method, users)
             for c in range(n):
                 reduced[c].append(out["collective"][c])
@@ -60,20 +69,21 @@ def reduce_gradients(state, record):
                 installs.append((g, [out["grads"][c][i] for c in range(users)]))
         for g, _ in pairs:
             if isinstance(g, tf.IndexedSlices):
-                comm = comms[0]
+                comm = comm_for(state.stage_of(g.values.op), 0)
                 values = comm.all_gather(state.copies(g.values))
                 indices = comm.all_gather(state.copies(g.indices))
                 for c in range(n):
                     reduced[c] += [values[c], indices[c]]
                 if method == "mean":
                     total = n * state.cluster.worker_num
-                    values = [_scale(v, 1.0 / total, dev) for v, dev in zip(values, state.devices)]
+                    values = [_scale(v, 1.0 / total, dev) for v, dev in zip(values, comm.devices)]
                 installs += [(g.values, values[:users]), (g.indices, indices[:users])]
         barriers = []
         for c in range(users):
             with tf.device(state.devices[c]):
-                # Rank 0 also waits for every other rank's collectives: they must all run.
-                deps = [t for cc in range(n) for t in reduced[cc]] if users == 1 else reduced[c]
+                # Every update also waits for every other rank's collectives: they must all
+                # run (with micro-batches or shared variables some ranks' results are unread).
+                deps = [t for cc in range(n) for t in reduced[cc]]
                 deps += [t for _, per in installs for t in per[c:c + 1]]
                 barriers.append(tf.group(*deps, name="%s_ready_%d" % (name, c)))
     for original, per_clone in installs:
@@ -100,7 +110,7 @@ def _reduce_bucket(state, comm, grads, method, users):
     fp16 = cfg.get("communication.fp16") and grads[0].dtype == tf.float32
     scale = float(cfg.get("communication.fp16_scale"))
     lists = []
-    for c, dev in enumerate(state.devices):
+    for c, dev in enumerate(comm.devices):
         with tf.device(dev):
             ts = [state.tensor(c, g) for g in grads]
             if fp16:
@@ -111,7 +121,7 @@ def _reduce_bucket(state, comm, grads, method, users):
     for c in range(users):
         outs = collective[c]
         if fp16:
-            with tf.device(state.devices[c]):
+            with tf.device(comm.devices[c]):
                 outs = [tf.cast(t, tf.float32) / scale for t in outs]
         per_clone.append(outs)
     return {"collective": [outs[0] for outs in collective], "grads": per_clone}

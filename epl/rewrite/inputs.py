@@ -1,8 +1,9 @@
 """InputShardingPass: give every clone its own share of the input batch.
 
-Each model replica runs its own copy of the input pipeline's dequeue
-(``IteratorGetNext``...), so it pulls its own batch from the shared iterator;
-a replica over ``d`` devices splits that batch into ``d`` shards (seed 003).
+Each model replica (and each of its micro-batches) runs its own copy of the
+input pipeline's dequeue (``IteratorGetNext``...), so it pulls its own batch
+from the shared iterator; a replica over ``d`` devices splits that batch into
+``d`` shards (seed 003).
 A fed placeholder with an unknown first dimension holds the global batch and
 is split into one shard per clone.
 """
@@ -33,21 +34,21 @@ def _rewire_originals(state, old, new):
 
 
 def shard_inputs(state):
-    d = state.layout.device_count
+    groups = state.pull_groups   # clones that share one pull (the shards of a replica)
     for src in state.selection.sources:
         pulls = [src]
-        for _, clones in state.replicas[1:]:
-            pulls.append(clone_op(src, src.inputs, state.clone_name(clones[0], src.name),
+        for group in groups[1:]:
+            pulls.append(clone_op(src, src.inputs, state.clone_name(group[0], src.name),
                                   src.device, control_inputs=src.control_inputs))
         for i, out in enumerate(src.outputs):
             per_clone = []
-            for (r, clones), pull in zip(state.replicas, pulls):
-                if d == 1:
+            for g, (group, pull) in enumerate(zip(groups, pulls)):
+                if len(group) == 1:
                     per_clone.append(pull.outputs[i])
                 else:
-                    per_clone.extend(_split(state.graph, pull.outputs[i], d,
-                                            state.devices[clones[0]],
-                                            "EPL_SHARD/%s_%d_r%d" % (src.name, i, r)))
+                    per_clone.extend(_split(state.graph, pull.outputs[i], len(group),
+                                            state.devices[group[0]],
+                                            "EPL_SHARD/%s_%d_r%d" % (src.name, i, g)))
             _install(state, out, per_clone)
     for ph in state.selection.placeholders:
         out = ph.outputs[0]

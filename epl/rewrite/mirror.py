@@ -27,8 +27,11 @@ def mirror_one(state, op, variables=None):
         return
     twins = []
     for c in range(1, state.num_clones):
+        if not state.is_rep(c):
+            continue   # micro-batches share their replica's variables
         inputs = [state.tensor(c, op.inputs[0])] + list(op.inputs[1:])
-        twins.append(clone_op(op, inputs, state.clone_name(c, op.name), state.devices[c]))
+        twins.append(clone_op(op, inputs, state.clone_name(c, op.name),
+                              state.device_for(c, target)))
     op._add_control_inputs(twins)  # pylint: disable=protected-access
 
 

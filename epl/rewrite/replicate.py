@@ -18,20 +18,21 @@ def place_originals(state):
     single update too, when a worker shares one copy of its variables)."""
     ops = list(state.selection.ops)
     if state.share_variables:
-        ops += [op for op in state.taskgraph.ops if op not in state.selection and
+        ops += [op for tg in state.taskgraphs for op in tg.ops if op not in state.selection and
                 (op.type in VARIABLE_OPS or state.ir_graph.phase_of(op) == ir.APPLY)]
     for op in ops:
         check_clonable(op)
-        op._set_device(state.devices[0])  # pylint: disable=protected-access
+        op._set_device(state.device_for(0, op))  # pylint: disable=protected-access
 
 
 def _device_for(state, c, op, inputs):
-    """Clone c's device, unless the op reads a shared resource variable: TF keeps
-    resource reads on the resource's device."""
+    """Clone c's device for the op's stage, unless the op reads a shared resource
+    variable: TF keeps resource reads on the resource's device."""
     for orig, new in zip(op.inputs, inputs):
-        if orig is new and new.dtype == tf.resource and new.op.type in VARIABLE_OPS:
+        if new.dtype == tf.resource and new.op.type in VARIABLE_OPS and (
+                orig is new or new.op.device):
             return new.op.device
-    return state.devices[c]
+    return state.device_for(c, op)
 
 
 def clone_replicas(state):
@@ -42,7 +43,15 @@ def clone_replicas(state):
     for op in sel.ops:
         while pending and op._id >= pending[0][0]:  # pylint: disable=protected-access
             reduce_gradients(state, pending.pop(0)[1])
+        owned = op.type in VARIABLE_OPS or state.ir_graph.phase_of(op) == ir.APPLY
         for c in range(1, state.num_clones):
+            if owned and not state.is_rep(c):
+                # Micro-batches of a replica share its variables and its one update.
+                rep = state.reps[c]
+                state.op_map[c][op] = state.op(rep, op)
+                for t in op.outputs:
+                    state.tensor_map[c][t] = state.tensor(rep, t)
+                continue
             inputs = [state.tensor(c, t) for t in op.inputs]
             controls = [state.op(c, ci) for ci in op.control_inputs]
             attr = None
@@ -76,19 +85,19 @@ def join_clones(state):
       (the ``global_step`` increment) waits for all copies of it.
     """
     sel = state.selection
+    owners = [c for c in range(1, state.num_clones) if state.is_rep(c)]  # hold an update
     for op in sel.ops:
         if state.ir_graph.phase_of(op) != ir.APPLY:
             continue
         used = any(out.consumers() for out in op.outputs) or _has_control_consumers(state, op)
-        if not used:
-            op._add_control_inputs([state.op(c, op) for c in range(1, state.num_clones)])
+        if not used and owners:
+            op._add_control_inputs([state.op(c, op) for c in owners])  # pylint: disable=protected-access
     for op in state.graph.get_operations():
         if op in sel or state.ir_graph.phase_of(op) == ir.REWRITE:
             continue
         upstream = list(op.control_inputs) + [t.op for t in op.inputs]
         extra = [state.op(c, up) for up in upstream if up in sel
-                 and state.ir_graph.phase_of(up) == ir.APPLY
-                 for c in range(1, state.num_clones)]
+                 and state.ir_graph.phase_of(up) == ir.APPLY for c in owners]
         if extra:
             op._add_control_inputs(extra)  # pylint: disable=protected-access
 

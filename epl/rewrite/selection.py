@@ -54,8 +54,8 @@ def _is_shared_resource(op):
             and not any(_is_stateful_handle(i) for i in op.inputs))
 
 
-def select(ir_graph, taskgraph, share_variables=False):
-    """The replica's ops.  With ``share_variables`` the clones of one worker read
+def select(ir_graph, taskgraphs, share_variables=False):
+    """The replica's ops (of every TaskGraph: pipeline stages are one replica).  With ``share_variables`` the clones of one worker read
     the user's variables and only the user's apply ops update them, once."""
     graph = ir_graph.tf_graph
     initializers = set()
@@ -76,7 +76,7 @@ def select(ir_graph, taskgraph, share_variables=False):
         return ir_graph.phase_of(op) in (ir.SAVE, ir.REWRITE)
 
     sel = Selection()
-    wanted = [op for op in taskgraph.ops
+    wanted = [op for tg in taskgraphs for op in tg.ops
               if ir_graph.phase_of(op) in (ir.FORWARD, ir.BACKWARD, ir.APPLY)
               and not excluded(op)]
     chosen = set(wanted)

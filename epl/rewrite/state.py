@@ -11,10 +11,10 @@ class ReplicaState(object):
     clone ``c`` (clone 0 maps everything to itself).
     """
 
-    def __init__(self, ir_graph, taskgraph, selection, layout, cluster, config):
+    def __init__(self, ir_graph, taskgraphs, selection, layout, cluster, config):
         self.ir_graph = ir_graph
         self.graph = ir_graph.tf_graph
-        self.taskgraph = taskgraph
+        self.taskgraphs = taskgraphs
         self.selection = selection
         self.layout = layout
         self.cluster = cluster
@@ -30,13 +30,14 @@ class ReplicaState(object):
                 "model replica %d spans several workers (device_count %d > %d devices per "
                 "worker); between-graph data parallelism needs each replica within one worker: "
                 "use device_count <= %d." % (split[0], layout.device_count, per, per))
-        self.devices = [cluster.local_device(dev % per) for _, _, dev in self.clones]
-        # Local replicas in order, each with its clones (one per shard).
-        self.replicas = []
-        for c, (r, _, _) in enumerate(self.clones):
-            if not self.replicas or self.replicas[-1][0] != r:
-                self.replicas.append((r, []))
-            self.replicas[-1][1].append(c)
+        local_index = [layout.clones.index(cl) for cl in self.clones]
+        # stage_devices[c][s]: this worker's device running stage s of clone c
+        self.stage_devices = [[cluster.local_device(layout.stage_device(g, s) % per)
+                               for s in range(layout.num_stages)] for g in local_index]
+        self.devices = [sd[0] for sd in self.stage_devices]
+        self.reps = [local_index.index(layout.representative(g)) for g in local_index]
+        self.pull_groups = [[local_index.index(g) for g in grp]
+                            for grp in layout.pull_groups(local_index)]
         self.share_variables = share_variables(cluster, config)
         self.tensor_map = [dict() for _ in self.clones]
         self.op_map = [dict() for _ in self.clones]
@@ -56,10 +57,23 @@ class ReplicaState(object):
         """``t`` in every clone (a list indexed by clone)."""
         return [self.tensor(c, t) for c in range(self.num_clones)]
 
-    def communicator(self, name):
-        """A communicator over this worker's clones that also spans the other workers."""
+    def stage_of(self, op):
+        tg = self.ir_graph.taskgraph_of(op)
+        return tg.index if tg is not None and self.layout.num_stages > 1 else 0
+
+    def device_for(self, c, op):
+        """Where clone c runs ``op``: the device of the op's stage."""
+        return self.stage_devices[c][self.stage_of(op)]
+
+    def is_rep(self, c):
+        """Clone c owns its replica's variables and update (micro-batch 0)."""
+        return self.reps[c] == c
+
+    def communicator(self, name, stage=0):
+        """A communicator over this worker's clones (their devices of ``stage``) that also
+        spans the other workers."""
         from epl import communicators
-        return communicators.create(self.devices, name,
+        return communicators.create([sd[stage] for sd in self.stage_devices], name,
                                     self.config.get("communication.timeout_seconds"),
                                     self.cluster)
 

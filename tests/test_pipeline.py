@@ -1,0 +1,97 @@
+"""Gradient accumulation and pipeline stages equal the local model on the global batch."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import epl
+from tests import models
+
+STEPS, MB = 4, 2   # steps, rows per micro-batch
+
+
+def _staged_forward(x, labels, stages):
+    """models.forward split into `stages` replicate scopes (1, 2 or 3)."""
+    w = models.initial_weights()
+    with epl.replicate(1, name="stage_0"):
+        h = tf.layers.dense(x, models.HIDDEN, activation=tf.nn.tanh,
+                            kernel_initializer=tf.constant_initializer(w["dense/kernel"]),
+                            bias_initializer=tf.constant_initializer(w["dense/bias"]))
+    if stages == 3:
+        with epl.replicate(1, name="stage_1"):
+            h = tf.identity(h * 1.0)
+    with epl.replicate(1, name="stage_%d" % (stages - 1)):
+        logits = tf.layers.dense(h, models.CLASSES,
+                                 kernel_initializer=tf.constant_initializer(w["dense_1/kernel"]),
+                                 bias_initializer=tf.constant_initializer(w["dense_1/bias"]))
+        loss = tf.losses.sparse_softmax_cross_entropy(labels=labels, logits=logits)
+    return loss
+
+
+def run(devices, stages, micro, optimizer="momentum", copies="per_worker", strategy=None):
+    replicas = devices // stages
+    rows = STEPS * replicas * micro * MB
+    x, y = models.data(rows)
+    want, _ = models.train_local(x, y, replicas * micro * MB, STEPS, optimizer)
+    epl.init(epl.Config({"cluster.devices_per_worker": devices,
+                         "pipeline.num_micro_batch": micro,
+                         "cluster.variable_copies": copies,
+                         "pipeline.strategy": strategy or "PreferBackward"}))
+    bx, by = models.input_batch(x, y, MB)
+    if stages == 1:
+        epl.set_default_strategy(epl.replicate(1))
+        _, loss = models.forward(bx, by)
+    else:
+        loss = _staged_forward(bx, by, stages)
+    step = tf.train.get_or_create_global_step()
+    op = models.train_op(loss, optimizer, step)
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
+        for _ in range(STEPS):
+            sess.run(op)
+        got = models.weights(sess)
+        assert sess.run(step) == STEPS
+    models.assert_weights_close(got, want)
+    return tf.get_default_graph()
+
+
+@pytest.mark.parametrize("copies", ["per_device", "per_worker"])
+@pytest.mark.parametrize("devices, micro", [(1, 2), (1, 4), (2, 2), (2, 4)])
+def test_gradient_accumulation_equals_big_batch(devices, micro, copies):
+    run(devices, 1, micro, copies=copies)
+
+
+@pytest.mark.parametrize("strategy", ["PreferForward", "PreferBackward"])
+@pytest.mark.parametrize("micro", [1, 2, 4])
+@pytest.mark.parametrize("devices, stages", [(2, 2), (4, 2), (3, 3)])
+def test_pipeline_equals_local(devices, stages, micro, strategy):
+    g = run(devices, stages, micro, strategy=strategy)
+    ir = epl.Graph.get(g)
+    sel = ir.rewrite_result.state.selection
+    per_stage = [set(op.device for op in tg.ops if op in sel) for tg in ir.taskgraphs]
+    assert all(len(d) == 1 for d in per_stage), per_stage
+    assert len(set.union(*per_stage)) == stages   # each stage on its own device
+
+
+def test_pipeline_adam_per_device_copies():
+    run(4, 2, 2, optimizer="adam", copies="per_device")
+
+
+def _build_epl(devices, stages, micro):
+    epl.init(epl.Config({"cluster.devices_per_worker": devices,
+                         "pipeline.num_micro_batch": micro}))
+    x, y = models.data(8)
+    bx, by = models.input_batch(x, y, MB)
+    loss = _staged_forward(bx, by, stages)
+    return models.train_op(loss, "sgd")
+
+
+@pytest.mark.parametrize("devices, stages, micro, match", [
+    (2, 2, 0, "'pipeline.num_micro_batch' = 0 is invalid"),
+    (2, 3, 1, "3 pipeline stages need at least 3 devices but the cluster has 2"),
+    (3, 2, 1, r"3 devices cannot hold whole pipelines of 2 stages \(3 % 2 = 1\)"),
+])
+def test_errors(devices, stages, micro, match):
+    op = _build_epl(devices, stages, micro)
+    with pytest.raises(ValueError, match=match):
+        with tf.Session() as sess:
+            sess.run(op)
