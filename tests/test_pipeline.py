@@ -95,3 +95,43 @@ def test_errors(devices, stages, micro, match):
     with pytest.raises(ValueError, match=match):
         with tf.Session() as sess:
             sess.run(op)
+
+
+@pytest.mark.parametrize("strategy", ["PreferForward", "PreferBackward"])
+def test_executed_order_follows_schedule(strategy):
+    """Read the real execution order of every stage's tasks from TF's step stats."""
+    from epl.rewrite import schedule
+    stages, micro = 2, 4
+    epl.init(epl.Config({"cluster.devices_per_worker": stages, "pipeline.num_micro_batch": micro,
+                         "pipeline.strategy": strategy}))
+    x, y = models.data(64)
+    bx, by = models.input_batch(x, y, MB)
+    op = models.train_op(_staged_forward(bx, by, stages), "sgd")
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
+        meta = tf.RunMetadata()
+        sess.run(op, options=tf.RunOptions(trace_level=tf.RunOptions.FULL_TRACE),
+                 run_metadata=meta)
+    start = {}
+    for dev in meta.step_stats.dev_stats:
+        for node in dev.node_stats:
+            start[node.node_name] = min(start.get(node.node_name, 1 << 62),
+                                        node.all_start_micros)
+    state = epl.Graph.get().rewrite_result.state
+    path = schedule._training_path(state)
+    for s in range(stages):
+        order = state.schedule[(0, s)]
+        assert order == schedule.schedule_order(strategy, s, stages, micro)
+        begun = []
+        for kind, m in order:
+            ops = schedule.task_ops(state, m, s, "forward" if kind == "F" else "backward", path)
+            times = [start[o.name] for o in ops if o.name in start]
+            assert times, (kind, m)
+            begun.append((min(times), (kind, m)))
+        assert [t for _, t in sorted(begun)] == order
+        if strategy == "PreferBackward":   # at most p micro-batches in flight on a stage
+            live = peak = 0
+            for kind, _ in order:
+                live += 1 if kind == "F" else -1
+                peak = max(peak, live)
+            assert peak <= stages - s

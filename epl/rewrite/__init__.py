@@ -9,10 +9,11 @@ first ``Session.run`` of a plain session.  Passes, in order, each with one job:
 4. shard inputs  every clone gets its own batch (``inputs.py``)
 5. clone         copies per clone; gradients reduced before the first apply
                  op (``replicate.py``, ``gradients.py``)
-6. join          the user's train op runs every clone's update
-7. mirror        initial values come from worker 0; initializers / restores /
+6. schedule      pipeline order of each stage's micro-batches (``schedule.py``)
+7. join          the user's train op runs every clone's update
+8. mirror        initial values come from worker 0; initializers / restores /
                  assigns reach every variable copy
-8. merge         merged fetches for epl.GraphKeys
+9. merge         merged fetches for epl.GraphKeys
 """
 import logging
 import time
@@ -50,7 +51,7 @@ def rewrite_if_needed(graph):
 
 def _rewrite(epl_graph, env):
     from epl import plan as planner
-    from epl.rewrite import inputs, merge, mirror, replicate, selection
+    from epl.rewrite import inputs, merge, mirror, replicate, schedule, selection
     from epl.rewrite.state import ReplicaState, share_variables
     layout = planner.plan(env.cluster, epl_graph.taskgraphs, env.config)
     sel = selection.select(epl_graph, epl_graph.taskgraphs,
@@ -59,6 +60,7 @@ def _rewrite(epl_graph, env):
     replicate.place_originals(state)
     inputs.shard_inputs(state)
     replicate.clone_replicas(state)
+    schedule.schedule_pipeline(state)
     replicate.join_clones(state)
     mirror.broadcast_initial_values(state)
     mirror.mirror_writes(state)

@@ -71,6 +71,8 @@ def select(ir_graph, taskgraphs, share_variables=False):
             return True
         if op in initializers or op in from_step or _is_shared_resource(op):
             return True
+        if any(ci in initializers for ci in op.control_inputs):
+            return True   # tf.global_variables_initializer()'s group
         if share_variables and (op.type in VARIABLE_OPS or ir_graph.phase_of(op) == ir.APPLY):
             return True
         return ir_graph.phase_of(op) in (ir.SAVE, ir.REWRITE)
