@@ -79,8 +79,13 @@ def _classify(graph, op):
             tg = c.grad_default[-1]
         return tg, ir.BACKWARD
     strategy = current_strategy()
-    tg = epl_graph.taskgraph_for(strategy) if strategy is not None else None
-    return tg, ir.FORWARD
+    if strategy is not None:
+        return epl_graph.taskgraph_for(strategy), ir.FORWARD
+    # Outside any annotation: an op computed from annotated ops (a loss built after
+    # the last stage's scope) joins the latest TaskGraph it reads from.
+    fed = [epl_graph.taskgraph_of(t.op) for t in op.inputs]
+    fed = [tg for tg in fed if tg is not None]
+    return (max(fed, key=lambda tg: tg.index) if fed else None), ir.FORWARD
 
 
 def _colocated_taskgraph(epl_graph, op):

@@ -179,3 +179,27 @@ def test_global_step_advances_once_without_explicit_global_step():
         for i in range(3):
             sess.run(op)
         assert sess.run(step) == 3
+
+
+def test_loss_outside_the_scope_is_replicated():
+    """Only the model is annotated; the loss built after the scope joins its TaskGraph."""
+    n = 2
+    x, y = models.data(STEPS * n * BATCH)
+    want, _ = models.train_local(x, y, n * BATCH, STEPS, "momentum")
+    epl.init(epl.Config({"cluster.devices_per_worker": n}))
+    bx, by = models.input_batch(x, y, BATCH)
+    w = models.initial_weights()
+    with epl.replicate(1):
+        h = tf.layers.dense(bx, models.HIDDEN, activation=tf.nn.tanh,
+                            kernel_initializer=tf.constant_initializer(w["dense/kernel"]),
+                            bias_initializer=tf.constant_initializer(w["dense/bias"]))
+        logits = tf.layers.dense(h, models.CLASSES,
+                                 kernel_initializer=tf.constant_initializer(w["dense_1/kernel"]),
+                                 bias_initializer=tf.constant_initializer(w["dense_1/bias"]))
+    loss = tf.losses.sparse_softmax_cross_entropy(labels=by, logits=logits)
+    op = models.train_op(loss, "momentum", tf.train.get_or_create_global_step())
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
+        for _ in range(STEPS):
+            sess.run(op)
+        models.assert_weights_close(models.weights(sess), want)
