@@ -7,6 +7,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 BENCHES = [
     ["dp_overhead.py"],
     ["fusion.py"],
+    ["pipeline_bubble.py"],
     ["collectives.py", "--sizes-mib", "1,16,64,256"],
 ]
 
