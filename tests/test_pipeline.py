@@ -135,3 +135,50 @@ def test_executed_order_follows_schedule(strategy):
                 live += 1 if kind == "F" else -1
                 peak = max(peak, live)
             assert peak <= stages - s
+
+
+def _residual_model(x, labels, staged):
+    """The stage-1 input is read twice: its gradient is a sum across the stage boundary."""
+    w = models.initial_weights()
+
+    def stage0():
+        return tf.layers.dense(x, models.HIDDEN, activation=tf.nn.tanh,
+                               kernel_initializer=tf.constant_initializer(w["dense/kernel"]),
+                               bias_initializer=tf.constant_initializer(w["dense/bias"]))
+
+    def stage1(h):
+        r = tf.layers.dense(h, models.HIDDEN, kernel_initializer=tf.constant_initializer(
+            np.eye(models.HIDDEN, dtype=np.float32) * 0.5), name="residual")
+        logits = tf.layers.dense(h + r, models.CLASSES,
+                                 kernel_initializer=tf.constant_initializer(w["dense_1/kernel"]),
+                                 bias_initializer=tf.constant_initializer(w["dense_1/bias"]))
+        return tf.losses.sparse_softmax_cross_entropy(labels=labels, logits=logits)
+    if not staged:
+        return stage1(stage0())
+    epl.set_default_strategy(epl.replicate(1))
+    h = stage0()
+    epl.set_default_strategy(epl.replicate(1))
+    return stage1(h)
+
+
+def test_gradient_sum_across_stage_boundary():
+    micro, devices = 2, 4
+    x, y = models.data(STEPS * 2 * micro * MB)
+    with tf.Graph().as_default():
+        bx, by = models.input_batch(x, y, 2 * micro * MB)
+        op = models.train_op(_residual_model(bx, by, False), "adam")
+        with tf.Session() as sess:
+            sess.run(tf.global_variables_initializer())
+            for _ in range(STEPS):
+                sess.run(op)
+            want = sess.run(tf.trainable_variables())
+    epl.init(epl.Config({"cluster.devices_per_worker": devices, "pipeline.num_micro_batch": micro}))
+    bx, by = models.input_batch(x, y, MB)
+    op = models.train_op(_residual_model(bx, by, True), "adam")
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
+        for _ in range(STEPS):
+            sess.run(op)
+        got = sess.run(tf.trainable_variables())
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

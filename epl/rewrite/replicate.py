@@ -22,6 +22,10 @@ def place_originals(state):
                 (op.type in VARIABLE_OPS or state.ir_graph.phase_of(op) == ir.APPLY)]
     for op in ops:
         check_clonable(op)
+        # Our placement replaces TF's colocation hints: tf.gradients colocates a
+        # gradient sum with its first input, which may live on another stage.
+        if op.node_def.attr.get("_class") is not None and "_class" in op.node_def.attr:
+            op._clear_attr("_class")  # pylint: disable=protected-access
         op._set_device(state.device_for(0, op))  # pylint: disable=protected-access
 
 
