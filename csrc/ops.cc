@@ -229,12 +229,22 @@ class CollectiveKernel : public AsyncOpKernel {
   std::atomic<int64> generation_{0};
 };
 
-class AllReduceOp : public CollectiveKernel {
+// A collective with a reduce_op attr (sum, mean, max, min).
+class ReducingKernel : public CollectiveKernel {
  public:
-  explicit AllReduceOp(OpKernelConstruction* c) : CollectiveKernel(c) {
+  explicit ReducingKernel(OpKernelConstruction* c) : CollectiveKernel(c) {
     OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &op_name_));
     OP_REQUIRES_OK(c, ParseReduceOp(op_name_, &op_));
   }
+
+ protected:
+  string op_name_;
+  ReduceOp op_;
+};
+
+class AllReduceOp : public ReducingKernel {
+ public:
+  using ReducingKernel::ReducingKernel;
 
  protected:
   string Describe() const override {
@@ -259,19 +269,13 @@ class AllReduceOp : public CollectiveKernel {
   void RunShm(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
     ShmAllReduce(MakeShmArgs(gen), op_, ctx, std::move(done));
   }
-
- private:
-  string op_name_;
-  ReduceOp op_;
 };
 
 // Fused all-reduce: the list is reduced as one virtual buffer, with no
 // concat/split ops in the graph.
-class AllReduceNOp : public CollectiveKernel {
+class AllReduceNOp : public ReducingKernel {
  public:
-  explicit AllReduceNOp(OpKernelConstruction* c) : CollectiveKernel(c) {
-    OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &op_name_));
-    OP_REQUIRES_OK(c, ParseReduceOp(op_name_, &op_));
+  explicit AllReduceNOp(OpKernelConstruction* c) : ReducingKernel(c) {
     OP_REQUIRES_OK(c, c->GetAttr("N", &n_));
   }
 
@@ -323,8 +327,6 @@ class AllReduceNOp : public CollectiveKernel {
   }
 
  private:
-  string op_name_;
-  ReduceOp op_;
   int n_ = 1;
 };
 
@@ -368,12 +370,9 @@ class AllGatherOp : public CollectiveKernel {
   }
 };
 
-class ReduceScatterOp : public CollectiveKernel {
+class ReduceScatterOp : public ReducingKernel {
  public:
-  explicit ReduceScatterOp(OpKernelConstruction* c) : CollectiveKernel(c) {
-    OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &op_name_));
-    OP_REQUIRES_OK(c, ParseReduceOp(op_name_, &op_));
-  }
+  using ReducingKernel::ReducingKernel;
 
  protected:
   string Describe() const override {
@@ -406,10 +405,6 @@ class ReduceScatterOp : public CollectiveKernel {
   void RunShm(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
     ShmReduceScatter(MakeShmArgs(gen), op_, ctx, std::move(done));
   }
-
- private:
-  string op_name_;
-  ReduceOp op_;
 };
 
 class BroadcastOp : public CollectiveKernel {
@@ -437,12 +432,10 @@ class BroadcastOp : public CollectiveKernel {
   int root_ = 0;
 };
 
-class ReduceOpKernel : public CollectiveKernel {
+class ReduceOpKernel : public ReducingKernel {
  public:
-  explicit ReduceOpKernel(OpKernelConstruction* c) : CollectiveKernel(c) {
+  explicit ReduceOpKernel(OpKernelConstruction* c) : ReducingKernel(c) {
     OP_REQUIRES_OK(c, c->GetAttr("root", &root_));
-    OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &op_name_));
-    OP_REQUIRES_OK(c, ParseReduceOp(op_name_, &op_));
     OP_REQUIRES(c, root_ < size_, InvalidArgument("reduce root ", root_, " >= size ", size_));
   }
 
@@ -475,8 +468,6 @@ class ReduceOpKernel : public CollectiveKernel {
 
  private:
   int root_ = 0;
-  string op_name_;
-  ReduceOp op_;
 };
 
 // Rows rank `src` sends to each rank, from its split_sizes input (empty: equal split).

@@ -51,9 +51,8 @@ def test_dp_checkpoint_restores_into_local_model(tmp_path, copies):
             assert sess.run(tf.train.get_global_step()) == STEPS
 
 
-def test_restore_reaches_every_replica(tmp_path):
-    path = str(tmp_path / "model.ckpt")
-    trained = _train_dp_and_save(path)
+def _fresh_dp_model():
+    """The same model in a new graph, annotated for DP, not trained."""
     tf.reset_default_graph()
     _init()
     epl.set_default_strategy(epl.replicate(1))
@@ -61,6 +60,12 @@ def test_restore_reaches_every_replica(tmp_path):
     bx, by = models.input_batch(x, y, BATCH)
     _, loss = models.forward(bx, by)
     models.train_op(loss, "adam", tf.train.get_or_create_global_step())
+
+
+def test_restore_reaches_every_replica(tmp_path):
+    path = str(tmp_path / "model.ckpt")
+    trained = _train_dp_and_save(path)
+    _fresh_dp_model()
     saver = tf.train.Saver()
     with tf.Session() as sess:
         sess.run(tf.global_variables_initializer())
@@ -72,13 +77,7 @@ def test_restore_reaches_every_replica(tmp_path):
 
 def test_saver_built_after_first_run_still_mirrors(tmp_path):
     trained = _train_dp_and_save(str(tmp_path / "model.ckpt"))
-    tf.reset_default_graph()
-    _init()
-    epl.set_default_strategy(epl.replicate(1))
-    x, y = models.data(8)
-    bx, by = models.input_batch(x, y, BATCH)
-    _, loss = models.forward(bx, by)
-    models.train_op(loss, "adam", tf.train.get_or_create_global_step())
+    _fresh_dp_model()
     with tf.Session() as sess:
         sess.run(tf.global_variables_initializer())      # rewrite happens here
         tf.train.Saver().restore(sess, tf.train.latest_checkpoint(str(tmp_path)))
