@@ -29,7 +29,6 @@ _NOT_YET = {
     "offload.level": "CPU offload",
     "amp.level": "memory-efficient AMP",
     "auto.auto_parallel": "automatic parallelism",
-    "io.slicing": "IO slicing",
 }
 
 

@@ -20,6 +20,8 @@ Patch points (all installed by :func:`install`, idempotent):
 8. ``session.BaseSession.run``: rewrite before the first run of a plain
    Session, and map fetches of merged tensors (epl.GraphKeys).
 9. ``writer.FileWriter.add_event``: summaries are written only by the chief.
+10. ``readers.{TFRecord,TextLine,FixedLengthRecord}DatasetV2.__init__``: with
+    ``io.slicing`` each worker reads its share of the files (``epl.io_slicing``).
 
 Everything else reads and edits graphs through :mod:`epl.ir` and the rewriter.
 """
@@ -27,6 +29,7 @@ import contextlib
 import threading
 
 from tensorflow.python.client import session as tf_session
+from tensorflow.python.data.ops import readers as tf_readers
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import gradients_util
 from tensorflow.python.summary.writer import writer as tf_writer
@@ -203,6 +206,13 @@ def _add_event(self, event):
     return _originals["add_event"](self, event)
 
 
+def _reader_init(key):
+    def init(self, filenames, *args, **kwargs):
+        from epl.io_slicing import sliced_filenames
+        return _originals[key](self, sliced_filenames(filenames), *args, **kwargs)
+    return init
+
+
 def _finalize(self):
     from epl.rewrite import rewrite_if_needed
     rewrite_if_needed(self)
@@ -233,6 +243,10 @@ _PATCHES = [
     ("saver_save", tf_saver.Saver, "save", _saver_save),
     ("add_event", tf_writer.FileWriter, "add_event", _add_event),
     ("finalize", ops.Graph, "finalize", _finalize),
+    ("tfrecord_init", tf_readers.TFRecordDatasetV2, "__init__", _reader_init("tfrecord_init")),
+    ("textline_init", tf_readers.TextLineDatasetV2, "__init__", _reader_init("textline_init")),
+    ("fixedlength_init", tf_readers.FixedLengthRecordDatasetV2, "__init__",
+     _reader_init("fixedlength_init")),
     ("session_init", tf_session.BaseSession, "__init__", _session_init),
     ("session_run", tf_session.BaseSession, "run", _session_run),
 ]
