@@ -24,6 +24,11 @@ class HierarchicalCommunicator(Communicator):
         self.transport = transport
         self.timeout_seconds = timeout_seconds
         self._calls = 0
+        # The shm transport moves host memory: on GPUs the cross-worker step runs on the
+        # worker's CPU (TensorFlow copies to and from the GPU around it).
+        first = devices[0]
+        self.cross_device = first if "CPU" in first.upper() else \
+            first[:first.upper().rfind("/DEVICE:")] + "/device:CPU:0"
 
     def _group(self, what):
         self._calls += 1
@@ -45,7 +50,7 @@ class HierarchicalCommunicator(Communicator):
         if reduce_op not in ("sum", "mean"):
             raise ValueError("hierarchical all_reduce supports sum and mean, got %r" % reduce_op)
         local = self.local.all_reduce_n(lists, "sum")
-        with tf.device(self.devices[0]):
+        with tf.device(self.cross_device):
             total = native_ops.all_reduce_n(local[0], self._group("all_reduce_n"), reduce_op="sum",
                                             **self._cross())
             if reduce_op == "mean":
@@ -63,7 +68,7 @@ class HierarchicalCommunicator(Communicator):
 
     def all_gather(self, tensors):
         local = self.local.all_gather(tensors)
-        with tf.device(self.devices[0]):
+        with tf.device(self.cross_device):
             total = native_ops.all_gather(local[0], self._group("all_gather"), **self._cross())
         outs = [o[0] for o in self._fan_out([total])]
         for rank in range(1, self.size):
@@ -72,7 +77,7 @@ class HierarchicalCommunicator(Communicator):
 
     def broadcast(self, tensors, root=0):
         """Broadcast from rank ``root`` of worker 0."""
-        with tf.device(self.devices[0]):
+        with tf.device(self.cross_device):
             value = native_ops.broadcast(tensors[root], self._group("broadcast"), root=0,
                                          **self._cross())
         return [o[0] for o in self._fan_out([value])]
