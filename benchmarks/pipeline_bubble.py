@@ -3,7 +3,7 @@ burning no CPU), p in {2, 4} stages, m in {1, 4, 8, 16} micro-batches, both sche
 Measured makespan and bubble fraction vs theory (p-1)/(m+p-1), and the peak number of
 micro-batches alive per stage, read from TF's step stats (RunMetadata).
 
-    python benchmarks/pipeline_bubble.py [--forward-ms 50] [--json FILE]
+    python benchmarks/pipeline_bubble.py [--forward-ms 100] [--json FILE]
 """
 import argparse
 import os
@@ -116,7 +116,7 @@ def measure(p, m, strategy, seconds):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--forward-ms", type=float, default=50.0)
+    ap.add_argument("--forward-ms", type=float, default=100.0)
     ap.add_argument("--stages", default="2,4")
     ap.add_argument("--micro", default="1,4,8,16")
     ap.add_argument("--json")

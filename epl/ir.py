@@ -78,6 +78,48 @@ class Graph(object):
         if taskgraph is not None:
             taskgraph.ops.append(op)
 
+    def stage_order(self):
+        """Position of every TaskGraph in the pipeline: {taskgraph index: stage}.
+
+        Stages follow the forward data flow between TaskGraphs (creation order
+        breaks ties).  A cycle (each of two scopes reads the other's output)
+        cannot be pipelined and raises ValueError naming both directions.
+        """
+        example = {}
+        for tg in self.taskgraphs:
+            for op in tg.ops:
+                if self.phase_of(op) != FORWARD:
+                    continue
+                for t in op.inputs:
+                    src = self.taskgraph_of(t.op)
+                    if src is not None and src is not tg and self.phase_of(t.op) == FORWARD:
+                        example.setdefault((src.index, tg.index), (t.name, op.name))
+        succ = {tg.index: set() for tg in self.taskgraphs}
+        indeg = {tg.index: 0 for tg in self.taskgraphs}
+        for (a, b) in example:
+            if b not in succ[a]:
+                succ[a].add(b)
+                indeg[b] += 1
+        order, ready = [], sorted(i for i, d in indeg.items() if d == 0)
+        while ready:
+            i = ready.pop(0)
+            order.append(i)
+            for j in sorted(succ[i]):
+                indeg[j] -= 1
+                if indeg[j] == 0:
+                    ready.append(j)
+                    ready.sort()
+        if len(order) != len(self.taskgraphs):
+            stuck = [i for i in indeg if indeg[i] > 0]
+            pairs = ["%r reads %r (op %r)" % (self.taskgraphs[b].strategy, example[(a, b)][0],
+                                              example[(a, b)][1])
+                     for (a, b) in sorted(example) if a in stuck and b in stuck]
+            raise ValueError(
+                "EPL: the annotated scopes cannot be ordered as pipeline stages; they read each "
+                "other's outputs in a cycle: %s. Each stage may only read earlier stages: put "
+                "the ops of the cycle into one scope." % "; ".join(pairs))
+        return {tg_index: stage for stage, tg_index in enumerate(order)}
+
     def taskgraph_of(self, op):
         return self.op_taskgraph.get(op.name)
 

@@ -182,3 +182,35 @@ def test_gradient_sum_across_stage_boundary():
         got = sess.run(tf.trainable_variables())
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_stages_in_a_cycle_are_rejected():
+    epl.init(epl.Config({"cluster.devices_per_worker": 2, "pipeline.num_micro_batch": 2}))
+    a_scope, b_scope = epl.replicate(1, name="A"), epl.replicate(1, name="B")
+    x = tf.ones([2, 3])
+    with a_scope:
+        a1 = tf.identity(x, name="a1")
+    with b_scope:
+        b1 = tf.identity(a1, name="b1")
+    with a_scope:                     # re-entering A: A now also reads B
+        a2 = tf.identity(b1, name="a2")
+    with b_scope:
+        loss = tf.reduce_sum(tf.identity(a2, name="b2") * tf.get_variable("w", [2, 3]))
+    op = tf.train.GradientDescentOptimizer(0.1).minimize(loss)
+    with pytest.raises(ValueError, match=r"cannot be ordered as pipeline stages.*cycle: "
+                                         r"epl.replicate\(device_count=1, name='[AB]'\) reads"):
+        with tf.Session() as sess:
+            sess.run(op)
+
+
+def test_stage_order_follows_data_flow():
+    """Scopes created in reverse data order still form a pipeline in data order."""
+    epl.init(epl.Config({"cluster.devices_per_worker": 2}))
+    second, first = epl.replicate(1, name="second"), epl.replicate(1, name="first")
+    with second:
+        tf.constant(0.0, name="anchor")   # makes "second" TaskGraph 0
+    with first:
+        h = tf.identity(tf.ones([2]), name="h")
+    with second:
+        tf.identity(h * 2.0, name="y")
+    assert epl.Graph.get().stage_order() == {0: 1, 1: 0}   # TaskGraph 1 ("first") is stage 0

@@ -15,6 +15,7 @@ class ReplicaState(object):
         self.ir_graph = ir_graph
         self.graph = ir_graph.tf_graph
         self.taskgraphs = taskgraphs
+        self.stage_index = ir_graph.stage_order()   # {taskgraph index: pipeline stage}
         self.selection = selection
         self.layout = layout
         self.cluster = cluster
@@ -59,7 +60,7 @@ class ReplicaState(object):
 
     def stage_of(self, op):
         tg = self.ir_graph.taskgraph_of(op)
-        return tg.index if tg is not None and self.layout.num_stages > 1 else 0
+        return self.stage_index[tg.index] if tg is not None and self.layout.num_stages > 1 else 0
 
     def device_for(self, c, op):
         """Where clone c runs ``op``: the device of the op's stage."""
