@@ -60,11 +60,12 @@ def _timed(sess, op, nbytes):
     return _median(times)
 
 
-def _inputs(tf, n_elems, device):
-    # Unique names: a tf.train.Server keeps variables of earlier graphs by name.
+def _inputs(tf, n_elems, device, name=None):
+    # Unique names by default: a tf.train.Server keeps variables of earlier graphs by name.
+    # Horovod needs the same name on every rank (it matches collectives by op name).
     with tf.device(device):
         v = tf.Variable(tf.random.uniform([n_elems], dtype=tf.float32), trainable=False,
-                        name="x_%s" % uuid.uuid4().hex[:8])
+                        name=name or "x_%s" % uuid.uuid4().hex[:8])
     return v
 
 
@@ -178,7 +179,7 @@ def child_horovod(sizes):
     records = []
     for size in sizes:
         with tf.Graph().as_default():
-            x = _inputs(tf, size // 4, "/device:CPU:0")
+            x = _inputs(tf, size // 4, "/device:CPU:0", name="hvd_x_%d" % size)
             y = hvd.allreduce(x, average=False)
             step = y[:1]  # horovod's op is not stateful: fetch a slice so it is not pruned
             with tf.Session() as sess:
@@ -261,13 +262,13 @@ def _horovod(sizes_arg, timeout):
     out = subprocess.run([horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", py,
                           os.path.abspath(__file__), "--child", "horovod", "--sizes-mib",
                           sizes_arg], stdout=subprocess.PIPE, timeout=timeout)
-    lines = [ln for ln in out.stdout.decode().splitlines() if ln.strip().startswith("[") or
-             "[{" in ln]
-    for ln in reversed(lines):
-        try:
-            return json.loads(ln[ln.index("["):])
-        except ValueError:
-            continue
+    # horovodrun prefixes each line with "[rank]<stdout>:"; rank 0 prints the records.
+    for ln in reversed(out.stdout.decode().splitlines()):
+        if "[{" in ln:
+            try:
+                return json.loads(ln[ln.index("[{"):])
+            except ValueError:
+                continue
     return []
 
 
@@ -282,6 +283,8 @@ def main():
     p.add_argument("--ports", default="")
     p.add_argument("--job", default="")
     p.add_argument("--timeout", type=int, default=1800)
+    p.add_argument("--scopes", default="in_process,cross_process",
+                   help="which scopes to measure (the JSON says which were)")
     a = p.parse_args()
     sizes = [int(float(s) * (1 << 20)) for s in a.sizes_mib.split(",")]
     if a.child == "horovod":
@@ -296,12 +299,15 @@ def main():
         print(json.dumps(recs))
         return
     records = memcpy_records(sizes)
-    for impl in ("epl", "tf_collective"):
-        records += _run_child(["--child", impl, "--scope", "in_process", "--ranks", "4",
-                               "--sizes-mib", a.sizes_mib], a.timeout)
-    for impl in ("epl", "tf_collective"):
-        records += _run_cross(impl, a.sizes_mib, 2, a.timeout)
-    records += _horovod(a.sizes_mib, a.timeout)
+    scopes = a.scopes.split(",")
+    if "in_process" in scopes:
+        for impl in ("epl", "tf_collective"):
+            records += _run_child(["--child", impl, "--scope", "in_process", "--ranks", "4",
+                                   "--sizes-mib", a.sizes_mib], a.timeout)
+    if "cross_process" in scopes:
+        for impl in ("epl", "tf_collective"):
+            records += _run_cross(impl, a.sizes_mib, 2, a.timeout)
+        records += _horovod(a.sizes_mib, a.timeout)
     from common import print_table, write_json
     rows = sorted(records, key=lambda r: (r["scope"], r["op"], r["bytes"], r["impl"]))
     for r in rows:
