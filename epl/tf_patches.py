@@ -22,10 +22,17 @@ Patch points (all installed by :func:`install`, idempotent):
 9. ``writer.FileWriter.add_event``: summaries are written only by the chief.
 10. ``readers.{TFRecord,TextLine,FixedLengthRecord}DatasetV2.__init__``: with
     ``io.slicing`` each worker reads its share of the files (``epl.io_slicing``).
+11. ``monitored_session.WorkerSessionCreator.create_session``: in an EPL job every
+    worker runs its own local session, so a non-chief session that would wait for
+    someone else to initialize it fails at once with the fix instead of hanging.
+12. ``estimator.RunConfig.__init__``: an Estimator in an EPL job runs a local session
+    on every worker (EPL does the distribution), so RunConfig does not read the
+    job's TF_CONFIG (which would make it look for gRPC masters and a "chief").
 
 Everything else reads and edits graphs through :mod:`epl.ir` and the rewriter.
 """
 import contextlib
+import os
 import threading
 
 from tensorflow.python.client import session as tf_session
@@ -33,6 +40,7 @@ from tensorflow.python.data.ops import readers as tf_readers
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import gradients_util
 from tensorflow.python.summary.writer import writer as tf_writer
+from tensorflow.python.training import monitored_session as tf_monitored
 from tensorflow.python.training import optimizer as tf_optimizer
 from tensorflow.python.training import saver as tf_saver
 
@@ -213,6 +221,30 @@ def _reader_init(key):
     return init
 
 
+def _worker_session(self):
+    from epl.env import Env
+    if Env.initialized() and ir.Graph.get().taskgraphs:
+        raise RuntimeError(
+            "EPL trains between-graph: every worker runs its own local session and initializes "
+            "it (initial values come from worker 0). Create MonitoredTrainingSession with "
+            "is_chief=True on every worker (the default); EPL still writes checkpoints and "
+            "summaries only on the chief. A non-chief session would wait forever.")
+    return _originals["worker_session"](self)
+
+
+def _run_config_init(self, *args, **kwargs):
+    from epl.env import Env
+    saved = os.environ.get("TF_CONFIG")
+    hide = Env.initialized() and Env.get().cluster.distributed and saved is not None
+    if hide:
+        del os.environ["TF_CONFIG"]
+    try:
+        return _originals["run_config_init"](self, *args, **kwargs)
+    finally:
+        if hide:
+            os.environ["TF_CONFIG"] = saved
+
+
 def _finalize(self):
     from epl.rewrite import rewrite_if_needed
     rewrite_if_needed(self)
@@ -243,6 +275,7 @@ _PATCHES = [
     ("saver_save", tf_saver.Saver, "save", _saver_save),
     ("add_event", tf_writer.FileWriter, "add_event", _add_event),
     ("finalize", ops.Graph, "finalize", _finalize),
+    ("worker_session", tf_monitored.WorkerSessionCreator, "create_session", _worker_session),
     ("tfrecord_init", tf_readers.TFRecordDatasetV2, "__init__", _reader_init("tfrecord_init")),
     ("textline_init", tf_readers.TextLineDatasetV2, "__init__", _reader_init("textline_init")),
     ("fixedlength_init", tf_readers.FixedLengthRecordDatasetV2, "__init__",
@@ -252,9 +285,18 @@ _PATCHES = [
 ]
 
 
+def _optional_patches():
+    try:
+        from tensorflow_estimator.python.estimator import run_config
+    except ImportError:  # pragma: no cover - estimator not installed
+        return []
+    return [("run_config_init", run_config.RunConfig, "__init__", _run_config_init)]
+
+
 def install():
     if _originals:
         return
+    _PATCHES.extend(_optional_patches())
     for key, owner, attr, replacement in _PATCHES:
         _originals[key] = getattr(owner, attr)
         setattr(owner, attr, replacement)

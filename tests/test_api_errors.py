@@ -89,3 +89,12 @@ def test_eager_mode_rejected():
     out = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
                          stderr=subprocess.DEVNULL, timeout=120).stdout.decode()
     assert "ERR epl.init(): eager execution is enabled" in out
+
+
+def test_non_chief_monitored_session_fails_fast():
+    epl.init(epl.Config({"cluster.devices_per_worker": 2}))
+    epl.set_default_strategy(epl.replicate(1))
+    w = tf.get_variable("w", initializer=tf.ones([2]))
+    tf.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_sum(w * w))
+    with pytest.raises(RuntimeError, match="is_chief=True on every worker"):
+        tf.train.MonitoredTrainingSession(is_chief=False)

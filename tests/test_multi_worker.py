@@ -99,3 +99,15 @@ def test_launch_timeout_names_running_worker(tmp_path):
 def test_bad_arguments():
     code, out = launch(["--num_workers", "0", "x.sh"], timeout=30)
     assert code != 0 and "--num_workers must be >= 1" in out
+
+
+def test_estimator_under_epl_launch(tmp_path):
+    """An Estimator script runs unchanged: RunConfig ignores the job's TF_CONFIG, the chief
+    writes the checkpoint, and it equals the local model."""
+    code, out = launch(["--num_workers", "2", "--gpu_per_worker", "2", "--log_dir",
+                        str(tmp_path / "logs"), os.path.join(HERE, "mw_estimator.py"),
+                        str(tmp_path)])
+    assert code == 0, out[-5000:]
+    got = dict(np.load(str(tmp_path / "chief.npz")))
+    assert got.pop("steps")[0] == STEPS
+    models.assert_weights_close(got, _local_oracle(2, 2))
