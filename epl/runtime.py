@@ -26,18 +26,18 @@ def map_fetches(graph, fetches):
     result = ir.Graph.get(graph).rewrite_result
     if result is None or not result.merged:
         return fetches
-    return _map(fetches, result.merged, graph)
+    return _map(fetches, result.merged)
 
 
-def _map(fetch, merged, graph):
+def _map(fetch, merged):
     if isinstance(fetch, tf.Tensor):
         return merged.get(fetch.name, fetch)
     if isinstance(fetch, str):
         return merged[fetch].name if fetch in merged else fetch
     if isinstance(fetch, dict):
-        return type(fetch)((k, _map(v, merged, graph)) for k, v in fetch.items())
+        return type(fetch)((k, _map(v, merged)) for k, v in fetch.items())
     if isinstance(fetch, tuple) and hasattr(fetch, "_fields"):
-        return type(fetch)(*[_map(v, merged, graph) for v in fetch])
+        return type(fetch)(*[_map(v, merged) for v in fetch])
     if isinstance(fetch, (list, tuple)):
-        return type(fetch)(_map(v, merged, graph) for v in fetch)
+        return type(fetch)(_map(v, merged) for v in fetch)
     return fetch

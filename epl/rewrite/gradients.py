@@ -37,7 +37,6 @@ def reduce_gradients(state, record):
     index = state.ir_graph.apply_records.index(record)
     name = "EPL_GRADIENTS_%d" % index
     pairs = targets(state, record)
-    record.reduced_tensors = set()
     reduced = [[] for _ in range(n)]   # every rank's reduced tensors (all must run)
     installs = []
     with new_ops(state.graph):
@@ -87,8 +86,7 @@ def reduce_gradients(state, record):
                 deps += [t for _, per in installs for t in per[c:c + 1]]
                 barriers.append(tf.group(*deps, name="%s_ready_%d" % (name, c)))
     for original, per_clone in installs:
-        _install(state, record, original, per_clone)
-        record.reduced_tensors.add(original)
+        _install(state, original, per_clone)
     for c in range(users):
         state.op_map[c][barriers[0]] = barriers[c]
     # Every update waits for the whole reduction (not slot initializers: they
@@ -137,13 +135,7 @@ def _apply_ops(state, record):
     return [nodes[i] for i in record.op_ids if i in nodes]
 
 
-def _install(state, record, original, per_clone):
-    """The user's ops read per_clone[0] instead of ``original``; clone c reads per_clone[c]."""
-    for consumer in list(original.consumers()):
-        if state.ir_graph.phase_of(consumer) == "rewrite":
-            continue
-        for i, inp in enumerate(consumer.inputs):
-            if inp is original:
-                consumer._update_input(i, per_clone[0])  # pylint: disable=protected-access
-    for c in range(len(per_clone)):
-        state.tensor_map[c][per_clone[0]] = per_clone[c]
+def _install(state, original, per_clone):
+    """Every user op (the optimizer's, and clipping with clip_after_allreduce) reads the
+    reduced gradient."""
+    state.substitute(original, per_clone, lambda op: state.ir_graph.phase_of(op) != "rewrite")

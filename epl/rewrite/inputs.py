@@ -24,15 +24,6 @@ def _split(graph, t, n, device, name):
             return tf.split(t, n, axis=0, name=name)
 
 
-def _rewire_originals(state, old, new):
-    """Make the replica's original ops read ``new`` instead of ``old``."""
-    for consumer in list(old.consumers()):
-        if consumer in state.selection:
-            for i, inp in enumerate(consumer.inputs):
-                if inp is old:
-                    consumer._update_input(i, new)  # pylint: disable=protected-access
-
-
 def shard_inputs(state):
     groups = state.pull_groups   # clones that share one pull (the shards of a replica)
     for src in state.selection.sources:
@@ -58,8 +49,5 @@ def shard_inputs(state):
 
 
 def _install(state, original, per_clone):
-    """Clone c reads per_clone[c] where the user's graph read ``original``."""
-    if per_clone[0] is not original:
-        _rewire_originals(state, original, per_clone[0])
-    for c in range(state.num_clones):
-        state.tensor_map[c][per_clone[0]] = per_clone[c]
+    """Clone c reads per_clone[c] where the replica's ops read ``original``."""
+    state.substitute(original, per_clone, lambda op: op in state.selection)

@@ -93,7 +93,7 @@ def join_clones(state):
     for op in sel.ops:
         if state.ir_graph.phase_of(op) != ir.APPLY:
             continue
-        used = any(out.consumers() for out in op.outputs) or _has_control_consumers(state, op)
+        used = any(out.consumers() for out in op.outputs) or op._control_outputs  # pylint: disable=protected-access
         if not used and owners:
             op._add_control_inputs([state.op(c, op) for c in owners])  # pylint: disable=protected-access
     for op in state.graph.get_operations():
@@ -105,6 +105,3 @@ def join_clones(state):
         if extra:
             op._add_control_inputs(extra)  # pylint: disable=protected-access
 
-
-def _has_control_consumers(state, op):
-    return bool(op._control_outputs)  # pylint: disable=protected-access

@@ -58,6 +58,19 @@ class ReplicaState(object):
         """``t`` in every clone (a list indexed by clone)."""
         return [self.tensor(c, t) for c in range(self.num_clones)]
 
+    def substitute(self, original, per_clone, rewire):
+        """The user's ops accepted by ``rewire(op)`` read ``per_clone[0]`` instead of
+        ``original``; clone c (copied later) reads ``per_clone[c]``."""
+        if per_clone[0] is not original:
+            for consumer in list(original.consumers()):
+                if not rewire(consumer):
+                    continue
+                for i, inp in enumerate(consumer.inputs):
+                    if inp is original:
+                        consumer._update_input(i, per_clone[0])  # pylint: disable=protected-access
+        for c in range(len(per_clone)):
+            self.tensor_map[c][per_clone[0]] = per_clone[c]
+
     def stage_of(self, op):
         tg = self.ir_graph.taskgraph_of(op)
         return self.stage_index[tg.index] if tg is not None and self.layout.num_stages > 1 else 0
