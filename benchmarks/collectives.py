@@ -49,7 +49,6 @@ def _median(xs):
 
 
 def _timed(sess, op, nbytes):
-    import tensorflow as tf  # noqa: F401
     for _ in range(2):
         sess.run(op)
     times = []

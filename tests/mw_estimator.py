@@ -6,20 +6,13 @@ import numpy as np
 import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import epl  # noqa: E402
 from tests import models  # noqa: E402
-from tests.mw_train import BATCH, STEPS, worker_rows  # noqa: E402
+from tests.mw_train import BATCH, STEPS, start_worker  # noqa: E402
 
 
 def main():
     out_dir = sys.argv[1]
-    tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
-    epl.init()
-    epl.set_default_strategy(epl.replicate(1))
-    cluster = epl.Env.get().cluster
-    w, nw, dev = cluster.worker_index, cluster.worker_num, cluster.gpu_num_per_worker
-    x, y = models.data(STEPS * BATCH * dev * nw)
-    wx, wy = worker_rows(x, y, w, nw, BATCH * dev)
+    cluster, (wx, wy) = start_worker()
 
     def input_fn():
         return tf.data.Dataset.from_tensor_slices((wx, wy)).batch(BATCH)
@@ -35,7 +28,7 @@ def main():
         np.savez(os.path.join(out_dir, "chief.npz"),
                  steps=np.array([est.get_variable_value("global_step")]),
                  **{n: est.get_variable_value(n) for n in models.initial_weights()})
-    print("worker %d trained" % w)
+    print("worker %d trained" % cluster.worker_index)
 
 
 if __name__ == "__main__":

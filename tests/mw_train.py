@@ -25,15 +25,21 @@ def worker_rows(x, y, worker, workers, per_worker_batch):
     return x[idx], y[idx]
 
 
-def main():
-    out_dir = sys.argv[1]
+def start_worker():
+    """epl.init for this worker; returns (cluster, this worker's rows)."""
     tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
     epl.init()
     epl.set_default_strategy(epl.replicate(1))
     cluster = epl.Env.get().cluster
-    w, nw, dev = cluster.worker_index, cluster.worker_num, cluster.gpu_num_per_worker
+    nw, dev = cluster.worker_num, cluster.gpu_num_per_worker
     x, y = models.data(STEPS * BATCH * dev * nw)
-    wx, wy = worker_rows(x, y, w, nw, BATCH * dev)
+    return cluster, worker_rows(x, y, cluster.worker_index, nw, BATCH * dev)
+
+
+def main():
+    out_dir = sys.argv[1]
+    cluster, (wx, wy) = start_worker()
+    w = cluster.worker_index
     bx, by = models.input_batch(wx, wy, BATCH)
     _, loss = models.forward(bx, by)
     step = tf.train.get_or_create_global_step()
