@@ -39,7 +39,7 @@ def main():
     flags = list(tf.sysconfig.get_compile_flags())
     link = list(tf.sysconfig.get_link_flags())
     sources = sorted(glob.glob(os.path.join(HERE, "*.cc")))
-    backends = ["cpu-inprocess", "cpu-shm"]
+    backends = ["cpu-inprocess", "cpu-shm", "cpu-tcp"]
     defines = []
     cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
     cuda_inc = _find_header("cuda_runtime.h", [os.path.join(cuda_home, "include")])

@@ -9,6 +9,7 @@
 
 #include "collectives.h"
 #include "shm.h"
+#include "tcp.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -30,7 +31,7 @@ using tensorflow::strings::StrCat;
       .Attr("rank: int >= 0")                              \
       .Attr("size: int >= 1")                              \
       .Attr("timeout_seconds: int = 600")                  \
-      .Attr("transport: {'inprocess', 'shm'} = 'inprocess'")
+      .Attr("transport: {'inprocess', 'shm', 'tcp'} = 'inprocess'")
 
 static Status FirstDimUnknown(InferenceContext* c) {
   ShapeHandle in = c->input(0);
@@ -194,6 +195,10 @@ class CollectiveKernel : public AsyncOpKernel {
       RunShm(ctx, gen, std::move(done));
       return;
     }
+    if (transport_ == "tcp") {
+      RunTcp(ctx, gen, std::move(done));
+      return;
+    }
     Arrival a;
     a.rank = rank_;
     a.ctx = ctx;
@@ -210,6 +215,11 @@ class CollectiveKernel : public AsyncOpKernel {
   virtual void Complete(std::vector<Arrival>* all) = 0;
   virtual void RunShm(OpKernelContext* ctx, int64 gen, DoneCallback done) {
     ctx->SetStatus(tensorflow::errors::Unimplemented(Describe(), " has no shm transport"));
+    done();
+  }
+  virtual void RunTcp(OpKernelContext* ctx, int64 gen, DoneCallback done) {
+    ctx->SetStatus(tensorflow::errors::Unimplemented(
+        Describe(), " has no tcp transport yet (all-reduce, all-gather and broadcast do)"));
     done();
   }
   ShmArgs MakeShmArgs(int64 gen) const {
@@ -269,6 +279,9 @@ class AllReduceOp : public ReducingKernel {
   void RunShm(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
     ShmAllReduce(MakeShmArgs(gen), op_, ctx, std::move(done));
   }
+  void RunTcp(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
+    TcpAllReduce(MakeShmArgs(gen), op_, ctx, std::move(done));
+  }
 };
 
 // Fused all-reduce: the list is reduced as one virtual buffer, with no
@@ -325,6 +338,9 @@ class AllReduceNOp : public ReducingKernel {
   void RunShm(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
     ShmAllReduceN(MakeShmArgs(gen), op_, ctx, std::move(done));
   }
+  void RunTcp(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
+    TcpAllReduceN(MakeShmArgs(gen), op_, ctx, std::move(done));
+  }
 
  private:
   int n_ = 1;
@@ -367,6 +383,9 @@ class AllGatherOp : public CollectiveKernel {
   }
   void RunShm(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
     ShmAllGather(MakeShmArgs(gen), ctx, std::move(done));
+  }
+  void RunTcp(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
+    TcpAllGather(MakeShmArgs(gen), ctx, std::move(done));
   }
 };
 
@@ -426,6 +445,9 @@ class BroadcastOp : public CollectiveKernel {
   }
   void RunShm(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
     ShmBroadcast(MakeShmArgs(gen), root_, ctx, std::move(done));
+  }
+  void RunTcp(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
+    TcpBroadcast(MakeShmArgs(gen), root_, ctx, std::move(done));
   }
 
  private:

@@ -85,6 +85,23 @@ class Cluster(object):
             return explicit
         return hashlib.sha1(json.dumps(self.cluster_spec, sort_keys=True).encode()).hexdigest()[:12]
 
+    def cross_worker_transport(self):
+        """How this job's workers exchange data: "shm" when every worker is on this
+        machine, else "tcp" (EPL_COMM_TRANSPORT overrides)."""
+        forced = os.environ.get("EPL_COMM_TRANSPORT")
+        if forced:
+            if forced not in ("shm", "tcp"):
+                raise ValueError("EPL_COMM_TRANSPORT=%r: use 'shm' or 'tcp'." % forced)
+            return forced
+        if self.all_hosts_local():
+            return "shm"
+        if not os.environ.get("EPL_COMM_ADDRESSES"):
+            raise RuntimeError(
+                "the workers in TF_CONFIG are on several hosts: EPL's TCP transport needs "
+                "EPL_COMM_ADDRESSES (host:port per worker, in worker order; epl-launch sets "
+                "it) on every worker.")
+        return "tcp"
+
     def all_hosts_local(self):
         """True when every worker's address is an address of this machine (shm reaches it)."""
         import socket

@@ -58,9 +58,12 @@ def free_ports(n, host="127.0.0.1"):
 
 
 def worker_addresses(a):
-    """(addresses of all workers, indices of the workers this machine starts)."""
+    """(TF addresses of all workers, EPL communication addresses, indices of the workers
+    this machine starts)."""
     if not a.machine_list:
-        return ["127.0.0.1:%d" % p for p in free_ports(a.num_workers)], list(range(a.num_workers))
+        ports = free_ports(2 * a.num_workers)
+        return (["127.0.0.1:%d" % p for p in ports[:a.num_workers]],
+                ["127.0.0.1:%d" % p for p in ports[a.num_workers:]], list(range(a.num_workers)))
     machines = [m.strip() for m in a.machine_list.split(",") if m.strip()]
     if a.num_workers % len(machines):
         raise SystemExit("epl-launch: --num_workers %d cannot be divided over %d machines"
@@ -69,14 +72,16 @@ def worker_addresses(a):
         raise SystemExit("epl-launch: --machine_rank %d is outside the %d machines of "
                          "--machine_list" % (a.machine_rank, len(machines)))
     per = a.num_workers // len(machines)
-    addrs = []
+    addrs, comm = [], []
     for m in machines:
         host, _, port = m.rpartition(":")
         if not host or not port.isdigit():
             raise SystemExit("epl-launch: --machine_list entry %r is not host:port" % m)
+        # worker i of a machine: TF on port + i, EPL's collectives on port + per + i
         addrs += ["%s:%d" % (host, int(port) + i) for i in range(per)]
+        comm += ["%s:%d" % (host, int(port) + per + i) for i in range(per)]
     mine = list(range(a.machine_rank * per, (a.machine_rank + 1) * per))
-    return addrs, mine
+    return addrs, comm, mine
 
 
 def _have_gpus():
@@ -88,11 +93,12 @@ def _have_gpus():
         return False
 
 
-def worker_env(a, addrs, index, job_id, gpus):
+def worker_env(a, addrs, comm, index, job_id, gpus):
     env = dict(os.environ)
     env["TF_CONFIG"] = json.dumps({"cluster": {"worker": addrs},
                                    "task": {"type": "worker", "index": index}})
     env["EPL_JOB_ID"] = job_id
+    env["EPL_COMM_ADDRESSES"] = ",".join(comm)
     env["EPL_WORKER_INDEX"] = str(index)
     env["EPL_CLUSTER_DEVICES_PER_WORKER"] = str(a.gpu_per_worker)
     env["PYTHONUNBUFFERED"] = "1"
@@ -160,7 +166,7 @@ def stop(workers):
 
 def main(argv=None):
     a = parse_args(argv)
-    addrs, mine = worker_addresses(a)
+    addrs, comm, mine = worker_addresses(a)
     job_id = os.environ.get("EPL_JOB_ID") or hashlib.sha1(
         (",".join(addrs) + str(time.time() if not a.machine_list else "")).encode()).hexdigest()[:12]
     os.makedirs(a.log_dir, exist_ok=True)
@@ -171,7 +177,7 @@ def main(argv=None):
     workers = []
     for i in mine:
         log_path = os.path.join(a.log_dir, "worker_%d.log" % i)
-        proc = subprocess.Popen(command(a), env=worker_env(a, addrs, i, job_id, gpus),
+        proc = subprocess.Popen(command(a), env=worker_env(a, addrs, comm, i, job_id, gpus),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         w = Worker(i, proc, log_path)

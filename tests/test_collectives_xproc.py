@@ -12,10 +12,11 @@ from tests import xproc_collectives_worker as W
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_ranks(size, tmp_path, script, extra=(), timeout=180):
+def run_ranks(size, tmp_path, script, extra=(), timeout=180, env_extra=None):
     """Start `size` processes of `script` and wait; on failure print every log."""
     job = uuid.uuid4().hex[:12]
     env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE), TF_CPP_MIN_LOG_LEVEL="2")
+    env.update(env_extra or {})
     procs, logs, outs = [], [], []
     for r in range(size):
         out = str(tmp_path / ("rank%d.npz" % r))
@@ -53,10 +54,15 @@ def _tol(dtype):
             "float32": dict(rtol=1e-5, atol=1e-4)}.get(dtype, dict(rtol=1e-12, atol=1e-9))
 
 
-@pytest.mark.parametrize("size", [2, 3])
-def test_all_ops_across_processes(size, tmp_path):
-    results, _ = run_ranks(size, tmp_path, os.path.join(HERE, "xproc_collectives_worker.py"))
-    for name, kind, dtype, shape, seed in W.cases(size):
+@pytest.mark.parametrize("size, transport", [(2, "shm"), (3, "shm"), (2, "tcp"), (3, "tcp")])
+def test_all_ops_across_processes(size, transport, tmp_path):
+    env = {}
+    if transport == "tcp":
+        from epl.launcher import free_ports
+        env["EPL_COMM_ADDRESSES"] = ",".join("127.0.0.1:%d" % p for p in free_ports(size))
+    results, _ = run_ranks(size, tmp_path, os.path.join(HERE, "xproc_collectives_worker.py"),
+                           extra=[transport], env_extra=env)
+    for name, kind, dtype, shape, seed in W.cases(size, transport):
         if kind == "all_gather":
             xs = [W.inputs(r, (W.gather_rows(r), 3), dtype, seed) for r in range(size)]
         else:

@@ -51,13 +51,18 @@ def test_two_workers_two_devices_equal_local_model(tmp_path):
     _check_workers(tmp_path, 2, 2)
 
 
-def test_multi_host_loopback(tmp_path):
-    """Two 'hosts' on 127.0.0.2 and 127.0.0.3, one launcher each (machine_rank 0 and 1)."""
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_multi_host_loopback(tmp_path, transport):
+    """Two 'hosts' on 127.0.0.2 and 127.0.0.3, one launcher each (machine_rank 0 and 1);
+    once with the transport EPL picks (shared memory: both are this machine) and once
+    through the TCP ring that hosts on different machines use."""
     from epl.launcher import free_ports
     p2, p3 = free_ports(1, "127.0.0.2")[0], free_ports(1, "127.0.0.3")[0]
     machines = "127.0.0.2:%d,127.0.0.3:%d" % (p2, p3)
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("EPL_JOB_ID", None)
+    if transport == "tcp":
+        env["EPL_COMM_TRANSPORT"] = "tcp"
     procs = [subprocess.Popen([sys.executable, "-m", "epl.launcher", "--num_workers", "2",
                                "--gpu_per_worker", "1", "--machine_list", machines,
                                "--machine_rank", str(r), "--log_dir", str(tmp_path / ("logs%d" % r)),

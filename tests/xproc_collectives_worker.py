@@ -1,6 +1,6 @@
 """One rank of the cross-process collective test (run by test_collectives_xproc.py).
 
-Builds every case of CASES with transport="shm" and saves the results to an .npz.
+Builds every case of CASES with transport=TRANSPORT and saves the results to an .npz.
 """
 import sys
 
@@ -9,6 +9,8 @@ import tensorflow as tf
 
 from epl.communicators import native_ops as C
 
+TRANSPORT = sys.argv[5] if len(sys.argv) > 5 else "shm"
+TCP_KINDS = ("all_reduce", "all_reduce_max", "all_reduce_n", "all_gather", "broadcast")
 DTYPES = ["float16", "float32", "float64", "int32", "int64"]
 SHAPES = [(0,), (1,), (7, 3), ((2 << 20) + 5,)]     # the last spans several 4 MiB chunks
 
@@ -28,7 +30,13 @@ def tf_inputs(rank, shape, dtype, seed):
     return tf.cast(tf.reshape(x, shape), dtype)
 
 
-def cases(size):
+def cases(size, transport="shm"):
+    for case in _cases(size):
+        if transport != "tcp" or case[1] in TCP_KINDS:
+            yield case
+
+
+def _cases(size):
     for i, (dtype, shape) in enumerate((d, s) for d in DTYPES for s in SHAPES):
         yield "all_reduce_sum_%d" % i, "all_reduce", dtype, shape, i
         yield "all_reduce_max_%d" % i, "all_reduce_max", dtype, shape, i
@@ -44,24 +52,24 @@ def cases(size):
 
 def build(kind, x, group, rank, size):
     if kind == "all_reduce":
-        return C.all_reduce(x, group, rank, size, "sum", transport="shm")
+        return C.all_reduce(x, group, rank, size, "sum", transport=TRANSPORT)
     if kind == "all_reduce_max":
-        return C.all_reduce(x, group, rank, size, "max", transport="shm")
+        return C.all_reduce(x, group, rank, size, "max", transport=TRANSPORT)
     if kind == "all_reduce_n":   # the tensor, split in three uneven parts, fused
         parts = [x[:5], x[5:5], x[5:]]
-        return tf.concat(C.all_reduce_n(parts, group, rank, size, "sum", transport="shm"), 0)
+        return tf.concat(C.all_reduce_n(parts, group, rank, size, "sum", transport=TRANSPORT), 0)
     if kind == "all_gather":
-        return C.all_gather(x, group, rank, size, transport="shm")
+        return C.all_gather(x, group, rank, size, transport=TRANSPORT)
     if kind == "reduce_scatter":
-        return C.reduce_scatter(x, group, rank, size, "sum", transport="shm")
+        return C.reduce_scatter(x, group, rank, size, "sum", transport=TRANSPORT)
     if kind == "broadcast":
-        return C.broadcast(x, group, rank, size, root=size - 1, transport="shm")
+        return C.broadcast(x, group, rank, size, root=size - 1, transport=TRANSPORT)
     if kind == "reduce":
-        return C.reduce(x, group, rank, size, root=0, transport="shm")
+        return C.reduce(x, group, rank, size, root=0, transport=TRANSPORT)
     if kind == "all_to_all":
-        return C.all_to_all(x, group, rank, size, transport="shm")[0]
+        return C.all_to_all(x, group, rank, size, transport=TRANSPORT)[0]
     splits = split_sizes(rank, size)
-    return C.all_to_all(x, group, rank, size, splits, transport="shm")[0]
+    return C.all_to_all(x, group, rank, size, splits, transport=TRANSPORT)[0]
 
 
 def split_sizes(rank, size):
@@ -75,7 +83,7 @@ def gather_rows(rank):
 def main():
     rank, size, job, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     names, fetches = [], []
-    for name, kind, dtype, shape, seed in cases(size):
+    for name, kind, dtype, shape, seed in cases(size, TRANSPORT):
         if kind == "all_gather":
             shape = (gather_rows(rank), 3)
         x = tf_inputs(rank, shape, dtype, seed)

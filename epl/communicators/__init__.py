@@ -18,13 +18,10 @@ def create(devices, name="epl_comm", timeout_seconds=600, cluster=None):
         if not native.available():
             raise RuntimeError("multi-worker training needs EPL's C++ op library; run "
                                "`make setup`.")
-        if not cluster.all_hosts_local():
-            raise NotImplementedError(
-                "the workers in TF_CONFIG are on several hosts; EPL's cross-host transport "
-                "(TCP ring) is not implemented yet, only workers of one host (shared memory).")
         from epl.communicators.hierarchical import HierarchicalCommunicator
         return HierarchicalCommunicator(devices, name, timeout_seconds, cluster.worker_index,
-                                        cluster.worker_num, cluster.job_id)
+                                        cluster.worker_num, cluster.job_id,
+                                        cluster.cross_worker_transport())
     if native.available():
         from epl.communicators.native import NativeCommunicator
         return NativeCommunicator(devices, name, timeout_seconds)

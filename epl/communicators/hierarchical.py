@@ -2,8 +2,8 @@
 
 Each worker's graph holds only its own ranks.  A collective runs in three
 steps: among this worker's devices (in process), then across workers with one
-rank per worker (shared memory between the processes of a host), then the
-result is handed back to this worker's devices.
+rank per worker (shared memory between the processes of a host, or a TCP ring
+between hosts), then the result is handed back to this worker's devices.
 """
 import tensorflow as tf
 
@@ -87,4 +87,4 @@ def broadcast_across_workers(value, name, cluster, timeout_seconds):
     """``value`` of worker 0, on every worker (one rank per worker)."""
     return native_ops.broadcast(value, "%s/%s" % (cluster.job_id, name), cluster.worker_index,
                                 cluster.worker_num, root=0, timeout_seconds=timeout_seconds,
-                                transport="shm")
+                                transport=cluster.cross_worker_transport())
