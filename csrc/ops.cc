@@ -217,11 +217,7 @@ class CollectiveKernel : public AsyncOpKernel {
     ctx->SetStatus(tensorflow::errors::Unimplemented(Describe(), " has no shm transport"));
     done();
   }
-  virtual void RunTcp(OpKernelContext* ctx, int64 gen, DoneCallback done) {
-    ctx->SetStatus(tensorflow::errors::Unimplemented(
-        Describe(), " has no tcp transport yet (all-reduce, all-gather and broadcast do)"));
-    done();
-  }
+  virtual void RunTcp(OpKernelContext* ctx, int64 gen, DoneCallback done) = 0;
   ShmArgs MakeShmArgs(int64 gen) const {
     ShmArgs a;
     a.group = group_;
@@ -424,6 +420,9 @@ class ReduceScatterOp : public ReducingKernel {
   void RunShm(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
     ShmReduceScatter(MakeShmArgs(gen), op_, ctx, std::move(done));
   }
+  void RunTcp(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
+    TcpReduceScatter(MakeShmArgs(gen), op_, ctx, std::move(done));
+  }
 };
 
 class BroadcastOp : public CollectiveKernel {
@@ -486,6 +485,9 @@ class ReduceOpKernel : public ReducingKernel {
   }
   void RunShm(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
     ShmReduce(MakeShmArgs(gen), root_, op_, ctx, std::move(done));
+  }
+  void RunTcp(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
+    TcpReduce(MakeShmArgs(gen), root_, op_, ctx, std::move(done));
   }
 
  private:
@@ -560,6 +562,9 @@ class AllToAllOp : public CollectiveKernel {
   }
   void RunShm(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
     ShmAllToAll(MakeShmArgs(gen), ctx, std::move(done));
+  }
+  void RunTcp(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
+    TcpAllToAll(MakeShmArgs(gen), ctx, std::move(done));
   }
 };
 

@@ -366,6 +366,114 @@ void TcpAllReduceN(const ShmArgs& a, ReduceOp op, OpKernelContext* ctx,
   });
 }
 
+// Reduce-scatter and reduce: a ring all-reduce, then this rank keeps its part.
+void TcpReduceScatter(const ShmArgs& a, ReduceOp op, OpKernelContext* ctx,
+                      AsyncOpKernel::DoneCallback done) {
+  Run(a, ctx, std::move(done), [a, op, ctx](Ring* ring) -> Status {
+    const Tensor& in = ctx->input(0);
+    if (in.dims() == 0) return InvalidArgument("reduce_scatter needs rank >= 1");
+    std::vector<int64> meta;
+    TF_RETURN_IF_ERROR(Meta(ring, a, {in.NumElements()}, 1, &meta));
+    for (int k = 0; k < a.size; ++k)
+      if (meta[k * 2] != in.NumElements())
+        return InvalidArgument("EPL ", a.what, ": element counts differ across ranks");
+    Tensor full;
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(in.dtype(), in.shape(), &full));
+    char* f = const_cast<char*>(full.tensor_data().data());
+    TF_RETURN_IF_ERROR(ring->AllReduce(a, in.dtype(), op, in.tensor_data().data(), f,
+                                       in.NumElements()));
+    const int64 rows = in.dim_size(0), base = rows / a.size, extra = rows % a.size;
+    const int64 count = base + (a.rank < extra ? 1 : 0);
+    const int64 start = a.rank * base + std::min<int64>(a.rank, extra);
+    const int64 row_bytes = rows ? in.TotalBytes() / rows : 0;
+    TensorShape shape = in.shape();
+    shape.set_dim(0, count);
+    Tensor* out = nullptr;
+    TF_RETURN_IF_ERROR(ctx->allocate_output(0, shape, &out));
+    std::memcpy(const_cast<char*>(out->tensor_data().data()), f + start * row_bytes,
+                count * row_bytes);
+    return Status::OK();
+  });
+}
+
+void TcpReduce(const ShmArgs& a, int root, ReduceOp op, OpKernelContext* ctx,
+               AsyncOpKernel::DoneCallback done) {
+  Run(a, ctx, std::move(done), [a, root, op, ctx](Ring* ring) -> Status {
+    const Tensor& in = ctx->input(0);
+    std::vector<int64> meta;
+    TF_RETURN_IF_ERROR(Meta(ring, a, {in.NumElements()}, 1, &meta));
+    for (int k = 0; k < a.size; ++k)
+      if (meta[k * 2] != in.NumElements())
+        return InvalidArgument("EPL ", a.what, ": element counts differ across ranks");
+    Tensor* out = nullptr;
+    TF_RETURN_IF_ERROR(ctx->allocate_output(0, in.shape(), &out));
+    char* dst = const_cast<char*>(out->tensor_data().data());
+    TF_RETURN_IF_ERROR(ring->AllReduce(a, in.dtype(), op, in.tensor_data().data(), dst,
+                                       in.NumElements()));
+    if (a.rank != root) std::memset(dst, 0, out->TotalBytes());
+    return Status::OK();
+  });
+}
+
+// All-to-all: every rank's input and split sizes travel around the ring (all-gather);
+// each rank keeps the rows addressed to it.  Simple, and fine for the sizes MoE sends.
+void TcpAllToAll(const ShmArgs& a, OpKernelContext* ctx, AsyncOpKernel::DoneCallback done) {
+  Run(a, ctx, std::move(done), [a, ctx](Ring* ring) -> Status {
+    const Tensor& in = ctx->input(0);
+    const Tensor& splits = ctx->input(1);
+    if (in.dims() == 0) return InvalidArgument("all_to_all needs rank >= 1");
+    const int n = a.size;
+    const int64 rows = in.dim_size(0);
+    std::vector<int64> counts(n);
+    if (splits.NumElements() == 0) {
+      if (rows % n)
+        return InvalidArgument("EPL all_to_all: rank ", a.rank, " has ", rows,
+                               " rows, which do not split evenly over ", n,
+                               " ranks; pass explicit split sizes.");
+      for (auto& c : counts) c = rows / n;
+    } else {
+      if (splits.NumElements() != n)
+        return InvalidArgument("EPL all_to_all: ", splits.NumElements(), " split sizes for ",
+                               n, " ranks");
+      int64 total = 0;
+      for (int k = 0; k < n; ++k) total += (counts[k] = splits.vec<int64>()(k));
+      if (total != rows)
+        return InvalidArgument("EPL all_to_all: split sizes add up to ", total,
+                               " but the input has ", rows, " rows");
+    }
+    std::vector<int64> meta;
+    TF_RETURN_IF_ERROR(Meta(ring, a, counts, n, &meta));
+    int64 inner = tensorflow::DataTypeSize(in.dtype());
+    for (int d = 1; d < in.dims(); ++d) inner *= in.dim_size(d);
+    std::vector<int64> lens(n, 0), offs(n + 1, 0);
+    for (int k = 0; k < n; ++k) {
+      for (int j = 0; j < n; ++j) lens[k] += meta[k * (n + 1) + j] * inner;
+      offs[k + 1] = offs[k] + lens[k];
+    }
+    std::vector<char> everything(offs[n]);
+    std::memcpy(everything.data() + offs[a.rank], in.tensor_data().data(), lens[a.rank]);
+    TF_RETURN_IF_ERROR(ring->AllGather(a, lens, everything.data()));
+    int64 out_rows = 0;
+    for (int k = 0; k < n; ++k) out_rows += meta[k * (n + 1) + a.rank];
+    TensorShape shape = in.shape();
+    shape.set_dim(0, out_rows);
+    Tensor* out = nullptr;
+    Tensor* recv = nullptr;
+    TF_RETURN_IF_ERROR(ctx->allocate_output(0, shape, &out));
+    TF_RETURN_IF_ERROR(ctx->allocate_output(1, TensorShape({n}), &recv));
+    char* dst = const_cast<char*>(out->tensor_data().data());
+    for (int k = 0; k < n; ++k) {
+      int64 skip = 0;
+      for (int j = 0; j < a.rank; ++j) skip += meta[k * (n + 1) + j];
+      const int64 take = meta[k * (n + 1) + a.rank];
+      std::memcpy(dst, everything.data() + offs[k] + skip * inner, take * inner);
+      dst += take * inner;
+      recv->vec<int64>()(k) = take;
+    }
+    return Status::OK();
+  });
+}
+
 void TcpAllGather(const ShmArgs& a, OpKernelContext* ctx, AsyncOpKernel::DoneCallback done) {
   Run(a, ctx, std::move(done), [a, ctx](Ring* ring) -> Status {
     const Tensor& in = ctx->input(0);

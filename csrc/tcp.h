@@ -17,6 +17,11 @@ void TcpAllReduce(const ShmArgs& a, ReduceOp op, OpKernelContext* ctx,
 void TcpAllReduceN(const ShmArgs& a, ReduceOp op, OpKernelContext* ctx,
                    AsyncOpKernel::DoneCallback done);
 void TcpAllGather(const ShmArgs& a, OpKernelContext* ctx, AsyncOpKernel::DoneCallback done);
+void TcpReduceScatter(const ShmArgs& a, ReduceOp op, OpKernelContext* ctx,
+                      AsyncOpKernel::DoneCallback done);
+void TcpReduce(const ShmArgs& a, int root, ReduceOp op, OpKernelContext* ctx,
+               AsyncOpKernel::DoneCallback done);
+void TcpAllToAll(const ShmArgs& a, OpKernelContext* ctx, AsyncOpKernel::DoneCallback done);
 void TcpBroadcast(const ShmArgs& a, int root, OpKernelContext* ctx,
                   AsyncOpKernel::DoneCallback done);
 

@@ -62,7 +62,7 @@ def test_all_ops_across_processes(size, transport, tmp_path):
         env["EPL_COMM_ADDRESSES"] = ",".join("127.0.0.1:%d" % p for p in free_ports(size))
     results, _ = run_ranks(size, tmp_path, os.path.join(HERE, "xproc_collectives_worker.py"),
                            extra=[transport], env_extra=env)
-    for name, kind, dtype, shape, seed in W.cases(size, transport):
+    for name, kind, dtype, shape, seed in W.cases(size):
         if kind == "all_gather":
             xs = [W.inputs(r, (W.gather_rows(r), 3), dtype, seed) for r in range(size)]
         else:

@@ -10,7 +10,6 @@ import tensorflow as tf
 from epl.communicators import native_ops as C
 
 TRANSPORT = sys.argv[5] if len(sys.argv) > 5 else "shm"
-TCP_KINDS = ("all_reduce", "all_reduce_max", "all_reduce_n", "all_gather", "broadcast")
 DTYPES = ["float16", "float32", "float64", "int32", "int64"]
 SHAPES = [(0,), (1,), (7, 3), ((2 << 20) + 5,)]     # the last spans several 4 MiB chunks
 
@@ -30,13 +29,7 @@ def tf_inputs(rank, shape, dtype, seed):
     return tf.cast(tf.reshape(x, shape), dtype)
 
 
-def cases(size, transport="shm"):
-    for case in _cases(size):
-        if transport != "tcp" or case[1] in TCP_KINDS:
-            yield case
-
-
-def _cases(size):
+def cases(size):
     for i, (dtype, shape) in enumerate((d, s) for d in DTYPES for s in SHAPES):
         yield "all_reduce_sum_%d" % i, "all_reduce", dtype, shape, i
         yield "all_reduce_max_%d" % i, "all_reduce_max", dtype, shape, i
@@ -83,7 +76,7 @@ def gather_rows(rank):
 def main():
     rank, size, job, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     names, fetches = [], []
-    for name, kind, dtype, shape, seed in cases(size, TRANSPORT):
+    for name, kind, dtype, shape, seed in cases(size):
         if kind == "all_gather":
             shape = (gather_rows(rank), 3)
         x = tf_inputs(rank, shape, dtype, seed)
