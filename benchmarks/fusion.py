@@ -1,6 +1,7 @@
-"""Tensor fusion: all-reduce 200 small gradients on 4 virtual devices, one collective per
-tensor vs fused into `max_splits` buffers, by EPL's fused all-reduce op (what the rewriter
-uses) and by concat + all-reduce + split graph ops (for comparison).
+"""Tensor fusion: all-reduce 200 small gradients, one collective per tensor vs fused into
+`max_splits` buffers by EPL's fused all-reduce op (what the rewriter uses), and by concat +
+all-reduce + split graph ops (for comparison); on 4 virtual devices of one process, and
+across 2 processes (shared memory), where each collective costs a synchronization.
 
     python benchmarks/fusion.py [--tensors 200] [--json FILE]
 """
@@ -57,16 +58,59 @@ def measure(n, shapes, max_splits, steps, mode="fused"):
             return median(time_calls(lambda: sess.run(op), steps, warmup=3))
 
 
+def cross_process_child(rank, shapes, steps, job):
+    """One of 2 processes: per-tensor and fused shm all-reduce, same order on both ranks."""
+    from epl.communicators import native_ops as C
+    import json
+    with tf.Graph().as_default():
+        xs = [tf.Variable(tf.random.uniform(s), trainable=False) for s in shapes]
+        per = [C.all_reduce(x, "%s/t%d" % (job, i), rank, 2, "mean", transport="shm").op
+               for i, x in enumerate(xs)]
+        items = [(i, tf.float32, int(np.prod(s)) * 4) for i, s in enumerate(shapes)]
+        fused = []
+        for b, (_, keys) in enumerate(fusion.plan_buckets(items, 5)):
+            fused += [t.op for t in C.all_reduce_n([xs[i] for i in keys], "%s/b%d" % (job, b),
+                                                    rank, 2, "mean", transport="shm")]
+        step_per, step_fused = tf.group(*per), tf.group(*fused)
+        with tf.Session() as sess:
+            sess.run(tf.global_variables_initializer())
+            t_per = median(time_calls(lambda: sess.run(step_per), steps, warmup=3))
+            t_fused = median(time_calls(lambda: sess.run(step_fused), steps, warmup=3))
+    print(json.dumps([t_per, t_fused]))
+
+
+def measure_cross_process(shapes, steps):
+    import json
+    import subprocess
+    import uuid
+    job = uuid.uuid4().hex[:10]
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", str(r),
+                               "--job", job, "--steps", str(steps), "--tensors",
+                               str(len(shapes))], stdout=subprocess.PIPE) for r in range(2)]
+    outs = [p.communicate(timeout=600)[0].decode() for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError("cross-process fusion benchmark failed")
+    return json.loads(outs[0].strip().splitlines()[-1])
+
+
+def _shapes(n):
+    rng = np.random.RandomState(0)
+    return [tuple(int(d) for d in rng.randint(4, 64, size=rng.randint(1, 3))) for _ in range(n)]
+
+
 def main():
     p = argparse.ArgumentParser()
+    p.add_argument("--child", type=int, default=-1)
+    p.add_argument("--job", default="")
     p.add_argument("--tensors", type=int, default=200)
     p.add_argument("--devices", type=int, default=4)
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=50)
     p.add_argument("--json")
     a = p.parse_args()
-    rng = np.random.RandomState(0)
-    shapes = [tuple(int(d) for d in rng.randint(4, 64, size=rng.randint(1, 3)))
-              for _ in range(a.tensors)]
+    shapes = _shapes(a.tensors)
+    if a.child >= 0:
+        cross_process_child(a.child, shapes, a.steps, a.job)
+        return
     total = sum(int(np.prod(s)) for s in shapes) * 4
     rows = []
     per_tensor = measure(a.devices, shapes, a.tensors, a.steps, "concat")
@@ -74,11 +118,16 @@ def main():
                          ("concat+split", 5), ("concat+split", 1)):
         sec = per_tensor if mode == "per-tensor" else measure(
             a.devices, shapes, splits, a.steps, "fused" if mode == "fused" else "concat")
-        rows.append({"mode": mode, "max_splits": splits, "tensors": a.tensors, "bytes": total,
+        rows.append({"scope": "in_process", "ranks": a.devices, "mode": mode,
+                     "max_splits": splits, "tensors": a.tensors, "bytes": total,
                      "step_ms": sec * 1e3, "speedup_vs_per_tensor": per_tensor / sec})
-    print_table(rows, ["mode", "max_splits", "tensors", "bytes", "step_ms",
-                       "speedup_vs_per_tensor"],
-                "Fusion: %d small gradients on %d devices" % (a.tensors, a.devices))
+    t_per, t_fused = measure_cross_process(shapes, a.steps)
+    for mode, splits, sec in (("per-tensor", a.tensors, t_per), ("fused", 5, t_fused)):
+        rows.append({"scope": "cross_process", "ranks": 2, "mode": mode, "max_splits": splits,
+                     "tensors": a.tensors, "bytes": total, "step_ms": sec * 1e3,
+                     "speedup_vs_per_tensor": t_per / sec})
+    print_table(rows, ["scope", "ranks", "mode", "max_splits", "tensors", "bytes", "step_ms",
+                       "speedup_vs_per_tensor"], "Fusion: %d small gradients" % a.tensors)
     write_json("fusion", rows, a.json)
 
 
