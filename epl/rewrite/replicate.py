@@ -24,18 +24,17 @@ def place_originals(state):
         check_clonable(op)
         # Our placement replaces TF's colocation hints: tf.gradients colocates a
         # gradient sum with its first input, which may live on another stage.
-        if op.node_def.attr.get("_class") is not None and "_class" in op.node_def.attr:
+        if "_class" in op.node_def.attr:
             op._clear_attr("_class")  # pylint: disable=protected-access
         op._set_device(state.device_for(0, op))  # pylint: disable=protected-access
 
 
-def _device_for(state, c, op, inputs):
-    """Clone c's device for the op's stage, unless the op reads a shared resource
-    variable: TF keeps resource reads on the resource's device."""
-    for orig, new in zip(op.inputs, inputs):
-        if new.dtype == tf.resource and new.op.type in VARIABLE_OPS and (
-                orig is new or new.op.device):
-            return new.op.device
+def _device_for(state, c, inputs, op):
+    """Clone c's device for the op's stage, unless the op reads a resource variable:
+    TF keeps resource reads on the resource's device (a shared variable is on clone 0's)."""
+    for t in inputs:
+        if t.dtype == tf.resource and t.op.type in VARIABLE_OPS and t.op.device:
+            return t.op.device
     return state.device_for(c, op)
 
 
@@ -61,7 +60,7 @@ def clone_replicas(state):
             attr = None
             if op.type == "VarHandleOp":
                 attr = {"shared_name": tf.AttrValue(s=state.clone_name(c, op.name).encode())}
-            new = clone_op(op, inputs, state.clone_name(c, op.name), _device_for(state, c, op, inputs),
+            new = clone_op(op, inputs, state.clone_name(c, op.name), _device_for(state, c, inputs, op),
                            controls, seed_offset=c, attr_overrides=attr)
             state.op_map[c][op] = new
             for old_t, new_t in zip(op.outputs, new.outputs):
