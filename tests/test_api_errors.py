@@ -98,3 +98,14 @@ def test_non_chief_monitored_session_fails_fast():
     tf.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_sum(w * w))
     with pytest.raises(RuntimeError, match="is_chief=True on every worker"):
         tf.train.MonitoredTrainingSession(is_chief=False)
+
+
+def test_keras_optimizer_is_refused_not_silently_wrong():
+    epl.init(epl.Config({"cluster.devices_per_worker": 2}))
+    epl.set_default_strategy(epl.replicate(1))
+    w = tf.get_variable("w", initializer=tf.ones([2]), use_resource=True)
+    loss = tf.reduce_sum(w * w)
+    op = tf.keras.optimizers.SGD(0.1).apply_gradients(zip(tf.gradients(loss, [w]), [w]))
+    with pytest.raises(NotImplementedError, match="outside tf.train.Optimizer.apply_gradients"):
+        with tf.Session() as sess:
+            sess.run(op)

@@ -55,9 +55,13 @@ def _is_shared_resource(op):
 
 
 def select(ir_graph, taskgraphs, share_variables=False):
-    """The replica's ops (of every TaskGraph: pipeline stages are one replica).  With ``share_variables`` the clones of one worker read
-    the user's variables and only the user's apply ops update them, once."""
+    """The replica's ops (of every TaskGraph: pipeline stages are one replica).
+
+    With ``share_variables`` the clones of one worker read the user's variables
+    and only the user's apply ops update them, once.
+    """
     graph = ir_graph.tf_graph
+    _check_updates_are_captured(ir_graph, taskgraphs)
     initializers = set()
     for key in (tf.GraphKeys.GLOBAL_VARIABLES, tf.GraphKeys.LOCAL_VARIABLES):
         for v in graph.get_collection(key):
@@ -158,3 +162,20 @@ def _step_only_ops(graph, step_op):
                 derived.add(op)
                 changed = True
     return (derived - variant) | direct
+
+
+def _check_updates_are_captured(ir_graph, taskgraphs):
+    """Optimizer updates EPL did not see being built (not through
+    tf.train.Optimizer.apply_gradients) would be copied per replica with
+    unreduced gradients: refuse them instead of training wrong numbers."""
+    for tg in taskgraphs:
+        for op in tg.ops:
+            kind = op.type
+            if ir_graph.phase_of(op) != ir.APPLY and (
+                    kind.startswith(("Apply", "ResourceApply", "SparseApply",
+                                     "ResourceSparseApply"))):
+                raise NotImplementedError(
+                    "EPL: %r (%s) updates a variable outside tf.train.Optimizer.apply_gradients "
+                    "(e.g. a tf.keras optimizer, or a hand-written update); EPL reduces "
+                    "gradients only for tf.compat.v1.train optimizers. Use one, e.g. "
+                    "tf.train.AdamOptimizer(...).minimize(loss)." % (op.name, kind))
