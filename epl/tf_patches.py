@@ -8,10 +8,10 @@ Patch points (all installed by :func:`install`, idempotent):
    forward op; ops made inside are that op's backward ops.
 3. ``gradients_util._GradientsHelper``: the whole tf.gradients call is the
    backward phase (ops not tied to one forward op go to the loss's TaskGraph).
-4. ``optimizer.Optimizer.compute_gradients`` / ``apply_gradients``: the apply
-   phase; records the (grad, var) pairs the rewriter reduces (as computed, and
-   as applied), and densifies sparse gradients when
-   ``communication.sparse_as_dense`` is set.
+4. ``optimizer.Optimizer.compute_gradients`` / ``apply_gradients`` (and
+   ``OptimizerV2.apply_gradients`` of tf.keras): the apply phase; records the
+   (grad, var) pairs the rewriter reduces (as computed, and as applied), and
+   densifies sparse gradients when ``communication.sparse_as_dense`` is set.
 5. ``saver.Saver.build``: save/restore ops; ``saver.Saver.save`` writes only on
    the chief.
 6. ``ops.Graph.finalize``: rewrite before the graph is frozen
@@ -149,9 +149,23 @@ def _gradients_helper(ys, *args, **kwargs):
 
 
 def _apply_gradients(self, grads_and_vars, global_step=None, name=None):
+    return _capture_apply(
+        grads_and_vars, global_step,
+        lambda gvs: _originals["apply_gradients"](self, gvs, global_step, name))
+
+
+def _apply_gradients_v2(self, grads_and_vars, *args, **kwargs):
+    """tf.keras (OptimizerV2): the same capture; its ``iterations`` counter is its own."""
+    return _capture_apply(
+        grads_and_vars, None,
+        lambda gvs: _originals["apply_gradients_v2"](self, gvs, *args, **kwargs))
+
+
+def _capture_apply(grads_and_vars, global_step, apply):
+    """Run ``apply(grads_and_vars)`` as the apply phase and record what it built."""
     from epl.env import Env
     if not Env.initialized():
-        return _originals["apply_gradients"](self, grads_and_vars, global_step, name)
+        return apply(grads_and_vars)
     import tensorflow as tf
     grads_and_vars = list(grads_and_vars)
     if Env.get().config.get("communication.sparse_as_dense"):
@@ -169,7 +183,7 @@ def _apply_gradients(self, grads_and_vars, global_step=None, name=None):
     c.apply.append(tg)
     first_id = graph._last_id + 1  # pylint: disable=protected-access
     try:
-        result = _originals["apply_gradients"](self, grads_and_vars, global_step, name)
+        result = apply(grads_and_vars)
     finally:
         c.apply.pop()
     record.op_ids = range(first_id, graph._last_id + 1)  # pylint: disable=protected-access
@@ -286,11 +300,19 @@ _PATCHES = [
 
 
 def _optional_patches():
+    out = []
+    try:
+        from tensorflow.python.keras.optimizer_v2 import optimizer_v2
+        out.append(("apply_gradients_v2", optimizer_v2.OptimizerV2, "apply_gradients",
+                    _apply_gradients_v2))
+    except ImportError:  # pragma: no cover
+        pass
     try:
         from tensorflow_estimator.python.estimator import run_config
+        out.append(("run_config_init", run_config.RunConfig, "__init__", _run_config_init))
     except ImportError:  # pragma: no cover - estimator not installed
-        return []
-    return [("run_config_init", run_config.RunConfig, "__init__", _run_config_init)]
+        pass
+    return out
 
 
 def install():

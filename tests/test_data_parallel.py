@@ -203,3 +203,34 @@ def test_loss_outside_the_scope_is_replicated():
         for _ in range(STEPS):
             sess.run(op)
         models.assert_weights_close(models.weights(sess), want)
+
+
+@pytest.mark.parametrize("copies", ["per_device", "per_worker"])
+def test_dp_with_keras_optimizer(copies):
+    """tf.keras optimizers (OptimizerV2) are captured like tf.train ones."""
+    n = 2
+    x, y = models.data(STEPS * n * BATCH)
+
+    def build(batch):
+        bx, by = models.input_batch(x, y, batch)
+        _, loss = models.forward(bx, by, use_resource=True)
+        opt = tf.keras.optimizers.SGD(0.1, momentum=0.9)
+        variables = tf.trainable_variables()
+        grads = tf.gradients(loss, variables)
+        with tf.control_dependencies(grads):
+            return opt.apply_gradients(zip(grads, variables))
+
+    with tf.Graph().as_default():
+        op = build(n * BATCH)
+        with tf.Session() as sess:
+            sess.run(tf.global_variables_initializer())
+            for _ in range(STEPS):
+                sess.run(op)
+            want = models.weights(sess)
+    _init(n, **{"cluster.variable_copies": copies})
+    op = build(BATCH)
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
+        for _ in range(STEPS):
+            sess.run(op)
+        models.assert_weights_close(models.weights(sess), want)

@@ -82,19 +82,19 @@ def _first_id(state, record):
 def join_clones(state):
     """Running the user's train op must run every clone's update.
 
-    * An apply op nobody consumes (the op ``minimize`` returns when there is
-      no global_step) waits for its copies.
+    * Every apply op waits for its copies: whichever of them the user fetches
+      (``minimize``'s result, a keras optimizer's counter increment, ...)
+      runs every clone's update.
     * An op outside the replica that reads or waits for a replica's apply op
       (the ``global_step`` increment) waits for all copies of it.
     """
     sel = state.selection
     owners = [c for c in range(1, state.num_clones) if state.is_rep(c)]  # hold an update
     for op in sel.ops:
-        if state.ir_graph.phase_of(op) != ir.APPLY:
+        if (state.ir_graph.phase_of(op) != ir.APPLY or not owners
+                or op.type in VARIABLE_OPS or op.type == "Const"):
             continue
-        used = any(out.consumers() for out in op.outputs) or op._control_outputs  # pylint: disable=protected-access
-        if not used and owners:
-            op._add_control_inputs([state.op(c, op) for c in owners])  # pylint: disable=protected-access
+        op._add_control_inputs([state.op(c, op) for c in owners])  # pylint: disable=protected-access
     for op in state.graph.get_operations():
         if op in sel or state.ir_graph.phase_of(op) == ir.REWRITE:
             continue
