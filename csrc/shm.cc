@@ -276,6 +276,17 @@ void Run(const ShmArgs& a, OpKernelContext* ctx, AsyncOpKernel::DoneCallback don
   });
 }
 
+// Every rank checks that all ranks run this collective on as many elements.
+Status SameCount(Group* g, const ShmArgs& a, int64 count) {
+  std::vector<std::vector<int64>> meta;
+  TF_RETURN_IF_ERROR(g->ExchangeMeta(a, {count}, &meta));
+  for (int k = 0; k < a.size; ++k)
+    if (meta[k][0] != count)
+      return InvalidArgument("EPL ", a.what, " (group '", a.group, "'): rank ", k, " has ",
+                             meta[k][0], " elements, rank ", a.rank, " has ", count);
+  return Status::OK();
+}
+
 TensorShape WithRows(const TensorShape& s, int64 rows) {
   TensorShape out = s;
   if (out.dims() > 0) out.set_dim(0, rows);
@@ -294,12 +305,7 @@ void ShmAllReduce(const ShmArgs& a, ReduceOp op, OpKernelContext* ctx,
                   AsyncOpKernel::DoneCallback done) {
   Run(a, ctx, std::move(done), [a, op, ctx](Group* g) -> Status {
     const Tensor& in = ctx->input(0);
-    std::vector<std::vector<int64>> meta;
-    TF_RETURN_IF_ERROR(g->ExchangeMeta(a, {in.NumElements()}, &meta));
-    for (int k = 0; k < a.size; ++k)
-      if (meta[k][0] != in.NumElements())
-        return InvalidArgument("EPL ", a.what, ": rank ", k, " has ", meta[k][0],
-                               " elements, rank ", a.rank, " has ", in.NumElements());
+    TF_RETURN_IF_ERROR(SameCount(g, a, in.NumElements()));
     Tensor* out = nullptr;
     TF_RETURN_IF_ERROR(ctx->allocate_output(0, in.shape(), &out));
     return g->AllReduce(a, in.dtype(), op, in.tensor_data().data(),
@@ -351,11 +357,7 @@ void ShmReduceScatter(const ShmArgs& a, ReduceOp op, OpKernelContext* ctx,
   Run(a, ctx, std::move(done), [a, op, ctx](Group* g) -> Status {
     const Tensor& in = ctx->input(0);
     if (in.dims() == 0) return InvalidArgument("reduce_scatter needs rank >= 1");
-    std::vector<std::vector<int64>> meta;
-    TF_RETURN_IF_ERROR(g->ExchangeMeta(a, {in.NumElements()}, &meta));
-    for (int k = 0; k < a.size; ++k)
-      if (meta[k][0] != in.NumElements())
-        return InvalidArgument("EPL ", a.what, ": element counts differ across ranks");
+    TF_RETURN_IF_ERROR(SameCount(g, a, in.NumElements()));
     Tensor full;
     TF_RETURN_IF_ERROR(ctx->allocate_temp(in.dtype(), in.shape(), &full));
     TF_RETURN_IF_ERROR(g->AllReduce(a, in.dtype(), op, in.tensor_data().data(),
@@ -377,11 +379,7 @@ void ShmReduce(const ShmArgs& a, int root, ReduceOp op, OpKernelContext* ctx,
                AsyncOpKernel::DoneCallback done) {
   Run(a, ctx, std::move(done), [a, root, op, ctx](Group* g) -> Status {
     const Tensor& in = ctx->input(0);
-    std::vector<std::vector<int64>> meta;
-    TF_RETURN_IF_ERROR(g->ExchangeMeta(a, {in.NumElements()}, &meta));
-    for (int k = 0; k < a.size; ++k)
-      if (meta[k][0] != in.NumElements())
-        return InvalidArgument("EPL ", a.what, ": element counts differ across ranks");
+    TF_RETURN_IF_ERROR(SameCount(g, a, in.NumElements()));
     Tensor* out = nullptr;
     TF_RETURN_IF_ERROR(ctx->allocate_output(0, in.shape(), &out));
     char* dst = const_cast<char*>(out->tensor_data().data());

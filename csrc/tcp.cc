@@ -317,17 +317,24 @@ Status Meta(Ring* ring, const ShmArgs& a, std::vector<int64> mine, int width,
   return Status::OK();
 }
 
+// Every rank checks that all ranks run this collective on as many elements.
+Status SameCount(Ring* ring, const ShmArgs& a, int64 count) {
+  std::vector<int64> meta;
+  TF_RETURN_IF_ERROR(Meta(ring, a, {count}, 1, &meta));
+  for (int k = 0; k < a.size; ++k)
+    if (meta[k * 2] != count)
+      return InvalidArgument("EPL ", a.what, " (group '", a.group, "'): rank ", k, " has ",
+                             meta[k * 2], " elements, rank ", a.rank, " has ", count);
+  return Status::OK();
+}
+
 }  // namespace
 
 void TcpAllReduce(const ShmArgs& a, ReduceOp op, OpKernelContext* ctx,
                   AsyncOpKernel::DoneCallback done) {
   Run(a, ctx, std::move(done), [a, op, ctx](Ring* ring) -> Status {
     const Tensor& in = ctx->input(0);
-    std::vector<int64> meta;
-    TF_RETURN_IF_ERROR(Meta(ring, a, {in.NumElements()}, 1, &meta));
-    for (int k = 0; k < a.size; ++k)
-      if (meta[k * 2] != in.NumElements())
-        return InvalidArgument("EPL ", a.what, ": element counts differ across ranks");
+    TF_RETURN_IF_ERROR(SameCount(ring, a, in.NumElements()));
     Tensor* out = nullptr;
     TF_RETURN_IF_ERROR(ctx->allocate_output(0, in.shape(), &out));
     return ring->AllReduce(a, in.dtype(), op, in.tensor_data().data(),
@@ -343,11 +350,7 @@ void TcpAllReduceN(const ShmArgs& a, ReduceOp op, OpKernelContext* ctx,
     const int64 es = tensorflow::DataTypeSize(dtype);
     int64 total = 0;
     for (int i = 0; i < n; ++i) total += ctx->input(i).NumElements();
-    std::vector<int64> meta;
-    TF_RETURN_IF_ERROR(Meta(ring, a, {total}, 1, &meta));
-    for (int k = 0; k < a.size; ++k)
-      if (meta[k * 2] != total)
-        return InvalidArgument("EPL ", a.what, ": element counts differ across ranks");
+    TF_RETURN_IF_ERROR(SameCount(ring, a, total));
     Tensor packed;
     TF_RETURN_IF_ERROR(ctx->allocate_temp(dtype, TensorShape({total}), &packed));
     char* p = const_cast<char*>(packed.tensor_data().data());
@@ -372,11 +375,7 @@ void TcpReduceScatter(const ShmArgs& a, ReduceOp op, OpKernelContext* ctx,
   Run(a, ctx, std::move(done), [a, op, ctx](Ring* ring) -> Status {
     const Tensor& in = ctx->input(0);
     if (in.dims() == 0) return InvalidArgument("reduce_scatter needs rank >= 1");
-    std::vector<int64> meta;
-    TF_RETURN_IF_ERROR(Meta(ring, a, {in.NumElements()}, 1, &meta));
-    for (int k = 0; k < a.size; ++k)
-      if (meta[k * 2] != in.NumElements())
-        return InvalidArgument("EPL ", a.what, ": element counts differ across ranks");
+    TF_RETURN_IF_ERROR(SameCount(ring, a, in.NumElements()));
     Tensor full;
     TF_RETURN_IF_ERROR(ctx->allocate_temp(in.dtype(), in.shape(), &full));
     char* f = const_cast<char*>(full.tensor_data().data());
@@ -400,11 +399,7 @@ void TcpReduce(const ShmArgs& a, int root, ReduceOp op, OpKernelContext* ctx,
                AsyncOpKernel::DoneCallback done) {
   Run(a, ctx, std::move(done), [a, root, op, ctx](Ring* ring) -> Status {
     const Tensor& in = ctx->input(0);
-    std::vector<int64> meta;
-    TF_RETURN_IF_ERROR(Meta(ring, a, {in.NumElements()}, 1, &meta));
-    for (int k = 0; k < a.size; ++k)
-      if (meta[k * 2] != in.NumElements())
-        return InvalidArgument("EPL ", a.what, ": element counts differ across ranks");
+    TF_RETURN_IF_ERROR(SameCount(ring, a, in.NumElements()));
     Tensor* out = nullptr;
     TF_RETURN_IF_ERROR(ctx->allocate_output(0, in.shape(), &out));
     char* dst = const_cast<char*>(out->tensor_data().data());
