@@ -92,6 +92,15 @@ def train_local(x, y, batch, steps, optimizer_name, use_resource=False):
             return weights(sess), losses
 
 
+def run_steps(op, steps, fetches):
+    """Initialize, run ``op`` ``steps`` times in a plain Session, then fetch ``fetches``."""
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
+        for _ in range(steps):
+            sess.run(op)
+        return sess.run(fetches)
+
+
 def assert_weights_close(got, want, rtol=1e-5, atol=1e-6):
     for name in sorted(want):
         np.testing.assert_allclose(got[name], want[name], rtol=rtol, atol=atol, err_msg=name)

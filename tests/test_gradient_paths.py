@@ -89,20 +89,12 @@ def test_sparse_gradients(as_dense, copies):
     with tf.Graph().as_default():
         bi, bl = models.input_batch(ids, labels, N * BATCH)
         op, table, w = _embedding_model(bi, bl)
-        with tf.Session() as sess:
-            sess.run(tf.global_variables_initializer())
-            for _ in range(STEPS):
-                sess.run(op)
-            want = sess.run([table, w])
+        want = models.run_steps(op, STEPS, [table, w])
     _init(**{"communication.sparse_as_dense": as_dense, "cluster.variable_copies": copies})
     bi, bl = models.input_batch(ids, labels, BATCH)
     op, table, w = _embedding_model(bi, bl)
-    with tf.Session() as sess:
-        sess.run(tf.global_variables_initializer())
-        for _ in range(STEPS):
-            sess.run(op)
-        got = sess.run([table, w])
-        types = [o.type for o in tf.get_default_graph().get_operations()]
+    got = models.run_steps(op, STEPS, [table, w])
+    types = [o.type for o in tf.get_default_graph().get_operations()]
     assert ("EplAllGather" in types) != as_dense
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -167,19 +167,11 @@ def test_gradient_sum_across_stage_boundary():
     with tf.Graph().as_default():
         bx, by = models.input_batch(x, y, 2 * micro * MB)
         op = models.train_op(_residual_model(bx, by, False), "adam")
-        with tf.Session() as sess:
-            sess.run(tf.global_variables_initializer())
-            for _ in range(STEPS):
-                sess.run(op)
-            want = sess.run(tf.trainable_variables())
+        want = models.run_steps(op, STEPS, tf.trainable_variables())
     epl.init(epl.Config({"cluster.devices_per_worker": devices, "pipeline.num_micro_batch": micro}))
     bx, by = models.input_batch(x, y, MB)
     op = models.train_op(_residual_model(bx, by, True), "adam")
-    with tf.Session() as sess:
-        sess.run(tf.global_variables_initializer())
-        for _ in range(STEPS):
-            sess.run(op)
-        got = sess.run(tf.trainable_variables())
+    got = models.run_steps(op, STEPS, tf.trainable_variables())
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
