@@ -48,6 +48,8 @@ class Graph(object):
         self._tg_of_strategy = {}
         self.op_taskgraph = {}    # op name -> TaskGraph or None
         self.op_phase = {}        # op name -> phase
+        self.op_shard = {}        # op name -> shard index (ops of a split TaskGraph's shards)
+        self.sharded = {}         # logical tensor -> epl.split.sharding.Sharded (its shards)
         self.apply_records = []
         self.compute_records = []  # results of Optimizer.compute_gradients, in call order
         self.rewritten = False
@@ -72,9 +74,11 @@ class Graph(object):
             self._tg_of_strategy[id(strategy)] = tg
         return tg
 
-    def record(self, op, taskgraph, phase):
+    def record(self, op, taskgraph, phase, shard=None):
         self.op_taskgraph[op.name] = taskgraph
         self.op_phase[op.name] = phase
+        if shard is not None:
+            self.op_shard[op.name] = shard
         if taskgraph is not None:
             taskgraph.ops.append(op)
 
@@ -122,6 +126,10 @@ class Graph(object):
 
     def taskgraph_of(self, op):
         return self.op_taskgraph.get(op.name)
+
+    def shard_of(self, op):
+        """The shard of a split TaskGraph that runs ``op`` (None: the split's first device)."""
+        return self.op_shard.get(op.name)
 
     def phase_of(self, op):
         return self.op_phase.get(op.name)

@@ -124,25 +124,97 @@ class PipelineLayout(object):
 
 
 def plan(cluster, taskgraphs, config):
-    """Return the layout for ``taskgraphs`` (summaries with .kind/.device_count/.strategy)."""
+    """Return the layout for ``taskgraphs`` (summaries with .kind/.device_count/.strategy).
+
+    The layout describes the replicated TaskGraphs; ``layout.split_devices`` maps
+    each split TaskGraph's index to the global devices of its shards.
+    """
     if not taskgraphs:
         return None
-    kinds = [tg.kind for tg in taskgraphs]
-    if "split" in kinds:
-        raise NotImplementedError(
-            "epl.split (tensor model parallelism) is not implemented in this EPL version yet; "
-            "use epl.replicate for now.")
     num_mb = config.get("pipeline.num_micro_batch")
     prefer = config.get("cluster.device_place_prefer_intra_node")
+    splits = [tg for tg in taskgraphs if tg.kind == "split"]
+    replicas = [tg for tg in taskgraphs if tg.kind != "split"]
+    if splits:
+        return _plan_split(cluster, splits, replicas, config)
     if len(taskgraphs) == 1 and num_mb == 1:
         tg = taskgraphs[0]
-        return ReplicaLayout(cluster.total_gpu_num, tg.device_count, cluster.gpu_num_per_worker,
-                             prefer, name=repr(tg.strategy))
+        layout = ReplicaLayout(cluster.total_gpu_num, tg.device_count,
+                               cluster.gpu_num_per_worker, prefer, name=repr(tg.strategy))
+        layout.split_devices = {}
+        return layout
     wide = [tg for tg in taskgraphs if tg.device_count != 1]
     if wide:
         raise NotImplementedError(
             "%r: a pipeline stage (or gradient accumulation) over a replicate scope with "
             "device_count > 1 is not implemented yet; use device_count=1 per stage."
             % (wide[0].strategy,))
-    return PipelineLayout(cluster.total_gpu_num, len(taskgraphs), num_mb,
-                          cluster.gpu_num_per_worker, prefer)
+    layout = PipelineLayout(cluster.total_gpu_num, len(taskgraphs), num_mb,
+                            cluster.gpu_num_per_worker, prefer)
+    layout.split_devices = {}
+    return layout
+
+
+def split_device_count(tg, devices_per_worker):
+    """Devices of a split TaskGraph (``split()`` without a count: the whole worker)."""
+    return tg.strategy.device_count or devices_per_worker
+
+
+def _plan_split(cluster, splits, replicas, config):
+    """Split TaskGraphs (tensor model parallelism) and the replicated ones around them.
+
+    The shards of a split live on one worker.  With
+    ``cluster.colocate_split_and_replicate`` the split uses the first devices that
+    the replicas also use; without it the replicas get the first devices and the
+    split the last ``n``.
+    """
+    per = cluster.gpu_num_per_worker
+    total = cluster.total_gpu_num
+    for tg in splits:
+        n = split_device_count(tg, per)
+        if n > per:
+            raise LayoutError(
+                "%r needs %d devices but a worker has %d (cluster.devices_per_worker / "
+                "epl-launch --gpu_per_worker); use device_count <= %d or add devices."
+                % (tg.strategy, n, per, per))
+    if cluster.worker_num > 1:
+        raise NotImplementedError(
+            "%r in a job of %d workers: tensor model parallelism across workers is not "
+            "implemented yet; run the split model on one worker (its shards use that worker's "
+            "devices)." % (splits[0].strategy, cluster.worker_num))
+    if config.get("pipeline.num_micro_batch") > 1:
+        raise NotImplementedError(
+            "%r with pipeline.num_micro_batch = %d: pipelines of split TaskGraphs are not "
+            "implemented yet; set pipeline.num_micro_batch to 1."
+            % (splits[0].strategy, config.get("pipeline.num_micro_batch")))
+    if len(replicas) > 1:
+        raise NotImplementedError(
+            "%d replicate scopes together with %r: only one replicated TaskGraph may be "
+            "combined with split scopes (put the replicated part under one scope)."
+            % (len(replicas), splits[0].strategy))
+    n = max(split_device_count(tg, per) for tg in splits)
+    if not replicas:
+        if n != total:
+            raise LayoutError(
+                "%r uses %d devices but this job has %d: the other devices would sit idle. "
+                "Use epl.split(%d), run with %d devices (cluster.devices_per_worker), or add an "
+                "epl.replicate scope for the rest of the model."
+                % (splits[0].strategy, n, total, total, n))
+        layout = ReplicaLayout(1, 1, 1, name="split")
+        first = 0
+    else:
+        rep = replicas[0]
+        colocate = config.get("cluster.colocate_split_and_replicate")
+        rep_devices = total if colocate else total - n
+        if rep_devices < 1:
+            raise LayoutError(
+                "%r takes all %d devices, none is left for %r; set "
+                "cluster.colocate_split_and_replicate to True (share the devices) or add "
+                "devices." % (splits[0].strategy, total, rep.strategy))
+        layout = ReplicaLayout(rep_devices, rep.device_count, per,
+                               config.get("cluster.device_place_prefer_intra_node"),
+                               name=repr(rep.strategy))
+        first = 0 if colocate else total - n
+    layout.split_devices = {tg.index: list(range(first, first + split_device_count(tg, per)))
+                            for tg in splits}
+    return layout

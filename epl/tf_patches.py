@@ -28,6 +28,12 @@ Patch points (all installed by :func:`install`, idempotent):
 12. ``estimator.RunConfig.__init__``: an Estimator in an EPL job runs a local session
     on every worker (EPL does the distribution), so RunConfig does not read the
     job's TF_CONFIG (which would make it look for gRPC masters and a "chief").
+13. ``keras.layers.Dense.build`` / ``call`` (also ``tf.layers.Dense``): under
+    ``epl.split`` the layer is built sharded (``epl.tensor_parallel.layers``).
+14. ``nn_ops.sparse_softmax_cross_entropy_with_logits`` (so also
+    ``tf.losses.sparse_softmax_cross_entropy``) and ``math_ops.argmax``, rebound
+    in every TensorFlow module that exports them: on class-sharded logits they
+    run sharded (``epl.tensor_parallel.losses``); on anything else, unchanged.
 
 Everything else reads and edits graphs through :mod:`epl.ir` and the rewriter.
 """
@@ -72,48 +78,57 @@ def rewriting():
 
 
 def _classify(graph, op):
-    """(TaskGraph, phase) of a new op from the capture context."""
+    """(TaskGraph, phase, shard) of a new op from the capture context."""
+    from epl.tensor_parallel.sharding import current_shard
     from epl.strategies import current_strategy
     c = _c()
     epl_graph = ir.Graph.get(graph)
     if c.rewriting:
-        return None, ir.REWRITE
+        return None, ir.REWRITE, None
     if c.save:
-        return None, ir.SAVE
+        return None, ir.SAVE, None
     if c.apply:
-        tg = _colocated_taskgraph(epl_graph, op)
-        return (tg if tg is not None else c.apply[-1]), ir.APPLY
+        tg, shard = _colocated(epl_graph, op)
+        return (tg if tg is not None else c.apply[-1]), ir.APPLY, shard
     if c.grad_ops:
         fwd = c.grad_ops[-1]
         tg = epl_graph.taskgraph_of(fwd) if fwd is not None else None
         if tg is None and c.grad_default:
             tg = c.grad_default[-1]
-        return tg, ir.BACKWARD
+        # A shard's backward runs on the shard's device.
+        return tg, ir.BACKWARD, (epl_graph.shard_of(fwd) if fwd is not None else None)
     strategy = current_strategy()
     if strategy is not None:
-        return epl_graph.taskgraph_for(strategy), ir.FORWARD
-    # Outside any annotation: an op computed from annotated ops (a loss built after
-    # the last stage's scope) joins the latest TaskGraph it reads from.
-    fed = [epl_graph.taskgraph_of(t.op) for t in op.inputs]
-    fed = [tg for tg in fed if tg is not None]
-    return (max(fed, key=lambda tg: tg.index) if fed else None), ir.FORWARD
+        tg = epl_graph.taskgraph_for(strategy)
+    else:
+        # Outside any annotation: an op computed from annotated ops (a loss built after
+        # the last stage's scope) joins the latest TaskGraph it reads from.
+        fed = [epl_graph.taskgraph_of(t.op) for t in op.inputs]
+        fed = [tg for tg in fed if tg is not None]
+        tg = max(fed, key=lambda tg: tg.index) if fed else None
+    shard = current_shard() if tg is not None and tg.kind == "split" else None
+    if shard is None and tg is not None and tg.kind == "split":
+        shard = _colocated(epl_graph, op)[1]   # a shard variable's initializer, slots
+    return tg, ir.FORWARD, shard
 
 
-def _colocated_taskgraph(epl_graph, op):
+def _colocated(epl_graph, op):
+    """(TaskGraph, shard) of the op ``op`` is colocated with (optimizer slots and
+    updates are colocated with their variable)."""
     for group in op.colocation_groups():
         name = group.decode()[len("loc:@"):]
         tg = epl_graph.op_taskgraph.get(name)
         if tg is not None:
-            return tg
-    return None
+            return tg, epl_graph.op_shard.get(name)
+    return None, None
 
 
 def _create_op_helper(self, op, compute_device=True):
     _originals["create_op_helper"](self, op, compute_device=compute_device)
     from epl.env import Env
     if Env.initialized():
-        tg, phase = _classify(self, op)
-        ir.Graph.get(self).record(op, tg, phase)
+        tg, phase, shard = _classify(self, op)
+        ir.Graph.get(self).record(op, tg, phase, shard)
         if phase != ir.REWRITE:
             from epl.rewrite import on_new_op
             on_new_op(self, op)
@@ -259,6 +274,46 @@ def _run_config_init(self, *args, **kwargs):
             os.environ["TF_CONFIG"] = saved
 
 
+def _dense_build(self, input_shape):
+    from epl.tensor_parallel import sharding
+    if sharding.routing() and sharding.active_split() is not None:
+        from epl.tensor_parallel import layers
+        return layers.build(self, input_shape)
+    return _originals["dense_build"](self, input_shape)
+
+
+def _dense_call(self, inputs):
+    if getattr(self, "_epl_split", None) is not None:
+        from epl.tensor_parallel import layers
+        return layers.call(self, inputs)
+    return _originals["dense_call"](self, inputs)
+
+
+def _sparse_softmax_ce(_sentinel=None, labels=None, logits=None, name=None):
+    from epl.tensor_parallel import sharding
+    sharded = sharding.lookup(logits) if sharding.routing() else None
+    if sharded is not None and sharding.last_axis(sharded, logits.shape.ndims):
+        from epl.tensor_parallel import losses
+        return losses.sparse_softmax_cross_entropy(sharded, labels, name)
+    return _originals["sparse_softmax_ce"](_sentinel, labels=labels, logits=logits, name=name)
+
+
+def _argmax(input, axis=None, name=None, dimension=None, output_type=None):  # pylint: disable=redefined-builtin
+    import tensorflow as tf
+    from epl.tensor_parallel import sharding
+    output_type = tf.int64 if output_type is None else output_type
+    sharded = sharding.lookup(input) if sharding.routing() else None
+    if sharded is not None:
+        rank = input.shape.ndims
+        ax = axis if axis is not None else dimension
+        ax = 0 if ax is None else ax
+        if isinstance(ax, int) and ax % rank == sharded.axis % rank:
+            from epl.tensor_parallel import losses
+            return losses.argmax(sharded, output_type, name)
+    return _originals["argmax"](input, axis=axis, name=name, dimension=dimension,
+                                output_type=output_type)
+
+
 def _finalize(self):
     from epl.rewrite import rewrite_if_needed
     rewrite_if_needed(self)
@@ -299,8 +354,27 @@ _PATCHES = [
 ]
 
 
+def _rebind(key, original, replacement):
+    """Replace function ``original`` by ``replacement`` in every TensorFlow module that
+    exports it (tf.nn, tf.compat.v1.nn, the op modules...)."""
+    import sys
+    _originals[key] = original
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(("tensorflow", "tensorflow_core")):
+            continue
+        for attr, value in list(vars(module).items()):
+            if value is original:
+                setattr(module, attr, replacement)
+                _rebound.append((module, attr, original))
+
+
+_rebound = []
+
+
 def _optional_patches():
-    out = []
+    from tensorflow.python.keras.layers import core as keras_core
+    out = [("dense_build", keras_core.Dense, "build", _dense_build),
+           ("dense_call", keras_core.Dense, "call", _dense_call)]
     try:
         from tensorflow.python.keras.optimizer_v2 import optimizer_v2
         out.append(("apply_gradients_v2", optimizer_v2.OptimizerV2, "apply_gradients",
@@ -322,9 +396,18 @@ def install():
     for key, owner, attr, replacement in _PATCHES:
         _originals[key] = getattr(owner, attr)
         setattr(owner, attr, replacement)
+    from tensorflow.python.ops import math_ops, nn_ops
+    _rebind("sparse_softmax_ce", nn_ops.sparse_softmax_cross_entropy_with_logits,
+            _sparse_softmax_ce)
+    _rebind("argmax", math_ops.argmax, _argmax)
 
 
 def uninstall():
     for key, owner, attr, _ in _PATCHES:
         if key in _originals:
             setattr(owner, attr, _originals.pop(key))
+    while _rebound:
+        module, attr, original = _rebound.pop()
+        setattr(module, attr, original)
+    for key in ("sparse_softmax_ce", "argmax"):
+        _originals.pop(key, None)

@@ -5,11 +5,13 @@ first ``Session.run`` of a plain session.  Passes, in order, each with one job:
 
 1. plan          layout of replicas on devices (``epl.plan``)
 2. select        which ops form the replica (``selection.py``)
-3. place         the user's ops on clone 0's device
+3. place         the user's ops on clone 0's device; split shards on their
+                 devices (``split.py``)
 4. shard inputs  every clone gets its own batch (``inputs.py``)
 5. clone         copies per clone; gradients reduced before the first apply
                  op (``replicate.py``, ``gradients.py``)
-6. schedule      pipeline order of each stage's micro-batches (``schedule.py``)
+6. bridge        split scopes read every clone's batch (``split.py``)
+   schedule      pipeline order of each stage's micro-batches (``schedule.py``)
 7. join          the user's train op runs every clone's update
 8. mirror        initial values come from worker 0; initializers / restores /
                  assigns reach every variable copy
@@ -51,15 +53,18 @@ def rewrite_if_needed(graph):
 
 def _rewrite(epl_graph, env):
     from epl import plan as planner
-    from epl.rewrite import inputs, merge, mirror, replicate, schedule, selection
+    from epl.rewrite import inputs, merge, mirror, replicate, schedule, selection, split
     from epl.rewrite.state import ReplicaState, share_variables
     layout = planner.plan(env.cluster, epl_graph.taskgraphs, env.config)
-    sel = selection.select(epl_graph, epl_graph.taskgraphs,
-                           share_variables(env.cluster, env.config))
-    state = ReplicaState(epl_graph, epl_graph.taskgraphs, sel, layout, env.cluster, env.config)
+    replicated = [tg for tg in epl_graph.taskgraphs if tg.kind != "split"]
+    sel = selection.select(epl_graph, replicated, share_variables(env.cluster, env.config))
+    state = ReplicaState(epl_graph, replicated, sel, layout, env.cluster, env.config)
     replicate.place_originals(state)
+    split.place(state)
+    state.reduce_method = split.reduce_method(state)
     inputs.shard_inputs(state)
     replicate.clone_replicas(state)
+    split.bridge(state)
     schedule.schedule_pipeline(state)
     replicate.join_clones(state)
     mirror.broadcast_initial_values(state)

@@ -23,20 +23,30 @@ from epl.rewrite.cloner import new_ops
 
 
 def targets(state, record):
-    """The (grad, var) pairs to reduce for ``record`` and the ops that read them."""
+    """The (grad, var) pairs to reduce for ``record`` and the ops that read them
+    (not a split TaskGraph's shards: each has its own gradient)."""
     if state.config.get("communication.clip_after_allreduce") and record.computed is not None:
-        return record.computed
-    return [(g, v) for g, v in record.grads_and_vars if g is not None]
+        pairs = record.computed
+    else:
+        pairs = record.grads_and_vars
+    return [(g, v) for g, v in pairs if g is not None and not _split_variable(state, v)]
+
+
+def _split_variable(state, v):
+    tg = state.ir_graph.taskgraph_of(v.op)
+    return tg is not None and tg.kind == "split"
 
 
 def reduce_gradients(state, record):
     cfg = state.config
-    method = cfg.get("communication.gradients_reduce_method")
+    method = state.reduce_method or cfg.get("communication.gradients_reduce_method")
     n = state.num_clones
     users = 1 if state.share_variables else n  # shared variables: only rank 0's result is read
     index = state.ir_graph.apply_records.index(record)
     name = "EPL_GRADIENTS_%d" % index
     pairs = targets(state, record)
+    if not pairs:
+        return
     reduced = [[] for _ in range(n)]   # every rank's reduced tensors (all must run)
     installs = []
     with new_ops(state.graph):

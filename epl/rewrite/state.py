@@ -43,6 +43,7 @@ class ReplicaState(object):
         self.tensor_map = [dict() for _ in self.clones]
         self.op_map = [dict() for _ in self.clones]
         self.merged = {}          # fetched tensor name -> merged tensor
+        self.reduce_method = None  # overrides communication.gradients_reduce_method
 
     @property
     def num_clones(self):

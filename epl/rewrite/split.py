@@ -1,0 +1,108 @@
+"""Split passes: place the shards of split TaskGraphs, and bridge them to the
+replicated TaskGraph around them.
+
+* ``SplitPlacementPass`` (:func:`place`): shard i of a split runs on the
+  split's device i; the split's unsharded ops (the sum of row-parallel partial
+  products, a loss mean, ...) run on its first device.
+* ``SplitBridgePass`` (:func:`bridge`), after the replicas are cloned: the user
+  built the split part reading replica 0's tensors as if they were the whole
+  batch.  A split op reading a replica tensor now reads the concatenation of
+  every clone's copy (batch order = clone order = the order of the fed batch);
+  a replica op reading a split tensor (the gradient of a bridged activation, or
+  a split output fed back) reads its clone's rows of it.  Autodiff already built
+  the split part's backward for the whole batch, so the gradient of the bridge
+  is exactly those row slices.  The loss is then a function of the whole batch,
+  so each replica's gradients are partial sums: they are all-reduced with SUM
+  (:func:`reduce_method`).
+"""
+import tensorflow as tf
+
+from epl import ir
+from epl.rewrite.cloner import new_ops
+
+
+def split_taskgraphs(state):
+    return [tg for tg in state.ir_graph.taskgraphs if tg.kind == "split"]
+
+
+def place(state):
+    per = state.cluster.gpu_num_per_worker
+    for tg in split_taskgraphs(state):
+        devices = [state.cluster.local_device(d % per) for d in state.layout.split_devices[tg.index]]
+        for op in tg.ops:
+            if state.ir_graph.phase_of(op) == ir.REWRITE:
+                continue
+            shard = state.ir_graph.shard_of(op) or 0
+            if "_class" in op.node_def.attr:
+                op._clear_attr("_class")  # pylint: disable=protected-access
+            op._set_device(devices[shard])  # pylint: disable=protected-access
+
+
+def _split_ops(state):
+    return set(op for tg in split_taskgraphs(state) for op in tg.ops)
+
+
+def _is_variable_value(t):
+    return t.dtype == tf.resource or t.dtype._is_ref_dtype  # pylint: disable=protected-access
+
+
+def reduce_method(state):
+    """SUM when a split TaskGraph reads the replicas (its loss covers the whole batch)."""
+    split_ops = _split_ops(state)
+    for op in split_ops:
+        if any(t.op in state.selection for t in op.inputs):
+            return "sum"
+    return None
+
+
+def bridge(state):
+    split_ops = _split_ops(state)
+    if not split_ops or not state.selection.ops:
+        return
+    sel = state.selection
+    n = state.num_clones
+    gathered = {}     # replica tensor -> its concatenation over clones
+    batch_rows = None
+    # Replica -> split: the whole batch.
+    for op in sorted(split_ops, key=lambda o: o._id):  # pylint: disable=protected-access
+        for i, t in enumerate(op.inputs):
+            if t.op not in sel or _is_variable_value(t):
+                continue
+            if t not in gathered:
+                copies = state.copies(t)
+                _check_batch_major(t, op)
+                with new_ops(state.graph), tf.device(op.device):
+                    gathered[t] = tf.concat(copies, axis=0,
+                                            name="EPL_SPLIT_GATHER/" + t.op.name)
+                    if batch_rows is None:
+                        batch_rows = [tf.shape(c)[0] for c in copies]
+            op._update_input(i, gathered[t])  # pylint: disable=protected-access
+    # Split -> replica: each clone's rows.
+    sliced = {}
+    for c in range(n):
+        for op in sel.ops:
+            mine = state.op(c, op)
+            for i, t in enumerate(mine.inputs):
+                if t.op not in split_ops or _is_variable_value(t):
+                    continue
+                if batch_rows is None:
+                    raise NotImplementedError(
+                        "EPL split: replicated op %r reads %r from a split scope, but no "
+                        "batch crosses from the replicas into the split; put the consumer "
+                        "inside the split scope." % (op.name, t.name))
+                key = (t, c)
+                if key not in sliced:
+                    with new_ops(state.graph), tf.device(mine.device):
+                        parts = tf.split(t, tf.stack(batch_rows), num=n, axis=0,
+                                         name="EPL_SPLIT_SCATTER/%s_%d" % (t.op.name, t.value_index))
+                        for cc in range(n):
+                            sliced[(t, cc)] = parts[cc]
+                mine._update_input(i, sliced[key])  # pylint: disable=protected-access
+
+
+def _check_batch_major(t, reader):
+    if t.shape.ndims == 0:
+        raise NotImplementedError(
+            "EPL split: %r (split scope) reads the scalar %r of the replicated part; only "
+            "batch-major tensors (first dimension = examples) can cross from epl.replicate "
+            "into epl.split. Compute it inside one of the scopes." % (reader.name, t.name))
