@@ -70,7 +70,12 @@ def select(ir_graph, taskgraphs, share_variables=False):
     step_op = step.op if step is not None else None
     from_step = _step_only_ops(graph, step_op)
 
+    mine = set(tg.index for tg in taskgraphs)
+
     def excluded(op):
+        tg = ir_graph.taskgraph_of(op)
+        if tg is not None and tg.index not in mine:
+            return True   # another TaskGraph's (a split scope's shards)
         if op.type in SOURCE_OPS or op.type == "Placeholder" or op.type in _CHECKPOINT_OPS:
             return True
         if op in initializers or op in from_step or _is_shared_resource(op):
