@@ -10,9 +10,10 @@ from epl.config import Config
 from epl.env import Env, init
 from epl.ir import Graph
 from epl.strategies import replicate, set_default_strategy, split
+from epl.tensor_parallel.moe import moe_layer
 
 VERSION = "0.1.0"
 __version__ = VERSION
 
 __all__ = ["Config", "Env", "Graph", "GraphKeys", "VERSION", "add_to_collection",
-           "get_collection", "init", "replicate", "set_default_strategy", "split"]
+           "get_collection", "init", "moe_layer", "replicate", "set_default_strategy", "split"]
