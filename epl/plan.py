@@ -157,7 +157,8 @@ def plan(cluster, taskgraphs, config):
 
 def split_device_count(tg, devices_per_worker):
     """Devices of a split TaskGraph (``split()`` without a count: the whole worker)."""
-    return tg.strategy.device_count or devices_per_worker
+    count = getattr(tg.strategy, "device_count", tg.device_count)
+    return count or devices_per_worker
 
 
 def _plan_split(cluster, splits, replicas, config):
@@ -215,6 +216,7 @@ def _plan_split(cluster, splits, replicas, config):
                                config.get("cluster.device_place_prefer_intra_node"),
                                name=repr(rep.strategy))
         first = 0 if colocate else total - n
-    layout.split_devices = {tg.index: list(range(first, first + split_device_count(tg, per)))
-                            for tg in splits}
+    layout.split_devices = {getattr(tg, "index", i): list(range(first, first +
+                                                               split_device_count(tg, per)))
+                            for i, tg in enumerate(splits)}
     return layout
