@@ -8,6 +8,7 @@ BENCHES = [
     ["dp_overhead.py"],
     ["fusion.py"],
     ["pipeline_bubble.py"],
+    ["split_memory.py"],
     ["collectives.py", "--sizes-mib", "1,16,64,256"],
 ]
 

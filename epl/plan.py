@@ -127,7 +127,7 @@ def plan(cluster, taskgraphs, config):
     """Return the layout for ``taskgraphs`` (summaries with .kind/.device_count/.strategy).
 
     The layout describes the replicated TaskGraphs; ``layout.split_devices`` maps
-    each split TaskGraph's index to the global devices of its shards.
+    each split TaskGraph to the global devices of its shards.
     """
     if not taskgraphs:
         return None
@@ -216,7 +216,6 @@ def _plan_split(cluster, splits, replicas, config):
                                config.get("cluster.device_place_prefer_intra_node"),
                                name=repr(rep.strategy))
         first = 0 if colocate else total - n
-    layout.split_devices = {getattr(tg, "index", i): list(range(first, first +
-                                                               split_device_count(tg, per)))
-                            for i, tg in enumerate(splits)}
+    layout.split_devices = {tg: list(range(first, first + split_device_count(tg, per)))
+                            for tg in splits}
     return layout

@@ -89,3 +89,32 @@ def test_plan_from_cluster():
     lay = plan(c, [TG("replicate", 2, "epl.replicate(2)")], _cfg())
     assert lay.num_replicas == 2
     assert plan(c, [], _cfg()) is None
+
+
+def test_plan_split_layouts():
+    c = Cluster(_cfg(cluster__devices_per_worker=4), tf_config={}, visible_gpus=0)
+    split4 = TG("split", 4, "epl.split(4)")
+    whole = plan(c, [split4], _cfg())
+    assert whole.split_devices == {split4: [0, 1, 2, 3]} and whole.num_clones == 1
+    rep, head = TG("replicate", 1, "epl.replicate(1)"), TG("split", 2, "epl.split(2)")
+    apart = plan(c, [rep, head], _cfg())
+    assert apart.num_replicas == 2 and apart.split_devices == {head: [2, 3]}
+    together = plan(c, [rep, head], _cfg(cluster__colocate_split_and_replicate=True))
+    assert together.num_replicas == 4 and together.split_devices == {head: [0, 1]}
+
+
+def test_plan_split_errors_name_the_fix():
+    c = Cluster(_cfg(cluster__devices_per_worker=4), tf_config={}, visible_gpus=0)
+    with pytest.raises(LayoutError, match=r"needs 8 devices but a worker has 4"):
+        plan(c, [TG("split", 8, "epl.split(8)")], _cfg())
+    with pytest.raises(LayoutError, match=r"uses 2 devices but this job has 4"):
+        plan(c, [TG("split", 2, "epl.split(2)")], _cfg())
+    with pytest.raises(LayoutError, match=r"takes all 4 devices.*colocate_split_and_replicate"):
+        plan(c, [TG("replicate", 1, "r"), TG("split", 4, "s")], _cfg())
+    with pytest.raises(NotImplementedError, match="num_micro_batch"):
+        plan(c, [TG("split", 4, "s")], _cfg(pipeline__num_micro_batch=2))
+    two = Cluster(_cfg(cluster__devices_per_worker=2),
+                  tf_config={"cluster": {"worker": ["a:1", "b:1"]},
+                             "task": {"type": "worker", "index": 0}}, visible_gpus=0)
+    with pytest.raises(NotImplementedError, match="across workers"):
+        plan(two, [TG("split", 2, "s")], _cfg())

@@ -155,6 +155,30 @@ def test_hybrid_replicate_and_split_match_local(n, colocate, rdc, tmpdir):
     assert bool(head & backbone) == colocate
 
 
+@pytest.mark.parametrize("copies", ["per_worker", "per_device"])
+def test_hybrid_with_dataset_input_matches_local_big_batch(copies):
+    """Each replica pulls its own batch (DP semantics); the split head sees all of them:
+    the local model at n-times the batch.  MonitoredTrainingSession, Adam."""
+    n, per = 2, 6
+    values = _head_values()
+    x, y = sm.data(per * n * (STEPS + 1))
+
+    def run(batch, build):
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+        bx, by = tf.compat.v1.data.make_one_shot_iterator(ds).get_next()
+        loss, _ = build(bx, by)
+        op = sm.train_op(loss, "adam")
+        with tf.train.MonitoredTrainingSession() as sess:
+            return [sess.run([loss, op])[0] for _ in range(STEPS)]
+
+    with tf.Graph().as_default():
+        want = run(per * n, _hybrid(values))
+    epl.init(epl.Config({"cluster.devices_per_worker": n, "cluster.variable_copies": copies,
+                         "cluster.colocate_split_and_replicate": True}))
+    got = run(per, _hybrid(values, n, 1))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
 def test_sharded_checkpoint_restores_into_local_and_other_split(tmpdir):
     """split(2) trains and saves; the local model and split(3) restore it and agree."""
     values = sm.init_values()

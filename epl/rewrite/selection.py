@@ -94,7 +94,7 @@ def select(ir_graph, taskgraphs, share_variables=False):
 
     # Ops outside the TaskGraph that compute on the batch before it enters
     # (e.g. preprocessing built before set_default_strategy) are per-replica too.
-    on_batch = _downstream_of_batch(graph)
+    on_batch = downstream_of_batch(graph)
     frontier = list(wanted)
     while frontier:
         op = frontier.pop()
@@ -122,7 +122,7 @@ def select(ir_graph, taskgraphs, share_variables=False):
     return sel
 
 
-def _downstream_of_batch(graph):
+def downstream_of_batch(graph):
     """Ops that (transitively) read an input batch."""
     frontier = [op for op in graph.get_operations()
                 if op.type in SOURCE_OPS or is_batch_placeholder(op)]

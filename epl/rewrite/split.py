@@ -6,8 +6,10 @@ replicated TaskGraph around them.
   products, a loss mean, ...) run on its first device.
 * ``SplitBridgePass`` (:func:`bridge`), after the replicas are cloned: the user
   built the split part reading replica 0's tensors as if they were the whole
-  batch.  A split op reading a replica tensor now reads the concatenation of
-  every clone's copy (batch order = clone order = the order of the fed batch);
+  batch.  A split op reading a per-clone tensor (a replica's activation, or a
+  batch every replica pulls from the input pipeline) now reads the
+  concatenation of every clone's copy (batch order = clone order = the order
+  of a fed global batch);
   a replica op reading a split tensor (the gradient of a bridged activation, or
   a split output fed back) reads its clone's rows of it.  Autodiff already built
   the split part's backward for the whole batch, so the gradient of the bridge
@@ -28,7 +30,7 @@ def split_taskgraphs(state):
 def place(state):
     per = state.cluster.gpu_num_per_worker
     for tg in split_taskgraphs(state):
-        devices = [state.cluster.local_device(d % per) for d in state.layout.split_devices[tg.index]]
+        devices = [state.cluster.local_device(d % per) for d in state.layout.split_devices[tg]]
         for op in tg.ops:
             if state.ir_graph.phase_of(op) == ir.REWRITE:
                 continue
@@ -63,13 +65,30 @@ def bridge(state):
     n = state.num_clones
     gathered = {}     # replica tensor -> its concatenation over clones
     batch_rows = None
-    # Replica -> split: the whole batch.
-    for op in sorted(split_ops, key=lambda o: o._id):  # pylint: disable=protected-access
+    from epl.rewrite.selection import downstream_of_batch
+    on_batch = downstream_of_batch(state.graph)
+    # Replica -> split: the whole batch.  Also for the unannotated ops between the
+    # input pipeline and the split (a loss's label preprocessing), which must see
+    # every replica's pull too.
+    readers = set(split_ops)
+    frontier = list(split_ops)
+    while frontier:
+        for t in frontier.pop().inputs:
+            up = t.op
+            if (up not in readers and up not in sel and up in on_batch
+                    and state.ir_graph.taskgraph_of(up) is None):
+                readers.add(up)
+                frontier.append(up)
+    for op in sorted(readers, key=lambda o: o._id):  # pylint: disable=protected-access
         for i, t in enumerate(op.inputs):
-            if t.op not in sel or _is_variable_value(t):
+            if _is_variable_value(t):
+                continue
+            copies = state.copies(t)
+            if all(cp is t for cp in copies) or t.op not in on_batch:
+                # The same for every clone: a fed global batch, a constant, a value
+                # computed from variables only (Adam's beta powers): replica 0's.
                 continue
             if t not in gathered:
-                copies = state.copies(t)
                 _check_batch_major(t, op)
                 with new_ops(state.graph), tf.device(op.device):
                     gathered[t] = tf.concat(copies, axis=0,
