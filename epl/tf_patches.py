@@ -320,6 +320,19 @@ def _argmax(input, axis=None, name=None, dimension=None, output_type=None):  # p
                                 output_type=output_type)
 
 
+def _scope_get_variable(self, var_store, name, *args, **kwargs):
+    from epl.tensor_parallel import variables
+    return variables.get_variable(_originals["scope_get_variable"], self, var_store, name,
+                                  *args, **kwargs)
+
+
+def _embedding_lookup(params, ids, partition_strategy="mod", *args, **kwargs):
+    from epl.tensor_parallel import variables
+    if variables.is_split_variable(params):
+        partition_strategy = "div"   # EPL's contiguous shards hold the local model's rows
+    return _originals["embedding_lookup"](params, ids, partition_strategy, *args, **kwargs)
+
+
 def _finalize(self):
     from epl.rewrite import rewrite_if_needed
     rewrite_if_needed(self)
@@ -379,8 +392,11 @@ _rebound = []
 
 def _optional_patches():
     from tensorflow.python.keras.layers import core as keras_core
+    from tensorflow.python.ops import variable_scope
     out = [("dense_build", keras_core.Dense, "build", _dense_build),
-           ("dense_call", keras_core.Dense, "call", _dense_call)]
+           ("dense_call", keras_core.Dense, "call", _dense_call),
+           ("scope_get_variable", variable_scope.VariableScope, "get_variable",
+            _scope_get_variable)]
     try:
         from tensorflow.python.keras.optimizer_v2 import optimizer_v2
         out.append(("apply_gradients_v2", optimizer_v2.OptimizerV2, "apply_gradients",
@@ -406,6 +422,8 @@ def install():
     _rebind("sparse_softmax_ce", nn_ops.sparse_softmax_cross_entropy_with_logits,
             _sparse_softmax_ce)
     _rebind("argmax", math_ops.argmax, _argmax)
+    from tensorflow.python.ops import embedding_ops
+    _rebind("embedding_lookup", embedding_ops.embedding_lookup, _embedding_lookup)
 
 
 def uninstall():
@@ -415,5 +433,5 @@ def uninstall():
     while _rebound:
         module, attr, original = _rebound.pop()
         setattr(module, attr, original)
-    for key in ("sparse_softmax_ce", "argmax"):
+    for key in ("sparse_softmax_ce", "argmax", "embedding_lookup"):
         _originals.pop(key, None)

@@ -179,6 +179,80 @@ def test_hybrid_with_dataset_input_matches_local_big_batch(copies):
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
+VOCAB, EMB, LEN = 11, 6, 3
+
+
+def _embedding_model(where, n=None):
+    """An embedding table (tf.get_variable) and a classifier.  ``where``: "local", or
+    "split" (everything under split), or "hybrid" (the table under split, looked up
+    and used by the replicas)."""
+    rng = np.random.RandomState(7)
+    table = (rng.randn(VOCAB, EMB) * 0.5).astype(np.float32)
+    kernel = (rng.randn(EMB, sm.CLASSES) * 0.5).astype(np.float32)
+
+    def build(ids, labels):
+        def make_table():
+            return tf.get_variable("table", [VOCAB, EMB],
+                                   initializer=tf.constant_initializer(table))
+
+        def head(e):
+            h = tf.reduce_mean(e, axis=1)
+            return tf.layers.dense(h, sm.CLASSES, kernel_initializer=tf.constant_initializer(
+                kernel))
+        if where == "local":
+            logits = head(tf.nn.embedding_lookup(make_table(), ids))
+        elif where == "split":
+            with epl.split(n):
+                t = make_table()
+                logits = head(tf.nn.embedding_lookup(t, ids) + 0.0 * tf.reduce_sum(t))
+        else:
+            with epl.split(n):
+                t = make_table()
+            with epl.replicate(1):
+                logits = head(tf.nn.embedding_lookup(t, ids))
+        if where == "local":
+            logits += 0.0 * tf.reduce_sum(tf.get_variable("table"))  # same graph shape
+        loss = tf.losses.sparse_softmax_cross_entropy(labels, logits)
+        return loss, tf.equal(tf.argmax(logits, -1), labels)
+    return build
+
+
+def _train_ids(build, tmpdir, steps=STEPS):
+    rng = np.random.RandomState(3)
+    ids = rng.randint(0, VOCAB, (BATCH * (steps + 1), LEN)).astype(np.int64)
+    y = rng.randint(0, sm.CLASSES, BATCH * (steps + 1)).astype(np.int64)
+    pi, py = tf.placeholder(tf.int64, [None, LEN]), tf.placeholder(tf.int64, [None])
+    loss, _ = build(pi, py)
+    op = sm.train_op(loss, "adam")
+    feeds = _feeds(pi, py, ids, y)
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
+        out = [sess.run([loss, op], feeds(i))[0] for i in range(steps)]
+        out.append(sess.run(loss, feeds(steps)))
+        return np.array(out), _checkpoint_values(sess, tmpdir, "emb")
+
+
+@pytest.mark.parametrize("where,n", [("split", 2), ("split", 3), ("hybrid", 2), ("hybrid", 4)])
+def test_get_variable_under_split_is_sharded_and_matches_local(where, n, tmpdir):
+    """Weights after 3 Adam steps (read from the checkpoint: the table saves whole); the
+    losses too where the fetched loss covers the whole batch (not hybrid: there it is
+    replica 0's)."""
+    with tf.Graph().as_default(), tf.variable_scope("", reuse=tf.AUTO_REUSE):
+        want = _train_ids(_embedding_model("local"), tmpdir)
+    epl.init(epl.Config({"cluster.devices_per_worker": n,
+                         "cluster.colocate_split_and_replicate": True}))
+    got = _train_ids(_embedding_model(where, n), tmpdir)
+    if where == "split":
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    assert sorted(got[1]) == sorted(want[1])
+    for k in want[1]:
+        np.testing.assert_allclose(got[1][k], want[1][k], rtol=1e-5, atol=1e-6, err_msg=k)
+    parts = [v for v in tf.trainable_variables() if v.op.name.startswith("table/part_")]
+    assert [int(p.shape[0]) for p in parts] == [len(a) for a in
+                                                np.array_split(np.arange(VOCAB), n)]
+    assert len(set(p.op.device for p in parts)) == n
+
+
 def test_sharded_checkpoint_restores_into_local_and_other_split(tmpdir):
     """split(2) trains and saves; the local model and split(3) restore it and agree."""
     values = sm.init_values()

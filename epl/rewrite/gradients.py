@@ -29,12 +29,22 @@ def targets(state, record):
         pairs = record.computed
     else:
         pairs = record.grads_and_vars
-    return [(g, v) for g, v in pairs if g is not None and not _split_variable(state, v)]
+    return [(g, v) for g, v in pairs if g is not None and _per_clone(state, g, v)]
 
 
-def _split_variable(state, v):
+def _per_clone(state, g, v):
+    """True when every clone computes its own copy of ``g`` (so it must be reduced).
+
+    A split TaskGraph's shard variable normally gets its gradient from the split's
+    own ops (one copy, nothing to reduce); read directly by a replicated op (an
+    embedding table under split, looked up by the replicas) its gradient is
+    computed per clone and is reduced like any replicated gradient.
+    """
     tg = state.ir_graph.taskgraph_of(v.op)
-    return tg is not None and tg.kind == "split"
+    if tg is None or tg.kind != "split":
+        return True
+    t = g.values if isinstance(g, tf.IndexedSlices) else g
+    return t.op in state.selection
 
 
 def reduce_gradients(state, record):

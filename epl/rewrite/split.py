@@ -44,15 +44,25 @@ def _split_ops(state):
     return set(op for tg in split_taskgraphs(state) for op in tg.ops)
 
 
-def _is_variable_value(t):
+def _is_handle(t):
     return t.dtype == tf.resource or t.dtype._is_ref_dtype  # pylint: disable=protected-access
+
+
+def _is_variable_value(t):
+    """A variable itself or its plain read (``v/read``, ReadVariableOp): every clone
+    reads the same variable."""
+    if _is_handle(t):
+        return True
+    return (t.op.type in ("Identity", "ReadVariableOp") and len(t.op.inputs) == 1
+            and _is_handle(t.op.inputs[0]))
 
 
 def reduce_method(state):
     """SUM when a split TaskGraph reads the replicas (its loss covers the whole batch)."""
-    split_ops = _split_ops(state)
-    for op in split_ops:
-        if any(t.op in state.selection for t in op.inputs):
+    for op in _split_ops(state):
+        if state.ir_graph.phase_of(op) != ir.FORWARD:
+            continue   # (a shard's optimizer reads replicated gradients: no bridge)
+        if any(t.op in state.selection and not _is_variable_value(t) for t in op.inputs):
             return "sum"
     return None
 
@@ -70,13 +80,15 @@ def bridge(state):
     # Replica -> split: the whole batch.  Also for the unannotated ops between the
     # input pipeline and the split (a loss's label preprocessing), which must see
     # every replica's pull too.
-    readers = set(split_ops)
-    frontier = list(split_ops)
+    model = (ir.FORWARD, ir.BACKWARD)   # not a shard's optimizer: it reads reduced grads
+    readers = set(op for op in split_ops if state.ir_graph.phase_of(op) in model)
+    frontier = list(readers)
     while frontier:
         for t in frontier.pop().inputs:
             up = t.op
             if (up not in readers and up not in sel and up in on_batch
-                    and state.ir_graph.taskgraph_of(up) is None):
+                    and state.ir_graph.taskgraph_of(up) is None
+                    and state.ir_graph.phase_of(up) in model):
                 readers.add(up)
                 frontier.append(up)
     for op in sorted(readers, key=lambda o: o._id):  # pylint: disable=protected-access
@@ -104,6 +116,13 @@ def bridge(state):
             for i, t in enumerate(mine.inputs):
                 if t.op not in split_ops or _is_variable_value(t):
                     continue
+                if t.op not in on_batch:
+                    raise NotImplementedError(
+                        "EPL split: replicated op %r reads %r, a value of the split scope "
+                        "that does not depend on the batch (e.g. computed from its variables "
+                        "only). Read the split's variables directly (each replica then "
+                        "computes with them and their gradients are reduced), or move %r "
+                        "into the split scope." % (op.name, t.name, op.name))
                 if batch_rows is None:
                     raise NotImplementedError(
                         "EPL split: replicated op %r reads %r from a split scope, but no "

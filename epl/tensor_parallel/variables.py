@@ -1,0 +1,78 @@
+"""``tf.get_variable`` under ``epl.split(n)``: the variable is stored as n
+contiguous row shards, shard i on device i.
+
+It is TensorFlow's own partitioned variable (``fixed_size_partitioner``), so
+the user's code keeps working: math ops read the concatenation, the optimizer
+updates every shard where it lives, ``tf.nn.embedding_lookup`` gathers rows
+shard by shard, and checkpoints hold the full variable under its local name
+(restorable into the unsplit model and into any other shard count).
+A variable whose first dimension is smaller than n stays whole on the split's
+first device.
+"""
+import inspect
+
+import tensorflow as tf
+from tensorflow.python.ops import variables as tf_variables
+
+from epl.tensor_parallel import sharding
+
+
+def get_variable(original, scope, var_store, name, *args, **kwargs):
+    strategy = sharding.active_split() if sharding.routing() else None
+    if strategy is None:
+        return original(scope, var_store, name, *args, **kwargs)
+    bound = inspect.signature(original).bind(scope, var_store, name, *args, **kwargs)
+    params = bound.arguments
+    shape = params.get("shape")
+    n = sharding.split_count(strategy)
+    try:
+        dims = tf.TensorShape(shape).as_list() if shape is not None else None
+    except ValueError:
+        dims = None
+    if (params.get("partitioner") is not None or scope.partitioner is not None or not dims
+            or dims[0] is None or dims[0] < n or n == 1):
+        return original(scope, var_store, name, *args, **kwargs)
+    params["partitioner"] = tf.fixed_size_partitioner(n, axis=0)
+    if _is_constant(params.get("initializer")):
+        params["initializer"] = _sliced(params["initializer"])
+    graph = tf.get_default_graph()
+    first = graph._last_id + 1  # pylint: disable=protected-access
+    var = original(*bound.args, **bound.kwargs)
+    if isinstance(var, tf_variables.PartitionedVariable):
+        var._epl_split = True  # pylint: disable=protected-access
+        _tag_parts(graph, var, first)
+    return var
+
+
+def _is_constant(init):
+    from tensorflow.python.ops import init_ops
+    return isinstance(init, init_ops.Constant)
+
+
+def _sliced(init):
+    """A constant initializer gives each shard its rows of the full value (TF's own
+    constant initializer ignores the partition and would not fit a shard)."""
+    def make(shape, dtype=None, partition_info=None):
+        if partition_info is None:
+            return init(shape, dtype=dtype)
+        full = init(partition_info.full_shape, dtype=dtype)
+        return tf.slice(full, partition_info.var_offset, shape)
+    return make
+
+
+def _tag_parts(graph, var, first):
+    from epl import ir
+    ir_graph = ir.Graph.get(graph)
+    nodes = graph._nodes_by_id  # pylint: disable=protected-access
+    prefixes = [(p.op.name, i) for i, p in enumerate(var)]
+    for op_id in range(first, graph._last_id + 1):  # pylint: disable=protected-access
+        op = nodes.get(op_id)
+        if op is None:
+            continue
+        for prefix, i in prefixes:
+            if op.name == prefix or op.name.startswith(prefix + "/"):
+                ir_graph.op_shard[op.name] = i
+
+
+def is_split_variable(params):
+    return getattr(params, "_epl_split", False)
