@@ -16,7 +16,9 @@ Patch points (all installed by :func:`install`, idempotent):
    the chief.
 6. ``ops.Graph.finalize``: rewrite before the graph is frozen
    (MonitoredTrainingSession, Estimator).
-7. ``session.BaseSession.__init__``: the session sees EPL's devices.
+7. ``session.BaseSession.__init__``: the session sees EPL's devices; for a pipeline
+   spanning workers the chief's session runs on its TF server and the other
+   workers serve (``epl.distributed_runtime``).
 8. ``session.BaseSession.run``: rewrite before the first run of a plain
    Session, and map fetches of merged tensors (epl.GraphKeys).
 9. ``writer.FileWriter.add_event``: summaries are written only by the chief.
@@ -340,8 +342,15 @@ def _finalize(self):
 
 
 def _session_init(self, target="", graph=None, config=None):
+    from epl import distributed_runtime
     from epl.runtime import session_config
+    import tensorflow as tf
     config = session_config(config)
+    if not target and distributed_runtime.needed(graph or tf.get_default_graph()):
+        from epl.env import Env
+        if not Env.get().cluster.is_chief:
+            distributed_runtime.serve_until_chief_exits()
+        target = distributed_runtime.server().target
     return _originals["session_init"](self, target, graph, config)
 
 

@@ -51,6 +51,31 @@ def test_two_workers_two_devices_equal_local_model(tmp_path):
     _check_workers(tmp_path, 2, 2)
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+def test_pipeline_spanning_two_workers_equals_local(tmp_path, devices):
+    """Stage 0 on worker 0, stage 1 on worker 1 (TF's distributed runtime): the local
+    model with gradient accumulation over the micro-batches (and, with 2 devices per
+    worker placed across workers, over 2 pipeline replicas)."""
+    from tests import mw_pipeline as mp
+    os.environ["EPL_CLUSTER_DEVICE_PLACE_PREFER_INTRA_NODE"] = "false"
+    try:
+        code, out = launch(["--num_workers", "2", "--gpu_per_worker", str(devices),
+                            os.path.join(HERE, "mw_pipeline.py"), str(tmp_path)],
+                           cwd=str(tmp_path))
+    finally:
+        del os.environ["EPL_CLUSTER_DEVICE_PLACE_PREFER_INTRA_NODE"]
+    assert code == 0, out[-5000:]
+    assert "serves its devices" in out and "chief trained" in out
+    x, y = models.data(mp.STEPS * devices * mp.MICRO * mp.MB)
+    want, _ = models.train_local(x, y, devices * mp.MICRO * mp.MB, mp.STEPS, "momentum")
+    got = dict(np.load(str(tmp_path / "worker_0.npz")))
+    assert int(got.pop("steps")) == mp.STEPS
+    devices = [str(d) for d in got.pop("devices")]
+    assert any("task:0" in d for d in devices) and any("task:1" in d for d in devices), devices
+    models.assert_weights_close(got, want)
+    assert any(f.startswith("model.ckpt-4") for f in os.listdir(str(tmp_path / "ckpt")))
+
+
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
 def test_multi_host_loopback(tmp_path, transport):
     """Two 'hosts' on 127.0.0.2 and 127.0.0.3, one launcher each (machine_rank 0 and 1);

@@ -94,7 +94,7 @@ def reduce_gradients(state, record):
                 for c in range(n):
                     reduced[c] += [values[c], indices[c]]
                 if method == "mean":
-                    total = n * state.cluster.worker_num
+                    total = n * (1 if state.in_graph else state.cluster.worker_num)
                     values = [_scale(v, 1.0 / total, dev) for v, dev in zip(values, comm.devices)]
                 installs += [(g.values, values[:users]), (g.indices, indices[:users])]
         barriers = []

@@ -37,8 +37,8 @@ def mirror_one(state, op, variables=None):
 
 def broadcast_initial_values(state):
     """Multi-worker: every variable starts from worker 0's initial value."""
-    if state.cluster.worker_num <= 1:
-        return
+    if state.cluster.worker_num <= 1 or state.in_graph:
+        return   # (in-graph: one session initializes every variable)
     import tensorflow as tf
     from epl.communicators.hierarchical import broadcast_across_workers
     from epl.rewrite.cloner import new_ops

@@ -22,10 +22,13 @@ class ReplicaState(object):
         self.config = config
         per = cluster.gpu_num_per_worker
         me = max(cluster.worker_index, 0)
-        self.clones = [cl for cl in layout.clones if cl[2] // per == me]
+        from epl.distributed_runtime import spans_workers
+        # A pipeline over several workers: the chief drives every clone in-graph.
+        self.in_graph = cluster.worker_num > 1 and spans_workers(layout, per)
+        self.clones = [cl for cl in layout.clones if self.in_graph or cl[2] // per == me]
         split = [r for r, _, _ in self.clones
                  if any(dev // per != me for rr, _, dev in layout.clones if rr == r)]
-        if split:
+        if split and not self.in_graph:
             from epl.plan import LayoutError
             raise LayoutError(
                 "model replica %d spans several workers (device_count %d > %d devices per "
@@ -33,7 +36,13 @@ class ReplicaState(object):
                 "use device_count <= %d." % (split[0], layout.device_count, per, per))
         local_index = [layout.clones.index(cl) for cl in self.clones]
         # stage_devices[c][s]: this worker's device running stage s of clone c
-        self.stage_devices = [[cluster.local_device(layout.stage_device(g, s) % per)
+        if self.in_graph:
+            def where(d):
+                return cluster.device(d)
+        else:
+            def where(d):
+                return cluster.local_device(d % per)
+        self.stage_devices = [[where(layout.stage_device(g, s))
                                for s in range(layout.num_stages)] for g in local_index]
         self.devices = [sd[0] for sd in self.stage_devices]
         self.reps = [local_index.index(layout.representative(g)) for g in local_index]
@@ -88,7 +97,10 @@ class ReplicaState(object):
         """A communicator over this worker's clones (their devices of ``stage``) that also
         spans the other workers."""
         from epl import communicators
-        return communicators.create([sd[stage] for sd in self.stage_devices], name,
+        devices = [sd[stage] for sd in self.stage_devices]
+        if self.in_graph:   # devices of several processes in one graph: TF moves the data
+            return communicators.InGraphCommunicator(devices, name)
+        return communicators.create(devices, name,
                                     self.config.get("communication.timeout_seconds"),
                                     self.cluster)
 

@@ -1,0 +1,106 @@
+"""Pipelines that span workers run in-graph on TensorFlow's distributed runtime.
+
+EPL trains between-graph (every worker drives its own replicas, collectives span
+the workers) as long as each model replica fits on one worker.  A pipeline
+whose stages are laid out on several workers (more stages than devices per
+worker: stage 0 on worker 0, stage 1 on worker 1, ...) needs one driver that
+sends activations forward and gradients back every micro-batch; TF's own
+runtime does exactly that over gRPC.  So in that layout:
+
+* every worker starts a ``tf.train.Server`` from TF_CONFIG (with its virtual
+  CPU devices);
+* the chief's session runs on its server, and the chief's rewrite places each
+  stage on its worker's device (``/job:worker/replica:0/task:1/...``): the
+  chief drives every pipeline replica, in-graph;
+* the other workers serve their devices: their script stops in its session
+  creation and the process exits 0 once the chief's server is gone (the chief
+  writes checkpoints and summaries, as always).
+"""
+import logging
+import os
+import socket
+import sys
+import time
+
+log = logging.getLogger("epl")
+_server = [None]
+
+
+def needed(graph):
+    """True when ``graph``'s layout puts one pipeline replica on several workers."""
+    from epl import ir, plan
+    from epl.env import Env
+    if not Env.initialized():
+        return False
+    cluster = Env.get().cluster
+    if cluster.worker_num <= 1:
+        return False
+    epl_graph = ir.Graph.get(graph)
+    if not epl_graph.taskgraphs:
+        return False
+    cached = getattr(epl_graph, "_epl_in_graph", None)
+    if cached is None:
+        layout = plan.plan(cluster, epl_graph.taskgraphs, Env.get().config)
+        cached = spans_workers(layout, cluster.gpu_num_per_worker)
+        epl_graph._epl_in_graph = cached  # pylint: disable=protected-access
+    return cached
+
+
+def spans_workers(layout, devices_per_worker):
+    if layout is None:
+        return False
+    rows = getattr(layout, "devices", [])
+    return any(len(set(d // devices_per_worker for d in row)) > 1 for row in rows)
+
+
+def server():
+    """This worker's ``tf.train.Server`` (started once per process)."""
+    if _server[0] is None:
+        import tensorflow as tf
+        from epl.env import Env
+        cluster = Env.get().cluster
+        spec = {job: list(addrs) for job, addrs in cluster.cluster_spec.items()}
+        config = tf.ConfigProto()
+        if cluster.device_type == "cpu":
+            config.device_count["CPU"] = cluster.gpu_num_per_worker
+        _server[0] = tf.train.Server(tf.train.ClusterSpec(spec), job_name=cluster.task_type,
+                                     task_index=cluster.task_index, config=config,
+                                     start=True)
+        log.info("EPL: started the TF server of %s:%d for an in-graph pipeline",
+                 cluster.task_type, cluster.task_index)
+    return _server[0]
+
+
+def serve_until_chief_exits(poll_seconds=0.5):
+    """A worker whose devices the chief drives: start serving once the chief's server is
+    up (the chief cannot finish without this worker, so this sees it finish), keep
+    serving while it answers, then end this process successfully."""
+    from epl.env import Env
+    cluster = Env.get().cluster
+    _, _, chief = cluster.workers[0]
+    timeout = Env.get().config.get("communication.timeout_seconds")
+    deadline = time.time() + timeout
+    while not _answers(chief):
+        if time.time() > deadline:
+            sys.exit("EPL: worker %d waited %ds for the chief (worker 0, %s) to start its TF "
+                     "server (communication.timeout_seconds); is it running?"
+                     % (cluster.worker_index, timeout, chief))
+        time.sleep(poll_seconds)
+    server()
+    print("EPL: worker %d serves its devices to the chief's in-graph pipeline (%s); it "
+          "exits when the chief is done." % (cluster.worker_index, chief), flush=True)
+    while _answers(chief):
+        time.sleep(poll_seconds)
+    print("EPL: the chief is done; worker %d exits." % cluster.worker_index, flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # pylint: disable=protected-access
+
+
+def _answers(address):
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=5):
+            return True
+    except OSError:
+        return False
