@@ -17,9 +17,13 @@ replicated TaskGraph around them.
   so each replica's gradients are partial sums: they are all-reduced with SUM
   (:func:`reduce_method`).
 """
+import logging
+
 import tensorflow as tf
 
 from epl import ir
+
+log = logging.getLogger("epl")
 from epl.rewrite.cloner import new_ops
 
 
@@ -27,9 +31,24 @@ def split_taskgraphs(state):
     return [tg for tg in state.ir_graph.taskgraphs if tg.kind == "split"]
 
 
+_HEAVY = frozenset(["MatMul", "BatchMatMul", "BatchMatMulV2", "Conv2D", "Conv3D",
+                    "DepthwiseConv2dNative", "SparseSoftmaxCrossEntropyWithLogits",
+                    "SoftmaxCrossEntropyWithLogits"])
+
+
 def place(state):
     per = state.cluster.gpu_num_per_worker
     for tg in split_taskgraphs(state):
+        unsplit = sorted(set("%s (%s)" % (op.name, op.type) for op in tg.ops
+                             if op.type in _HEAVY and state.ir_graph.shard_of(op) is None
+                             and state.ir_graph.phase_of(op) == ir.FORWARD))
+        if unsplit:
+            log.warning(
+                "EPL split %r: %d compute-heavy op(s) run unsplit on the split's first device: "
+                "%s. EPL shards tf.layers/keras Dense, sparse softmax cross-entropy, argmax, "
+                "tf.get_variable tables and epl.moe_layer; build these parts with them to "
+                "spread the work.", tg.strategy, len(unsplit), ", ".join(unsplit[:5])
+                + (" ..." if len(unsplit) > 5 else ""))
         devices = [state.cluster.local_device(d % per) for d in state.layout.split_devices[tg]]
         for op in tg.ops:
             if state.ir_graph.phase_of(op) == ir.REWRITE:

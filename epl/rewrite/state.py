@@ -25,6 +25,11 @@ class ReplicaState(object):
         from epl.distributed_runtime import spans_workers
         # A pipeline over several workers: the chief drives every clone in-graph.
         self.in_graph = cluster.worker_num > 1 and spans_workers(layout, per)
+        if self.in_graph and config.get("io.slicing"):
+            raise ValueError(
+                "epl.Config: 'io.slicing' = True, but this pipeline spans workers and runs "
+                "in-graph: only the chief reads input, so slicing the files across workers "
+                "would drop the other workers' shares. Set io.slicing to False.")
         self.clones = [cl for cl in layout.clones if self.in_graph or cl[2] // per == me]
         split = [r for r, _, _ in self.clones
                  if any(dev // per != me for rr, _, dev in layout.clones if rr == r)]
