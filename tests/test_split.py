@@ -341,18 +341,31 @@ def _moe_reference(v, top_k, groups, capacity_factor=1.0):
     return out
 
 
-def _moe_run(v, experts, top_k, groups, n=None, steps=3):
-    """Outputs and losses of moe_layer trained ``steps`` SGD steps (split over n or local)."""
-    px = tf.placeholder(tf.float32, [T, D])
+def _moe_run(v, experts, top_k, groups, n=None, steps=3, backbone=None):
+    """Outputs and losses of moe_layer trained ``steps`` SGD steps (split over n or local).
+    ``backbone``: None, "local" (a dense layer before the MoE), or "replicated" (that
+    layer under epl.replicate(1), the MoE under split: the seed's MoE recipe)."""
+    # A fed global batch (unknown first dimension: EPL splits it over the replicas).
+    px = tf.placeholder(tf.float32, [None if backbone else T, D])
 
-    def layer():
-        return epl.moe_layer(px, experts, H, top_k=top_k, num_groups=groups,
+    def layer(x):
+        return epl.moe_layer(x, experts, H, top_k=top_k, num_groups=groups,
                              gate_initializer=tf.constant_initializer(v["moe/gate"]))
+
+    def dense(x):
+        return tf.layers.dense(x, D, activation=tf.nn.tanh, name="backbone",
+                               kernel_initializer=tf.constant_initializer(v["backbone"]))
+    x = px
+    if backbone == "replicated":
+        with epl.replicate(1):
+            x = dense(px)
+    elif backbone == "local":
+        x = dense(px)
     if n:
         with epl.split(n):
-            y, aux = layer()
+            y, aux = layer(x)
     else:
-        y, aux = layer()
+        y, aux = layer(x)
     loss = tf.reduce_mean((y - v["target"]) ** 2) + 0.01 * aux
     opt = tf.train.GradientDescentOptimizer(0.5)
     gvs = opt.compute_gradients(loss)
@@ -360,6 +373,8 @@ def _moe_run(v, experts, top_k, groups, n=None, steps=3):
         op = opt.apply_gradients(gvs)
     assigns = []
     for var in tf.global_variables():
+        if var.op.name.startswith("backbone"):
+            continue
         full = v[var.op.name.rsplit("/part_", 1)[0]]
         info = var._save_slice_info  # pylint: disable=protected-access
         if info is not None:
@@ -373,6 +388,22 @@ def _moe_run(v, experts, top_k, groups, n=None, steps=3):
             l, out, _ = sess.run([loss, y, op], {px: v["x"]})
             outs.append((l, out))
     return outs
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_moe_under_split_after_replicated_backbone_matches_local(n):
+    """Seed 001 §5.3.2 shape: replicated layers, then the MoE under split.  The split sees
+    every replica's tokens (capacity follows the run-time group size)."""
+    v = _moe_values(4)
+    v["backbone"] = (np.random.RandomState(9).randn(D, D) * 0.5).astype(np.float32)
+    with tf.Graph().as_default():
+        want = _moe_run(v, 4, 2, groups=n, backbone="local")
+    epl.init(epl.Config({"cluster.devices_per_worker": n,
+                         "cluster.colocate_split_and_replicate": True}))
+    got = _moe_run(v, 4, 2, groups=n, n=n, backbone="replicated")
+    for (lw, ow), (lg, og) in zip(want, got):
+        np.testing.assert_allclose(lg, lw, rtol=1e-5)
+        np.testing.assert_allclose(og, ow, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("top_k", [1, 2])

@@ -15,8 +15,6 @@ Tokens are gated in ``num_groups`` groups of equal size (capacity is per group,
 as in GShard); under split the default is one group per device, and the same
 ``num_groups`` gives the same numbers locally.
 """
-import math
-
 import tensorflow as tf
 
 from epl.tensor_parallel import sharding
@@ -91,18 +89,19 @@ def _ffn(x, w1, w2, activation):
 
 def _gating(tokens, gate, num_experts, top_k, capacity_factor):
     """combine [g, s, E, C] weights, dispatch (0/1) and the aux loss for ``tokens`` [g, s, d]."""
-    s = int(tokens.shape[1]) if tokens.shape[1].value is not None else None
-    if s is None:
-        raise ValueError("moe_layer needs a static number of tokens per group; give the input "
-                         "a static batch size.")
-    capacity = max(1, int(math.ceil(top_k * s * capacity_factor / num_experts)))
+    # Capacity from the run-time group size: in a hybrid the split sees every replica's
+    # tokens, more than the graph's static shape says.
+    s = tf.cast(tf.shape(tokens)[1], tf.float64)
+    capacity = tf.maximum(1, tf.cast(tf.math.ceil(top_k * s * capacity_factor / num_experts),
+                                     tf.int32))
     logits = tf.einsum("gsd,de->gse", tokens, gate)
     probs = tf.nn.softmax(logits, axis=-1)
     mask1 = tf.one_hot(tf.argmax(probs, axis=-1), num_experts, dtype=probs.dtype)
     aux = tf.reduce_mean(tf.reduce_sum(tf.reduce_mean(mask1, axis=1) *
                                        tf.reduce_mean(probs, axis=1), axis=-1)) * num_experts
     pos1 = tf.cumsum(mask1, axis=1, exclusive=True)           # place among first choices
-    keep1 = mask1 * tf.cast(pos1 < capacity, probs.dtype)
+    cap = tf.cast(capacity, probs.dtype)
+    keep1 = mask1 * tf.cast(pos1 < cap, probs.dtype)
     gate1 = tf.reduce_sum(probs * mask1, axis=-1)
     slots = [(keep1, pos1, gate1)]
     if top_k == 2:
@@ -111,7 +110,7 @@ def _gating(tokens, gate, num_experts, top_k, capacity_factor):
         # Second choices queue after every first choice of the group.
         pos2 = (tf.cumsum(mask2, axis=1, exclusive=True)
                 + tf.reduce_sum(mask1, axis=1, keepdims=True))
-        keep2 = mask2 * tf.cast(pos2 < capacity, probs.dtype)
+        keep2 = mask2 * tf.cast(pos2 < cap, probs.dtype)
         gate2 = tf.reduce_sum(probs * mask2, axis=-1)
         norm = gate1 + gate2
         slots = [(keep1, pos1, gate1 / norm), (keep2, pos2, gate2 / norm)]
