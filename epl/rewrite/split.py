@@ -141,7 +141,9 @@ def bridge(state):
                         "that does not depend on the batch (e.g. computed from its variables "
                         "only). Read the split's variables directly (each replica then "
                         "computes with them and their gradients are reduced), or move %r "
-                        "into the split scope." % (op.name, t.name, op.name))
+                        "into the split scope. (EPL knows the batch as the input pipeline's "
+                        "outputs or placeholders with an unknown first dimension.)"
+                        % (op.name, t.name, op.name))
                 if batch_rows is None:
                     raise NotImplementedError(
                         "EPL split: replicated op %r reads %r from a split scope, but no "
