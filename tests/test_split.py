@@ -406,6 +406,39 @@ def test_moe_under_split_after_replicated_backbone_matches_local(n):
         np.testing.assert_allclose(og, ow, rtol=1e-5, atol=1e-6)
 
 
+def test_seed_moe_recipe_variables_under_split_calculation_replicated(tmpdir):
+    """Seed 001 §5.3.2 literally: default replicate(n), expert variables defined under
+    split(n), the calculation outside it.  Experts are stored sharded; the result (read
+    back through the checkpoint) equals the local model."""
+    n, experts = 2, 4
+    v = _moe_values(experts)
+
+    def build(annotate):
+        px = tf.placeholder(tf.float32, [None, D])
+        if annotate:
+            epl.set_default_strategy(epl.replicate(n))
+            with epl.split(n):
+                w1 = tf.get_variable("experts_w1", initializer=v["moe/experts_w1"])
+        else:
+            w1 = tf.get_variable("experts_w1", initializer=v["moe/experts_w1"])
+        h = tf.nn.relu(tf.einsum("td,edh->teh", px, w1))
+        loss = tf.reduce_mean((tf.reduce_sum(h, axis=1)[:, :D] - v["target"][:1]) ** 2)
+        op = sm.train_op(loss, "adam")
+        with tf.Session() as sess:
+            sess.run(tf.global_variables_initializer())
+            for _ in range(3):
+                sess.run(op, {px: v["x"]})
+            return _checkpoint_values(sess, tmpdir, "seed_moe")["experts_w1"]
+    with tf.Graph().as_default():
+        want = build(False)
+    epl.init(epl.Config({"cluster.devices_per_worker": n,
+                         "cluster.colocate_split_and_replicate": True}))
+    got = build(True)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    parts = [p for p in tf.trainable_variables() if p.op.name.startswith("experts_w1/part_")]
+    assert len(parts) == n and len(set(p.op.device for p in parts)) == n
+
+
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_moe_local_layer_equals_numpy_reference(top_k):
     v = _moe_values(4)

@@ -24,6 +24,16 @@ def get_variable(original, scope, var_store, name, *args, **kwargs):
     bound = inspect.signature(original).bind(scope, var_store, name, *args, **kwargs)
     params = bound.arguments
     shape = params.get("shape")
+    value = params.get("initializer")
+    if shape is None and value is not None and not callable(value):
+        # tf.get_variable(name, initializer=array_or_tensor): the value gives the shape;
+        # each shard takes its rows of it.
+        with sharding.raw():
+            value = tf.convert_to_tensor(value)
+        shape = value.shape
+        params["shape"] = shape
+        params["dtype"] = value.dtype.base_dtype
+        params["initializer"] = _rows_of(value)
     n = sharding.split_count(strategy)
     try:
         dims = tf.TensorShape(shape).as_list() if shape is not None else None
@@ -31,7 +41,7 @@ def get_variable(original, scope, var_store, name, *args, **kwargs):
         dims = None
     if (params.get("partitioner") is not None or scope.partitioner is not None or not dims
             or dims[0] is None or dims[0] < n or n == 1):
-        return original(scope, var_store, name, *args, **kwargs)
+        return original(*bound.args, **bound.kwargs)
     params["partitioner"] = tf.fixed_size_partitioner(n, axis=0)
     if _is_constant(params.get("initializer")):
         params["initializer"] = _sliced(params["initializer"])
@@ -57,6 +67,14 @@ def _sliced(init):
             return init(shape, dtype=dtype)
         full = init(partition_info.full_shape, dtype=dtype)
         return tf.slice(full, partition_info.var_offset, shape)
+    return make
+
+
+def _rows_of(value):
+    def make(shape, dtype=None, partition_info=None):  # pylint: disable=unused-argument
+        if partition_info is None:
+            return value
+        return tf.slice(value, partition_info.var_offset, shape)
     return make
 
 
