@@ -156,27 +156,33 @@ def test_hybrid_replicate_and_split_match_local(n, colocate, rdc, tmpdir):
 
 
 @pytest.mark.parametrize("copies", ["per_worker", "per_device"])
-def test_hybrid_with_dataset_input_matches_local_big_batch(copies):
+def test_hybrid_with_dataset_input_matches_local_big_batch(copies, tmpdir):
     """Each replica pulls its own batch (DP semantics); the split head sees all of them:
     the local model at n-times the batch.  MonitoredTrainingSession, Adam."""
     n, per = 2, 6
     values = _head_values()
     x, y = sm.data(per * n * (STEPS + 1))
 
-    def run(batch, build):
+    def run(batch, build, name):
         ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
         bx, by = tf.compat.v1.data.make_one_shot_iterator(ds).get_next()
         loss, _ = build(bx, by)
         op = sm.train_op(loss, "adam")
-        with tf.train.MonitoredTrainingSession() as sess:
-            return [sess.run([loss, op])[0] for _ in range(STEPS)]
+        ckpt = os.path.join(str(tmpdir), name)
+        with tf.train.MonitoredTrainingSession(checkpoint_dir=ckpt) as sess:
+            losses = [sess.run([loss, op])[0] for _ in range(STEPS)]
+        reader = tf.train.load_checkpoint(ckpt)   # written at the end by the session
+        return losses, {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()}
 
     with tf.Graph().as_default():
-        want = run(per * n, _hybrid(values))
+        want = run(per * n, _hybrid(values), "local")
     epl.init(epl.Config({"cluster.devices_per_worker": n, "cluster.variable_copies": copies,
                          "cluster.colocate_split_and_replicate": True}))
-    got = run(per, _hybrid(values, n, 1))
-    np.testing.assert_allclose(got, want, rtol=1e-5)
+    got = run(per, _hybrid(values, n, 1), "hybrid")
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    assert sorted(got[1]) == sorted(want[1])
+    for k in want[1]:
+        np.testing.assert_allclose(got[1][k], want[1][k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 VOCAB, EMB, LEN = 11, 6, 3
