@@ -35,22 +35,17 @@ def needed(graph):
     cluster = Env.get().cluster
     if cluster.worker_num <= 1:
         return False
-    epl_graph = ir.Graph.get(graph)
-    if not epl_graph.taskgraphs:
+    taskgraphs = ir.Graph.get(graph).taskgraphs
+    if not taskgraphs:
         return False
-    cached = getattr(epl_graph, "_epl_in_graph", None)
-    if cached is None:
-        layout = plan.plan(cluster, epl_graph.taskgraphs, Env.get().config)
-        cached = spans_workers(layout, cluster.gpu_num_per_worker)
-        epl_graph._epl_in_graph = cached  # pylint: disable=protected-access
-    return cached
+    layout = plan.plan(cluster, taskgraphs, Env.get().config)   # pure Python, cheap
+    return spans_workers(layout, cluster.gpu_num_per_worker)
 
 
 def spans_workers(layout, devices_per_worker):
     if layout is None:
         return False
-    rows = getattr(layout, "devices", [])
-    return any(len(set(d // devices_per_worker for d in row)) > 1 for row in rows)
+    return any(len(set(d // devices_per_worker for d in row)) > 1 for row in layout.devices)
 
 
 def server():

@@ -8,6 +8,12 @@ op names.  It edits nothing itself.
 FORWARD, BACKWARD, APPLY, SAVE, REWRITE = "forward", "backward", "apply", "save", "rewrite"
 
 
+def is_state_handle(t):
+    """A ref or resource tensor: a variable (or other state) itself, not a value read
+    from it."""
+    return t.dtype._is_ref_dtype or t.dtype.base_dtype.name == "resource"  # pylint: disable=protected-access
+
+
 class TaskGraph(object):
     """The ops of one strategy annotation (seed 001 §4)."""
 
@@ -49,7 +55,7 @@ class Graph(object):
         self.op_taskgraph = {}    # op name -> TaskGraph or None
         self.op_phase = {}        # op name -> phase
         self.op_shard = {}        # op name -> shard index (ops of a split TaskGraph's shards)
-        self.sharded = {}         # logical tensor -> epl.split.sharding.Sharded (its shards)
+        self.sharded = {}         # logical tensor -> epl.tensor_parallel.sharding.Sharded
         self.apply_records = []
         self.compute_records = []  # results of Optimizer.compute_gradients, in call order
         self.rewritten = False

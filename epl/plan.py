@@ -47,6 +47,7 @@ class ReplicaLayout(object):
                        for r in range(self.num_replicas) for j in range(device_count)]
         self.num_stages = 1
         self.num_micro_batch = 1
+        self.split_devices = {}   # split TaskGraph -> global devices of its shards
 
     @property
     def num_clones(self):
@@ -108,6 +109,7 @@ class PipelineLayout(object):
                             for r in range(self.num_replicas)]
         self.clones = [(r, m, self.devices[r][0])
                        for r in range(self.num_replicas) for m in range(num_micro_batch)]
+        self.split_devices = {}
 
     @property
     def num_clones(self):
@@ -139,20 +141,16 @@ def plan(cluster, taskgraphs, config):
         return _plan_split(cluster, splits, replicas, config)
     if len(taskgraphs) == 1 and num_mb == 1:
         tg = taskgraphs[0]
-        layout = ReplicaLayout(cluster.total_gpu_num, tg.device_count,
-                               cluster.gpu_num_per_worker, prefer, name=repr(tg.strategy))
-        layout.split_devices = {}
-        return layout
+        return ReplicaLayout(cluster.total_gpu_num, tg.device_count, cluster.gpu_num_per_worker,
+                             prefer, name=repr(tg.strategy))
     wide = [tg for tg in taskgraphs if tg.device_count != 1]
     if wide:
         raise NotImplementedError(
             "%r: a pipeline stage (or gradient accumulation) over a replicate scope with "
             "device_count > 1 is not implemented yet; use device_count=1 per stage."
             % (wide[0].strategy,))
-    layout = PipelineLayout(cluster.total_gpu_num, len(taskgraphs), num_mb,
-                            cluster.gpu_num_per_worker, prefer)
-    layout.split_devices = {}
-    return layout
+    return PipelineLayout(cluster.total_gpu_num, len(taskgraphs), num_mb,
+                          cluster.gpu_num_per_worker, prefer)
 
 
 def split_device_count(tg, devices_per_worker):

@@ -106,18 +106,13 @@ def _classify(graph, op):
         # Outside any annotation: an op computed from annotated ops (a loss built after
         # the last stage's scope) joins the latest TaskGraph it reads from.  Reading a
         # variable's handle itself (IsVariableInitialized, tf.assign) is bookkeeping.
-        fed = [epl_graph.taskgraph_of(t.op) for t in op.inputs if not _is_handle(t)]
+        fed = [epl_graph.taskgraph_of(t.op) for t in op.inputs if not ir.is_state_handle(t)]
         fed = [tg for tg in fed if tg is not None]
         tg = max(fed, key=lambda tg: tg.index) if fed else None
     shard = current_shard() if tg is not None and tg.kind == "split" else None
     if shard is None and tg is not None and tg.kind == "split":
         shard = _colocated(epl_graph, op)[1]   # a shard variable's initializer, slots
     return tg, ir.FORWARD, shard
-
-
-def _is_handle(t):
-    import tensorflow as tf
-    return t.dtype == tf.resource or t.dtype._is_ref_dtype  # pylint: disable=protected-access
 
 
 def _colocated(epl_graph, op):

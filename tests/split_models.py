@@ -59,17 +59,3 @@ def train_op(loss, optimizer="momentum"):
     gvs = opt.compute_gradients(loss)
     with tf.control_dependencies([g for g, _ in gvs]):
         return opt.apply_gradients(gvs, global_step=tf.train.get_or_create_global_step())
-
-
-def run(loss, correct, op, feeds, steps, extra=None):
-    """Loss and correctness before every update, then the final loss."""
-    losses, accs = [], []
-    with tf.Session() as sess:
-        sess.run(tf.global_variables_initializer())
-        for i in range(steps):
-            l, c, _ = sess.run([loss, correct, op], feeds(i))
-            losses.append(l)
-            accs.append(c)
-        losses.append(sess.run(loss, feeds(steps)))
-        out = sess.run(extra) if extra is not None else None
-    return np.array(losses), np.array(accs), out

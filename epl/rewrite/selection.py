@@ -42,16 +42,12 @@ def is_batch_placeholder(op):
     return shape.ndims is not None and shape.ndims >= 1 and shape.dims[0].value is None
 
 
-def _is_stateful_handle(t):
-    return t.dtype == tf.resource or t.dtype._is_ref_dtype  # pylint: disable=protected-access
-
-
 def _is_shared_resource(op):
     """An op that creates state other than a variable (iterator, queue, table)."""
     if op.type in VARIABLE_OPS:
         return False
-    return (any(_is_stateful_handle(o) for o in op.outputs)
-            and not any(_is_stateful_handle(i) for i in op.inputs))
+    return (any(ir.is_state_handle(o) for o in op.outputs)
+            and not any(ir.is_state_handle(i) for i in op.inputs))
 
 
 def select(ir_graph, taskgraphs, share_variables=False):

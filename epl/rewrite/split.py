@@ -63,17 +63,13 @@ def _split_ops(state):
     return set(op for tg in split_taskgraphs(state) for op in tg.ops)
 
 
-def _is_handle(t):
-    return t.dtype == tf.resource or t.dtype._is_ref_dtype  # pylint: disable=protected-access
-
-
 def _is_variable_value(t):
     """A variable itself or its plain read (``v/read``, ReadVariableOp): every clone
     reads the same variable."""
-    if _is_handle(t):
+    if ir.is_state_handle(t):
         return True
     return (t.op.type in ("Identity", "ReadVariableOp") and len(t.op.inputs) == 1
-            and _is_handle(t.op.inputs[0]))
+            and ir.is_state_handle(t.op.inputs[0]))
 
 
 def reduce_method(state):
