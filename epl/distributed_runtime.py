@@ -27,7 +27,7 @@ _server = [None]
 
 
 def needed(graph):
-    """True when ``graph``'s layout puts one pipeline replica on several workers."""
+    """True when ``graph``'s layout needs one in-graph driver (see spans_workers)."""
     from epl import ir, plan
     from epl.env import Env
     if not Env.initialized():
@@ -43,8 +43,12 @@ def needed(graph):
 
 
 def spans_workers(layout, devices_per_worker):
+    """A model replica over several workers, or split scopes in a multi-worker job (a
+    split's shards and the replicas it bridges form one graph)."""
     if layout is None:
         return False
+    if layout.split_devices:
+        return True
     return any(len(set(d // devices_per_worker for d in row)) > 1 for row in layout.devices)
 
 

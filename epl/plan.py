@@ -153,34 +153,30 @@ def plan(cluster, taskgraphs, config):
                           cluster.gpu_num_per_worker, prefer)
 
 
-def split_device_count(tg, devices_per_worker):
-    """Devices of a split TaskGraph (``split()`` without a count: the whole worker)."""
+def split_device_count(tg, total_devices):
+    """Devices of a split TaskGraph (``split()`` without a count: every device)."""
     count = getattr(tg.strategy, "device_count", tg.device_count)
-    return count or devices_per_worker
+    return count or total_devices
 
 
 def _plan_split(cluster, splits, replicas, config):
     """Split TaskGraphs (tensor model parallelism) and the replicated ones around them.
 
-    The shards of a split live on one worker.  With
-    ``cluster.colocate_split_and_replicate`` the split uses the first devices that
-    the replicas also use; without it the replicas get the first devices and the
-    split the last ``n``.
+    With ``cluster.colocate_split_and_replicate`` the split uses the first devices
+    that the replicas also use; without it the replicas get the first devices and
+    the split the last ``n``.  In a job of several workers the whole model runs
+    in-graph on the chief (``epl.distributed_runtime``), so a split may span workers.
     """
     per = cluster.gpu_num_per_worker
     total = cluster.total_gpu_num
     for tg in splits:
-        n = split_device_count(tg, per)
-        if n > per:
+        n = split_device_count(tg, total)
+        if n > total:
             raise LayoutError(
-                "%r needs %d devices but a worker has %d (cluster.devices_per_worker / "
-                "epl-launch --gpu_per_worker); use device_count <= %d or add devices."
-                % (tg.strategy, n, per, per))
-    if cluster.worker_num > 1:
-        raise NotImplementedError(
-            "%r in a job of %d workers: tensor model parallelism across workers is not "
-            "implemented yet; run the split model on one worker (its shards use that worker's "
-            "devices)." % (splits[0].strategy, cluster.worker_num))
+                "%r needs %d devices but the job has %d (%d worker(s) x %d; "
+                "cluster.devices_per_worker / epl-launch --gpu_per_worker); use device_count "
+                "<= %d or add devices." % (tg.strategy, n, total, cluster.worker_num, per,
+                                           total))
     if config.get("pipeline.num_micro_batch") > 1:
         raise NotImplementedError(
             "%r with pipeline.num_micro_batch = %d: pipelines of split TaskGraphs are not "
@@ -191,7 +187,7 @@ def _plan_split(cluster, splits, replicas, config):
             "%d replicate scopes together with %r: only one replicated TaskGraph may be "
             "combined with split scopes (put the replicated part under one scope)."
             % (len(replicas), splits[0].strategy))
-    n = max(split_device_count(tg, per) for tg in splits)
+    n = max(split_device_count(tg, total) for tg in splits)
     if not replicas:
         if n != total:
             raise LayoutError(
@@ -214,6 +210,6 @@ def _plan_split(cluster, splits, replicas, config):
                                config.get("cluster.device_place_prefer_intra_node"),
                                name=repr(rep.strategy))
         first = 0 if colocate else total - n
-    layout.split_devices = {tg: list(range(first, first + split_device_count(tg, per)))
+    layout.split_devices = {tg: list(range(first, first + split_device_count(tg, total)))
                             for tg in splits}
     return layout

@@ -105,7 +105,7 @@ def test_plan_split_layouts():
 
 def test_plan_split_errors_name_the_fix():
     c = Cluster(_cfg(cluster__devices_per_worker=4), tf_config={}, visible_gpus=0)
-    with pytest.raises(LayoutError, match=r"needs 8 devices but a worker has 4"):
+    with pytest.raises(LayoutError, match=r"needs 8 devices but the job has 4"):
         plan(c, [TG("split", 8, "epl.split(8)")], _cfg())
     with pytest.raises(LayoutError, match=r"uses 2 devices but this job has 4"):
         plan(c, [TG("split", 2, "epl.split(2)")], _cfg())
@@ -113,8 +113,15 @@ def test_plan_split_errors_name_the_fix():
         plan(c, [TG("replicate", 1, "r"), TG("split", 4, "s")], _cfg())
     with pytest.raises(NotImplementedError, match="num_micro_batch"):
         plan(c, [TG("split", 4, "s")], _cfg(pipeline__num_micro_batch=2))
+
+
+def test_plan_split_across_workers_runs_in_graph():
+    from epl.distributed_runtime import spans_workers
     two = Cluster(_cfg(cluster__devices_per_worker=2),
                   tf_config={"cluster": {"worker": ["a:1", "b:1"]},
                              "task": {"type": "worker", "index": 0}}, visible_gpus=0)
-    with pytest.raises(NotImplementedError, match="across workers"):
-        plan(two, [TG("split", 2, "s")], _cfg())
+    split4 = TG("split", 4, "s")
+    lay = plan(two, [split4], _cfg())
+    assert lay.split_devices == {split4: [0, 1, 2, 3]} and spans_workers(lay, 2)
+    dp = plan(two, [TG("replicate", 1, "r")], _cfg())
+    assert not spans_workers(dp, 2)     # plain DP stays between-graph

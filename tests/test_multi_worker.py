@@ -76,6 +76,36 @@ def test_pipeline_spanning_two_workers_equals_local(tmp_path, devices):
     assert any(f.startswith("model.ckpt-4") for f in os.listdir(str(tmp_path / "ckpt")))
 
 
+@pytest.mark.parametrize("mode", ["hybrid", "moe"])
+def test_split_across_two_workers_equals_local(tmp_path, mode):
+    """epl.split(2) over 2 workers x 1 device (the seed's MoE tutorial shape), in-graph on
+    TF's runtime: a replicated backbone + split head, and an MoE layer, equal the local
+    model."""
+    import tensorflow as tf
+    from tests import test_split as ts
+    code, out = launch(["--num_workers", "2", "--gpu_per_worker", "1",
+                        os.path.join(HERE, "mw_split.py"), mode, str(tmp_path)],
+                       cwd=str(tmp_path))
+    assert code == 0, out[-5000:]
+    assert "serves its devices" in out and "chief finished" in out
+    got = dict(np.load(str(tmp_path / ("%s.npz" % mode))))
+    devices = [str(d) for d in got.pop("devices")]
+    assert any("task:0" in d for d in devices) and any("task:1" in d for d in devices), devices
+    with tf.Graph().as_default():
+        if mode == "hybrid":
+            losses, accs, weights = ts._local(ts._hybrid(ts._head_values()), tmp_path,
+                                              "momentum")
+            np.testing.assert_allclose(got["losses"], losses, rtol=1e-5)
+            np.testing.assert_array_equal(got["accs"], accs)
+            for k, v in weights.items():
+                np.testing.assert_allclose(got["w/" + k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+        else:
+            runs = ts._moe_run(ts._moe_values(4), 4, 2, groups=2)
+            np.testing.assert_allclose(got["losses"], [l for l, _ in runs], rtol=1e-5)
+            np.testing.assert_allclose(got["outputs"], np.stack([o for _, o in runs]),
+                                       rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
 def test_multi_host_loopback(tmp_path, transport):
     """Two 'hosts' on 127.0.0.2 and 127.0.0.3, one launcher each (machine_rank 0 and 1);

@@ -38,6 +38,12 @@ _HEAVY = frozenset(["MatMul", "BatchMatMul", "BatchMatMulV2", "Conv2D", "Conv3D"
 
 def place(state):
     per = state.cluster.gpu_num_per_worker
+    if state.in_graph:
+        def where(d):
+            return state.cluster.device(d)
+    else:
+        def where(d):
+            return state.cluster.local_device(d % per)
     for tg in split_taskgraphs(state):
         unsplit = sorted(set("%s (%s)" % (op.name, op.type) for op in tg.ops
                              if op.type in _HEAVY and state.ir_graph.shard_of(op) is None
@@ -49,7 +55,7 @@ def place(state):
                 "tf.get_variable tables and epl.moe_layer; build these parts with them to "
                 "spread the work.", tg.strategy, len(unsplit), ", ".join(unsplit[:5])
                 + (" ..." if len(unsplit) > 5 else ""))
-        devices = [state.cluster.local_device(d % per) for d in state.layout.split_devices[tg]]
+        devices = [where(d) for d in state.layout.split_devices[tg]]
         for op in tg.ops:
             if state.ir_graph.phase_of(op) == ir.REWRITE:
                 continue

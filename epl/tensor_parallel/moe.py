@@ -180,7 +180,8 @@ def _all_to_all(per_device, counts, group, back_counts=None):
         splits = [list(counts)] * n           # every source splits by expert shard
     else:
         splits = [[back_counts[i]] * n for i in range(n)]   # source i: e_i rows per dest
-    if native.available():
+    if native.available() and sharding.single_process():
+        # (Across workers the split runs in-graph on TF's runtime: TF moves the rows.)
         from epl.communicators import native_ops
         timeout = Env.get().config.get("communication.timeout_seconds")
         out = []

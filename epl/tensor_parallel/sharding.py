@@ -63,16 +63,23 @@ def active_split():
 def split_count(strategy):
     """Devices of a split; an impossible count fails here, while the user builds."""
     from epl.env import Env
+    cluster = Env.get().cluster
     n = strategy.device_count
     if n is None:
-        n = Env.get().cluster.gpu_num_per_worker
-    have = Env.get().cluster.gpu_num_per_worker
-    if n > have:
+        n = cluster.total_gpu_num
+    if n > cluster.total_gpu_num:
         raise ValueError(
-            "%r: the split needs %d devices but a worker has %d (cluster.devices_per_worker / "
-            "epl-launch --gpu_per_worker); use device_count <= %d or add devices."
-            % (strategy, n, have, have))
+            "%r: the split needs %d devices but the job has %d (%d worker(s) x %d; "
+            "cluster.devices_per_worker / epl-launch --gpu_per_worker); use device_count <= %d "
+            "or add devices." % (strategy, n, cluster.total_gpu_num, cluster.worker_num,
+                                 cluster.gpu_num_per_worker, cluster.total_gpu_num))
     return n
+
+
+def single_process():
+    """True when every device of the job is in this process (in-process collectives)."""
+    from epl.env import Env
+    return Env.get().cluster.worker_num == 1
 
 
 def sizes(total, n, what="dimension"):
