@@ -78,12 +78,30 @@ def _is_variable_value(t):
             and ir.is_state_handle(t.op.inputs[0]))
 
 
+def _batch_ops(state):
+    """Ops computed from an input batch (computed once per rewrite)."""
+    if state.batch_ops is None:
+        from epl.rewrite.selection import downstream_of_batch
+        state.batch_ops = downstream_of_batch(state.graph)
+    return state.batch_ops
+
+
+def _crosses(state, t):
+    """``t`` is a batch every clone has its own copy of (a replica's activation, a pull of
+    the input pipeline): a split reads the concatenation of the copies.  Variables and
+    values not computed from the batch are the same in every clone (replica 0's)."""
+    if _is_variable_value(t) or t.op not in _batch_ops(state):
+        return False
+    return t.op in state.selection or any(t in m for m in state.tensor_map[1:])
+
+
 def reduce_method(state):
-    """SUM when a split TaskGraph reads the replicas (its loss covers the whole batch)."""
+    """SUM when a split TaskGraph reads replica activations (its loss covers the whole
+    batch).  Call after the inputs are sharded, before the clones are made."""
     for op in _split_ops(state):
         if state.ir_graph.phase_of(op) != ir.FORWARD:
             continue   # (a shard's optimizer reads replicated gradients: no bridge)
-        if any(t.op in state.selection and not _is_variable_value(t) for t in op.inputs):
+        if any(t.op in state.selection and _crosses(state, t) for t in op.inputs):
             return "sum"
     return None
 
@@ -96,8 +114,7 @@ def bridge(state):
     n = state.num_clones
     gathered = {}     # replica tensor -> its concatenation over clones
     batch_rows = None
-    from epl.rewrite.selection import downstream_of_batch
-    on_batch = downstream_of_batch(state.graph)
+    on_batch = _batch_ops(state)
     # Replica -> split: the whole batch.  Also for the unannotated ops between the
     # input pipeline and the split (a loss's label preprocessing), which must see
     # every replica's pull too.
@@ -114,13 +131,9 @@ def bridge(state):
                 frontier.append(up)
     for op in sorted(readers, key=lambda o: o._id):  # pylint: disable=protected-access
         for i, t in enumerate(op.inputs):
-            if _is_variable_value(t):
-                continue
             copies = state.copies(t)
-            if all(cp is t for cp in copies) or t.op not in on_batch:
-                # The same for every clone: a fed global batch, a constant, a value
-                # computed from variables only (Adam's beta powers): replica 0's.
-                continue
+            if not _crosses(state, t) or all(cp is t for cp in copies):
+                continue   # (one clone: nothing to gather)
             if t not in gathered:
                 _check_batch_major(t, op)
                 with new_ops(state.graph), tf.device(op.device):

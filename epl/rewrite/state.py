@@ -58,6 +58,7 @@ class ReplicaState(object):
         self.op_map = [dict() for _ in self.clones]
         self.merged = {}          # fetched tensor name -> merged tensor
         self.reduce_method = None  # overrides communication.gradients_reduce_method
+        self.batch_ops = None      # ops computed from an input batch (split.py)
 
     @property
     def num_clones(self):
