@@ -35,14 +35,41 @@ class TaskGraph(object):
 
 
 class ApplyRecord(object):
-    """One ``Optimizer.apply_gradients`` call: what it got and what it made."""
+    """One ``apply_gradients`` call (of any optimizer, overrides included): what it got
+    and what it made."""
 
     def __init__(self, grads_and_vars, global_step):
         self.grads_and_vars = grads_and_vars  # [(grad Tensor/IndexedSlices, variable)]
         self.global_step = global_step
         self.result = None                    # the op apply_gradients returned
         self.op_ids = range(0)                # ids of the ops it created
-        self.computed = None                  # the compute_gradients result it came from
+
+
+class GradientRecord(object):
+    """One ``tf.gradients`` (also ``compute_gradients``, ``GradientTape.gradient``) call:
+    ``grads[i]`` is the gradient of ``ys`` with respect to ``xs[i]`` (or None)."""
+
+    def __init__(self, ys, xs, grads, op_ids):
+        self.ys = ys
+        self.xs = xs
+        self.grads = grads
+        self.op_ids = op_ids                  # ids of the ops it created
+
+    def tensors(self):
+        """Every gradient tensor (IndexedSlices count with their components)."""
+        out = []
+        for g in self.grads:
+            out.extend(components(g))
+        return out
+
+
+def components(g):
+    """The tensors of a gradient value: itself, or an IndexedSlices' values and indices."""
+    if g is None:
+        return []
+    if hasattr(g, "indices") and hasattr(g, "values"):
+        return [g.values, g.indices]
+    return [g]
 
 
 class Graph(object):
@@ -57,7 +84,8 @@ class Graph(object):
         self.op_shard = {}        # op name -> shard index (ops of a split TaskGraph's shards)
         self.sharded = {}         # logical tensor -> epl.tensor_parallel.sharding.Sharded
         self.apply_records = []
-        self.compute_records = []  # results of Optimizer.compute_gradients, in call order
+        self.gradient_records = []  # every tf.gradients call, in call order
+        self.relaxed = {}           # batch-relaxing op name -> the tensor it relaxes
         self.rewritten = False
         self.rewrite_result = None
 

@@ -6,11 +6,16 @@ Patch points (all installed by :func:`install`, idempotent):
    TaskGraph and phase (capture).
 2. ``gradients_util._maybe_colocate_with``: tf.gradients enters it once per
    forward op; ops made inside are that op's backward ops.
-3. ``gradients_util._GradientsHelper``: the whole tf.gradients call is the
-   backward phase (ops not tied to one forward op go to the loss's TaskGraph).
-4. ``optimizer.Optimizer.compute_gradients`` / ``apply_gradients`` (and
-   ``OptimizerV2.apply_gradients`` of tf.keras): the apply phase; records the
-   (grad, var) pairs the rewriter reduces (as computed, and as applied), and
+3. ``gradients_util._GradientsHelper`` and ``backprop.GradientTape.gradient``
+   (graph mode): the whole call is the backward phase (ops not tied to one
+   forward op go to the loss's TaskGraph); each call is recorded
+   (``ir.GradientRecord``) so the rewriter can find the gradients a variable
+   update consumes, however the update is written.
+4. ``optimizer.Optimizer.apply_gradients`` (and ``OptimizerV2.apply_gradients``
+   of tf.keras), plus ``Optimizer.__init__`` / ``OptimizerV2.__init__``, which
+   route a subclass's own ``apply_gradients`` override through the same
+   capture: the apply phase; records the (grad, var) pairs the optimizer got
+   (where ``communication.clip_after_allreduce = False`` reduces them), and
    densifies sparse gradients when ``communication.sparse_as_dense`` is set.
 5. ``saver.Saver.build``: save/restore ops; ``saver.Saver.save`` writes only on
    the chief.
@@ -45,6 +50,7 @@ import threading
 
 from tensorflow.python.client import session as tf_session
 from tensorflow.python.data.ops import readers as tf_readers
+from tensorflow.python.eager import backprop as tf_backprop
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import gradients_util
 from tensorflow.python.summary.writer import writer as tf_writer
@@ -63,6 +69,7 @@ def _c():
         _ctx.grad_ops = []      # forward ops whose gradients are being built
         _ctx.grad_default = []  # TaskGraph of the loss of each tf.gradients call
         _ctx.apply = []         # TaskGraph of each apply_gradients call in progress
+        _ctx.apply_depth = 0
         _ctx.save = 0
         _ctx.rewriting = 0
     return _ctx
@@ -148,22 +155,45 @@ def _maybe_colocate_with(op, gradient_uid, colocate_gradients_with_ops):
         c.grad_ops.pop()
 
 
-def _gradients_helper(ys, *args, **kwargs):
+def _backward_call(ys, xs, compute):
+    """Run ``compute()`` (a tf.gradients or GradientTape.gradient call) as the backward
+    phase of the loss ``ys`` and record which gradients it returned."""
+    from tensorflow.python.util import nest
+    from epl.env import Env
     c = _c()
-    ys_list = ys if isinstance(ys, (list, tuple)) else [ys]
+    ys_list = [y for y in nest.flatten(ys) if hasattr(y, "op")]
+    graph = ys_list[0].graph if ys_list else None
     tg = None
     for y in ys_list:
-        if hasattr(y, "op"):
-            tg = ir.Graph.get(y.graph).taskgraph_of(y.op)
-            if tg is not None:
-                break
+        tg = ir.Graph.get(y.graph).taskgraph_of(y.op)
+        if tg is not None:
+            break
     c.grad_default.append(tg)
     c.grad_ops.append(None)
+    first_id = graph._last_id + 1 if graph is not None else 0  # pylint: disable=protected-access
     try:
-        return _originals["gradients_helper"](ys, *args, **kwargs)
+        result = compute()
     finally:
         c.grad_ops.pop()
         c.grad_default.pop()
+    if Env.initialized() and graph is not None and not c.rewriting:
+        grads = nest.flatten(result) if not isinstance(result, list) else list(result)
+        ir.Graph.get(graph).gradient_records.append(ir.GradientRecord(
+            ys_list, nest.flatten(xs), grads,
+            range(first_id, graph._last_id + 1)))  # pylint: disable=protected-access
+    return result
+
+
+def _gradients_helper(ys, xs, *args, **kwargs):
+    return _backward_call(ys, xs, lambda: _originals["gradients_helper"](ys, xs, *args, **kwargs))
+
+
+def _tape_gradient(self, target, sources, *args, **kwargs):
+    import tensorflow as tf
+    if tf.executing_eagerly():
+        return _originals["tape_gradient"](self, target, sources, *args, **kwargs)
+    return _backward_call(target, sources, lambda: _originals["tape_gradient"](
+        self, target, sources, *args, **kwargs))
 
 
 def _apply_gradients(self, grads_and_vars, global_step=None, name=None):
@@ -179,10 +209,40 @@ def _apply_gradients_v2(self, grads_and_vars, *args, **kwargs):
         lambda gvs: _originals["apply_gradients_v2"](self, gvs, *args, **kwargs))
 
 
+def _route_override(optimizer, patched):
+    """An optimizer class that overrides ``apply_gradients`` (BERT's AdamWeightDecay,
+    LAMB...) never reaches the patched base method: give the instance a wrapper that
+    captures its own method the same way."""
+    import types
+    own = type(optimizer).apply_gradients
+    if own is patched or "apply_gradients" in vars(optimizer):
+        return
+
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        step = kwargs.get("global_step", args[0] if args else None)
+        return _capture_apply(grads_and_vars, step,
+                              lambda gvs: own(self, gvs, *args, **kwargs))
+    optimizer.apply_gradients = types.MethodType(apply_gradients, optimizer)
+
+
+def _optimizer_init(self, *args, **kwargs):
+    _originals["optimizer_init"](self, *args, **kwargs)
+    _route_override(self, _apply_gradients)
+
+
+def _optimizer_v2_init(self, *args, **kwargs):
+    _originals["optimizer_v2_init"](self, *args, **kwargs)
+    _route_override(self, _apply_gradients_v2)
+
+
 def _capture_apply(grads_and_vars, global_step, apply):
-    """Run ``apply(grads_and_vars)`` as the apply phase and record what it built."""
+    """Run ``apply(grads_and_vars)`` as the apply phase and record what it built.
+
+    A nested call (an override calling ``super().apply_gradients``, an optimizer
+    wrapping another) belongs to the outermost one."""
     from epl.env import Env
-    if not Env.initialized():
+    c = _c()
+    if not Env.initialized() or c.apply_depth:
         return apply(grads_and_vars)
     import tensorflow as tf
     grads_and_vars = list(grads_and_vars)
@@ -197,29 +257,17 @@ def _capture_apply(grads_and_vars, global_step, apply):
         tg = epl_graph.taskgraph_of(v.op)
         if tg is not None:
             break
-    c = _c()
     c.apply.append(tg)
+    c.apply_depth += 1
     first_id = graph._last_id + 1  # pylint: disable=protected-access
     try:
         result = apply(grads_and_vars)
     finally:
         c.apply.pop()
+        c.apply_depth -= 1
     record.op_ids = range(first_id, graph._last_id + 1)  # pylint: disable=protected-access
-    for computed in reversed(epl_graph.compute_records):
-        if set(id(v) for g, v in computed if g is not None) == \
-                set(id(v) for g, v in grads_and_vars if g is not None):
-            record.computed = [(g, v) for g, v in computed if g is not None]
-            break
     record.result = result
     epl_graph.apply_records.append(record)
-    return result
-
-
-def _compute_gradients(self, *args, **kwargs):
-    result = _originals["compute_gradients"](self, *args, **kwargs)
-    from epl.env import Env
-    if Env.initialized() and result:
-        ir.Graph.get(result[0][1].graph).compute_records.append(list(result))
     return result
 
 
@@ -361,8 +409,9 @@ _PATCHES = [
     ("create_op_helper", ops.Graph, "_create_op_helper", _create_op_helper),
     ("maybe_colocate_with", gradients_util, "_maybe_colocate_with", _maybe_colocate_with),
     ("gradients_helper", gradients_util, "_GradientsHelper", _gradients_helper),
-    ("compute_gradients", tf_optimizer.Optimizer, "compute_gradients", _compute_gradients),
     ("apply_gradients", tf_optimizer.Optimizer, "apply_gradients", _apply_gradients),
+    ("optimizer_init", tf_optimizer.Optimizer, "__init__", _optimizer_init),
+    ("tape_gradient", tf_backprop.GradientTape, "gradient", _tape_gradient),
     ("saver_build", tf_saver.Saver, "build", _saver_build),
     ("saver_save", tf_saver.Saver, "save", _saver_save),
     ("add_event", tf_writer.FileWriter, "add_event", _add_event),
@@ -405,6 +454,8 @@ def _optional_patches():
         from tensorflow.python.keras.optimizer_v2 import optimizer_v2
         out.append(("apply_gradients_v2", optimizer_v2.OptimizerV2, "apply_gradients",
                     _apply_gradients_v2))
+        out.append(("optimizer_v2_init", optimizer_v2.OptimizerV2, "__init__",
+                    _optimizer_v2_init))
     except ImportError:  # pragma: no cover
         pass
     try:

@@ -98,15 +98,3 @@ def test_non_chief_monitored_session_fails_fast():
     tf.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_sum(w * w))
     with pytest.raises(RuntimeError, match="is_chief=True on every worker"):
         tf.train.MonitoredTrainingSession(is_chief=False)
-
-
-def test_hand_written_update_is_refused_not_silently_wrong():
-    epl.init(epl.Config({"cluster.devices_per_worker": 2}))
-    epl.set_default_strategy(epl.replicate(1))
-    w = tf.get_variable("w", initializer=tf.ones([2]), use_resource=True)
-    loss = tf.reduce_sum(w * w)
-    from tensorflow.python.training import gen_training_ops
-    op = gen_training_ops.resource_apply_gradient_descent(w.handle, 0.1, tf.gradients(loss, [w])[0])
-    with pytest.raises(NotImplementedError, match="outside tf.train.Optimizer.apply_gradients"):
-        with tf.Session() as sess:
-            sess.run(op)

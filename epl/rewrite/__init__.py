@@ -4,7 +4,8 @@ Runs from ``Graph.finalize`` (MonitoredTrainingSession, Estimator) or the
 first ``Session.run`` of a plain session.  Passes, in order, each with one job:
 
 1. plan          layout of replicas on devices (``epl.plan``)
-2. select        which ops form the replica (``selection.py``)
+2. select        which ops form the replica (``selection.py``), which gradients
+                 every variable update consumes (``updates.py``)
 3. place         the user's ops on clone 0's device; split shards on their
                  devices (``split.py``)
 4. shard inputs  every clone gets its own batch (``inputs.py``)
@@ -57,7 +58,8 @@ def _rewrite(epl_graph, env):
     from epl.rewrite.state import ReplicaState, share_variables
     layout = planner.plan(env.cluster, epl_graph.taskgraphs, env.config)
     replicated = [tg for tg in epl_graph.taskgraphs if tg.kind != "split"]
-    sel = selection.select(epl_graph, replicated, share_variables(env.cluster, env.config))
+    sel = selection.select(epl_graph, replicated, share_variables(env.cluster, env.config),
+                           env.config.get("communication.clip_after_allreduce"))
     state = ReplicaState(epl_graph, replicated, sel, layout, env.cluster, env.config)
     replicate.place_originals(state)
     split.place(state)

@@ -9,52 +9,28 @@ communicators (buffers of one communicator run in order, different
 communicators concurrently).  ``communication.fp16`` sends float32 buffers as
 float16, multiplied by ``fp16_scale`` before and divided after.
 ``IndexedSlices`` gradients are all-gathered (values and indices: their sum)
-and scaled for the mean.  With ``communication.clip_after_allreduce`` the
-gradients are reduced where ``compute_gradients`` returns them, so the user's
-clipping between compute and apply sees the reduced gradients.
+and scaled for the mean.  Which gradients are reduced, and where (at
+``apply_gradients`` or where ``tf.gradients`` returns them), is decided by
+``updates.py``.
 
 Every clone's updates wait for all of its reduced gradients, so no update
 overtakes a gradient computation still reading the old weights (ref variables).
 """
 import tensorflow as tf
 
+from epl import ir
 from epl.rewrite import fusion
 from epl.rewrite.cloner import new_ops
 
 
-def targets(state, record):
-    """The (grad, var) pairs to reduce for ``record`` and the ops that read them
-    (not a split TaskGraph's shards: each has its own gradient)."""
-    if state.config.get("communication.clip_after_allreduce") and record.computed is not None:
-        pairs = record.computed
-    else:
-        pairs = record.grads_and_vars
-    return [(g, v) for g, v in pairs if g is not None and _per_clone(state, g, v)]
-
-
-def _per_clone(state, g, v):
-    """True when every clone computes its own copy of ``g`` (so it must be reduced).
-
-    A split TaskGraph's shard variable normally gets its gradient from the split's
-    own ops (one copy, nothing to reduce); read directly by a replicated op (an
-    embedding table under split, looked up by the replicas) its gradient is
-    computed per clone and is reduced like any replicated gradient.
-    """
-    tg = state.ir_graph.taskgraph_of(v.op)
-    if tg is None or tg.kind != "split":
-        return True
-    t = g.values if isinstance(g, tf.IndexedSlices) else g
-    return t.op in state.selection
-
-
-def reduce_gradients(state, record):
+def reduce_gradients(state, site):
+    """All-reduce the gradients of one ``updates.ReductionSite`` across clones."""
     cfg = state.config
     method = state.reduce_method or cfg.get("communication.gradients_reduce_method")
     n = state.num_clones
     users = 1 if state.share_variables else n  # shared variables: only rank 0's result is read
-    index = state.ir_graph.apply_records.index(record)
-    name = "EPL_GRADIENTS_%d" % index
-    pairs = targets(state, record)
+    name = "EPL_GRADIENTS_%d" % site.index
+    pairs = site.pairs
     if not pairs:
         return
     reduced = [[] for _ in range(n)]   # every rank's reduced tensors (all must run)
@@ -106,20 +82,17 @@ def reduce_gradients(state, record):
                 deps += [t for _, per in installs for t in per[c:c + 1]]
                 barriers.append(tf.group(*deps, name="%s_ready_%d" % (name, c)))
     for original, per_clone in installs:
-        _install(state, original, per_clone)
+        _install(state, original, per_clone, site)
     for c in range(users):
         state.op_map[c][barriers[0]] = barriers[c]
-    # Every update waits for the whole reduction (not slot initializers: they
-    # run before any gradient exists).
-    wanted = set(per[0] for _, per in installs)
-    for g, _ in record.grads_and_vars:
-        if isinstance(g, tf.IndexedSlices):
-            wanted.update([g.values, g.indices])
-        elif g is not None:
-            wanted.add(g)
-    for op in _apply_ops(state, record):
-        if any(t in wanted for t in op.inputs):
-            op._add_control_inputs([barriers[0]])  # pylint: disable=protected-access
+    # Whatever reads a reduced gradient (the update, the user's clipping) waits for
+    # the whole reduction (not slot initializers: they run before any gradient exists).
+    readers = set()
+    for _, per in installs:
+        readers.update(op for op in per[0].consumers()
+                       if state.ir_graph.phase_of(op) != ir.REWRITE)
+    for op in sorted(readers, key=lambda o: o._id):  # pylint: disable=protected-access
+        op._add_control_inputs([barriers[0]])  # pylint: disable=protected-access
 
 
 def _reduce_bucket(state, comm, grads, method, users):
@@ -150,12 +123,9 @@ def _scale(t, factor, device):
         return t * tf.cast(factor, t.dtype)
 
 
-def _apply_ops(state, record):
-    nodes = state.graph._nodes_by_id  # pylint: disable=protected-access
-    return [nodes[i] for i in record.op_ids if i in nodes]
-
-
-def _install(state, original, per_clone):
-    """Every user op (the optimizer's, and clipping with clip_after_allreduce) reads the
-    reduced gradient."""
-    state.substitute(original, per_clone, lambda op: state.ir_graph.phase_of(op) != "rewrite")
+def _install(state, original, per_clone, site):
+    """Every user op after the gradient call (the update, the user's clipping) reads the
+    reduced gradient; the backward ops of the call itself keep the replica's own."""
+    state.substitute(original, per_clone,
+                     lambda op: (state.ir_graph.phase_of(op) != ir.REWRITE
+                                 and op._id not in site.origin_ids))  # pylint: disable=protected-access

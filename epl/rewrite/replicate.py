@@ -1,54 +1,59 @@
 """ReplicaClonePass: one copy of the replica's ops per clone, on its device.
 
 Ops are copied in creation order (a topological order of the user's graph).
-Just before the first op that reads the gradients of an ``apply_gradients``
-call is copied, those gradients are reduced across clones (``gradients.py``),
-so every clone's optimizer reads the reduced gradient.
+Just before the first op that reads the gradients of a reduction site (see
+``updates.py``) is copied, those gradients are reduced across clones
+(``gradients.py``), so every clone's update reads the reduced gradient.
 """
 import tensorflow as tf
 
 from epl import ir
 from epl.rewrite.cloner import check_clonable, clone_op
-from epl.rewrite.gradients import reduce_gradients, targets
+from epl.rewrite.gradients import reduce_gradients
 from epl.rewrite.selection import VARIABLE_OPS
 
 
 def place_originals(state):
     """The user's replica ops go to clone 0's device (shared variables and the
-    single update too, when a worker shares one copy of its variables)."""
-    ops = list(state.selection.ops)
-    if state.share_variables:
-        ops += [op for tg in state.taskgraphs for op in tg.ops if op not in state.selection and
-                (op.type in VARIABLE_OPS or state.ir_graph.phase_of(op) == ir.APPLY)]
+    single update too, when a worker shares one copy of its variables).  A write to
+    a variable runs where the variable lives."""
+    ops = sorted(list(state.selection.ops) + list(state.selection.shared),
+                 key=lambda o: o._id)  # pylint: disable=protected-access
     for op in ops:
         check_clonable(op)
         # Our placement replaces TF's colocation hints: tf.gradients colocates a
         # gradient sum with its first input, which may live on another stage.
         if "_class" in op.node_def.attr:
             op._clear_attr("_class")  # pylint: disable=protected-access
-        op._set_device(state.device_for(0, op))  # pylint: disable=protected-access
+        op._set_device(_device_for(state, 0, op.inputs, op))  # pylint: disable=protected-access
 
 
 def _device_for(state, c, inputs, op):
-    """Clone c's device for the op's stage, unless the op reads a resource variable:
-    TF keeps resource reads on the resource's device (a shared variable is on clone 0's)."""
+    """Clone c's device for the op's stage, unless the op takes a variable itself (a
+    resource read, an update): TF keeps those on the variable's device (a shared
+    variable is on clone 0's)."""
     for t in inputs:
-        if t.dtype == tf.resource and t.op.type in VARIABLE_OPS and t.op.device:
+        if ir.is_state_handle(t) and t.op.type in VARIABLE_OPS and t.op.device:
             return t.op.device
     return state.device_for(c, op)
 
 
+def owned(state, op):
+    """Ops a replica runs once for all its micro-batches: variables and updates."""
+    return op.type in VARIABLE_OPS or op in state.selection.updates.run_once
+
+
 def clone_replicas(state):
     sel = state.selection
-    # A record whose apply ops are not copied (shared variables) is reduced last.
-    pending = sorted(((_first_id(state, rec), rec) for rec in state.ir_graph.apply_records),
-                     key=lambda x: x[0])
+    # A site whose readers are not copied (shared variables) is reduced last.
+    pending = sorted(((_first_id(state, site), site) for site in sel.updates.sites),
+                     key=lambda x: (x[0], x[1].index))
     for op in sel.ops:
         while pending and op._id >= pending[0][0]:  # pylint: disable=protected-access
             reduce_gradients(state, pending.pop(0)[1])
-        owned = op.type in VARIABLE_OPS or state.ir_graph.phase_of(op) == ir.APPLY
+        mine = owned(state, op)
         for c in range(1, state.num_clones):
-            if owned and not state.is_rep(c):
+            if mine and not state.is_rep(c):
                 # Micro-batches of a replica share its variables and its one update.
                 rep = state.reps[c]
                 state.op_map[c][op] = state.op(rep, op)
@@ -69,38 +74,56 @@ def clone_replicas(state):
         reduce_gradients(state, rec)
 
 
-def _first_id(state, record):
-    """The first copied op that reads the record's gradients (or is its apply op)."""
-    wanted = set()
-    for g, _ in targets(state, record):
-        wanted.update([g.values, g.indices] if isinstance(g, tf.IndexedSlices) else [g])
+def _first_id(state, site):
+    """Where to reduce ``site``: just before the first copied op that reads its
+    gradients (not the gradient call's own ops), once all of them exist."""
+    wanted = set(site.tensors())
+    made = [t.op._id for t in wanted]  # pylint: disable=protected-access
     ids = [op._id for op in state.selection.ops  # pylint: disable=protected-access
-           if op._id in record.op_ids or any(t in wanted for t in op.inputs)]  # pylint: disable=protected-access
-    return min(ids) if ids else float("inf")
+           if op._id not in site.origin_ids and any(t in wanted for t in op.inputs)]  # pylint: disable=protected-access
+    if not ids:
+        return float("inf")
+    return max(min(ids), max(made) + 1)
+
+
+def _is_update(state, op):
+    plan = state.selection.updates
+    return (op.type not in VARIABLE_OPS and op.type != "Const"
+            and (op in plan.target or state.ir_graph.phase_of(op) == ir.APPLY))
 
 
 def join_clones(state):
     """Running the user's train op must run every clone's update.
 
-    * Every apply op waits for its copies: whichever of them the user fetches
-      (``minimize``'s result, a keras optimizer's counter increment, ...)
-      runs every clone's update.
-    * An op outside the replica that reads or waits for a replica's apply op
-      (the ``global_step`` increment) waits for all copies of it.
+    * Every update a replica runs once waits for its copies: whichever of them the
+      user fetches (``minimize``'s result, a keras optimizer's counter increment, a
+      hand-written ``assign_sub``, ...) runs every replica's update.
+    * An update a replica runs once for all its micro-batches also runs the
+      micro-batches' copies of what it waits for (their batch-norm updates...).
+    * An op outside the replica (a shared update, the ``global_step`` increment)
+      that waits for a replica op, or reads a replica's update, waits for all copies.
     """
     sel = state.selection
-    owners = [c for c in range(1, state.num_clones) if state.is_rep(c)]  # hold an update
+    n = state.num_clones
+    owners = [c for c in range(1, n) if state.is_rep(c)]  # hold an update
     for op in sel.ops:
-        if (state.ir_graph.phase_of(op) != ir.APPLY or not owners
-                or op.type in VARIABLE_OPS or op.type == "Const"):
+        if owners and owned(state, op) and _is_update(state, op):
+            op._add_control_inputs([state.op(c, op) for c in owners])  # pylint: disable=protected-access
+    for op in sel.ops:
+        if not owned(state, op):
             continue
-        op._add_control_inputs([state.op(c, op) for c in owners])  # pylint: disable=protected-access
+        for ci in op.control_inputs:
+            if ci in sel and not owned(state, ci):
+                for c in range(1, n):
+                    if not state.is_rep(c):
+                        state.op(state.reps[c], op)._add_control_inputs([state.op(c, ci)])  # pylint: disable=protected-access
     for op in state.graph.get_operations():
         if op in sel or state.ir_graph.phase_of(op) == ir.REWRITE:
             continue
-        upstream = list(op.control_inputs) + [t.op for t in op.inputs]
-        extra = [state.op(c, up) for up in upstream if up in sel
-                 and state.ir_graph.phase_of(up) == ir.APPLY for c in owners]
+        extra = [state.op(c, ci) for ci in op.control_inputs if ci in sel for c in range(1, n)]
+        extra += [state.op(c, t.op) for t in op.inputs if t.op in sel and _is_update(state, t.op)
+                  for c in owners]
+        extra = [e for e in extra if e not in op.control_inputs]
         if extra:
             op._add_control_inputs(extra)  # pylint: disable=protected-access
 

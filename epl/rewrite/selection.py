@@ -4,13 +4,16 @@ Copied ("the replica"): forward, backward and apply ops of the TaskGraph, plus
 any op outside it that computes on the input batch on its way in.  Shared: the
 input pipeline's state (iterators, queues, datasets' resources), placeholders,
 ``global_step`` and the ops that touch it, save/restore ops, and variable
-initializers (those are mirrored instead, see ``mirror.py``).
+initializers (those are mirrored instead, see ``mirror.py``).  When a worker's
+replicas share one copy of the variables, the updates (and what only they
+read) run once and are shared too; ``updates.py`` decides which ops those are,
+and which variables are per-replica state that every replica still copies.
 """
 import tensorflow as tf
 
 from epl import ir
-
-VARIABLE_OPS = frozenset(["VariableV2", "Variable", "VarHandleOp"])
+from epl.rewrite import updates
+from epl.rewrite.updates import VARIABLE_OPS
 ASSIGN_OPS = frozenset(["Assign", "AssignAdd", "AssignSub", "AssignVariableOp",
                         "AssignAddVariableOp", "AssignSubVariableOp"])
 # Each replica pulls its own batch by running its own copy of these.
@@ -30,6 +33,8 @@ class Selection(object):
         self.variables = []        # variable ops that get one copy per replica
         self.sources = []          # SOURCE_OPS whose outputs the replica consumes
         self.placeholders = []     # batch placeholders the replica consumes
+        self.shared = []           # replica ops run once per worker (shared variables)
+        self.updates = None        # the updates.UpdatePlan
 
     def __contains__(self, op):
         return op in self.op_set
@@ -50,14 +55,18 @@ def _is_shared_resource(op):
             and not any(ir.is_state_handle(i) for i in op.inputs))
 
 
-def select(ir_graph, taskgraphs, share_variables=False):
+def is_source(op):
+    """The op pulls or holds an input batch."""
+    return op.type in SOURCE_OPS or is_batch_placeholder(op)
+
+
+def select(ir_graph, taskgraphs, share_variables=False, clip_after_allreduce=False):
     """The replica's ops (of every TaskGraph: pipeline stages are one replica).
 
     With ``share_variables`` the clones of one worker read the user's variables
-    and only the user's apply ops update them, once.
+    and only the user's updates change them, once.
     """
     graph = ir_graph.tf_graph
-    _check_updates_are_captured(ir_graph, taskgraphs)
     initializers = set()
     for key in (tf.GraphKeys.GLOBAL_VARIABLES, tf.GraphKeys.LOCAL_VARIABLES):
         for v in graph.get_collection(key):
@@ -78,8 +87,6 @@ def select(ir_graph, taskgraphs, share_variables=False):
             return True
         if any(ci in initializers for ci in op.control_inputs):
             return True   # tf.global_variables_initializer()'s group
-        if share_variables and (op.type in VARIABLE_OPS or ir_graph.phase_of(op) == ir.APPLY):
-            return True
         return ir_graph.phase_of(op) in (ir.SAVE, ir.REWRITE)
 
     sel = Selection()
@@ -100,6 +107,14 @@ def select(ir_graph, taskgraphs, share_variables=False):
                 chosen.add(up)
                 frontier.append(up)
 
+    trainable = set(v.op for v in graph.get_collection(tf.GraphKeys.TRAINABLE_VARIABLES))
+    sel.updates = updates.analyze(ir_graph, chosen, on_batch, is_source, clip_after_allreduce,
+                                  trainable)
+    if share_variables:
+        shared = set(op for op in chosen if op.type in VARIABLE_OPS
+                     and op not in sel.updates.local_variables) | sel.updates.run_once
+        chosen = chosen - shared
+        sel.shared = sorted(shared, key=lambda o: o._id)  # pylint: disable=protected-access
     sel.ops = sorted(chosen, key=lambda o: o._id)  # pylint: disable=protected-access
     sel.op_set = chosen
     sel.variables = [op for op in sel.ops if op.type in VARIABLE_OPS]
@@ -163,20 +178,3 @@ def _step_only_ops(graph, step_op):
                 derived.add(op)
                 changed = True
     return (derived - variant) | direct
-
-
-def _check_updates_are_captured(ir_graph, taskgraphs):
-    """Optimizer updates EPL did not see being built (not through
-    tf.train.Optimizer.apply_gradients) would be copied per replica with
-    unreduced gradients: refuse them instead of training wrong numbers."""
-    for tg in taskgraphs:
-        for op in tg.ops:
-            kind = op.type
-            if ir_graph.phase_of(op) != ir.APPLY and (
-                    kind.startswith(("Apply", "ResourceApply", "SparseApply",
-                                     "ResourceSparseApply"))):
-                raise NotImplementedError(
-                    "EPL: %r (%s) updates a variable outside tf.train.Optimizer.apply_gradients "
-                    "(e.g. a tf.keras optimizer, or a hand-written update); EPL reduces "
-                    "gradients only for tf.compat.v1.train optimizers. Use one, e.g. "
-                    "tf.train.AdamOptimizer(...).minimize(loss)." % (op.name, kind))

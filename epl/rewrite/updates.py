@@ -1,0 +1,228 @@
+"""UpdateAnalysisPass: which variable writes consume which gradients.
+
+Users write parameter updates in many ways: ``Optimizer.minimize``, an optimizer
+subclass that overrides ``apply_gradients`` with its own ``assign`` ops (BERT's
+AdamWeightDecay, LAMB), ``tf.gradients`` followed by ``assign_sub``, raw
+``Apply*`` ops, keras optimizers.  EPL decides what to reduce from the graph,
+not from class or op names: every op that writes a replicated variable is
+traced back through the values it reads.
+
+* A write that reaches the replica's gradients (the outputs of a recorded
+  ``tf.gradients`` / ``GradientTape.gradient`` call) gets them reduced across
+  replicas.  Where the gradients enter an optimizer's ``apply_gradients`` (any
+  optimizer, overrides included) and ``communication.clip_after_allreduce`` is
+  False, the reduction sits at that boundary instead, after the user's clipping.
+  Once reduced, the update is the same in every replica: it runs once per
+  replica (once per worker when the worker's replicas share one variable copy,
+  once per replica for all its micro-batches).
+* A write that reaches the input batch *without* passing a gradient is
+  per-replica state (batch-norm moving statistics, metric accumulators): every
+  replica keeps its own copy of that variable, updated from its own batch; the
+  checkpoint holds replica 0's.  On a trainable variable that would make the
+  replicas' weights diverge, so it is an error naming the op.
+* A write that reads neither (``global_step`` aside, handled by selection) is
+  the same in every replica and runs once, like an update.
+"""
+import collections
+
+from epl import ir
+
+VARIABLE_OPS = frozenset(["VariableV2", "Variable", "VarHandleOp"])
+# Ops that take a variable (ref or resource) without changing it.
+_READS = frozenset(["IsVariableInitialized", "VarIsInitializedOp", "ReadVariableOp",
+                    "ResourceGather", "ResourceGatherNd", "VariableShape", "RefIdentity",
+                    "RefSwitch", "RefEnter", "RefMerge", "RefExit", "RefNextIteration",
+                    "RefSelect", "Identity", "Switch", "Enter", "Exit", "Merge",
+                    "NextIteration", "DestroyResourceOp", "_Retval", "Placeholder"])
+
+
+class ReductionSite(object):
+    """Gradients reduced together (one fused collective set, one barrier)."""
+
+    def __init__(self, index, pairs, origin_ids):
+        self.index = index            # unique per graph, the same on every worker
+        self.pairs = pairs            # [(grad Tensor/IndexedSlices, variable or x)]
+        self.origin_ids = origin_ids  # ids of the ops that made them (not readers)
+
+    def tensors(self):
+        out = []
+        for g, _ in self.pairs:
+            out.extend(ir.components(g))
+        return out
+
+
+class UpdatePlan(object):
+    """What the analysis decided (see the module docstring)."""
+
+    def __init__(self):
+        self.sites = []             # ReductionSite, in index order
+        self.writes = []            # replica ops that write a replicated variable
+        self.run_once = set()       # updates (and what only they read): once per replica
+        self.local_variables = set()  # variable ops every replica keeps its own copy of
+        self.target = {}            # write op -> variable op it writes
+
+
+def written_variable(op):
+    """The variable op ``op`` writes, or None (reads and passthroughs are not writes)."""
+    if op.type in _READS:
+        return None
+    for i, t in enumerate(op.inputs):
+        if not ir.is_state_handle(t):
+            continue
+        if t.dtype._is_ref_dtype and not op._input_types[i]._is_ref_dtype:  # pylint: disable=protected-access
+            continue  # a ref read as a value
+        var = _variable_of(t)
+        if var is not None and (t.dtype._is_ref_dtype or op.op_def.is_stateful):  # pylint: disable=protected-access
+            return var
+    return None
+
+
+def _variable_of(t):
+    """The variable op behind a ref/resource tensor (through identity-like ops)."""
+    seen = 0
+    while t.op.type not in VARIABLE_OPS and seen < 16:
+        if t.op.type in ("Identity", "RefIdentity") and t.op.inputs:
+            t = t.op.inputs[0]
+            seen += 1
+        else:
+            return None
+    return t.op if t.op.type in VARIABLE_OPS else None
+
+
+def analyze(ir_graph, candidates, batch_ops, is_source, clip_after_allreduce,
+            trainable_ops):
+    """The UpdatePlan for the replica ops ``candidates`` (a set).
+
+    ``batch_ops``: ops computed from an input batch; ``is_source(op)``: the op pulls
+    or holds a batch; ``trainable_ops``: variable ops of trainable variables.
+    """
+    plan = UpdatePlan()
+    variables = set(op for op in candidates if op.type in VARIABLE_OPS)
+    ordered = sorted(candidates, key=lambda o: o._id)  # pylint: disable=protected-access
+    for op in ordered:
+        var = written_variable(op)
+        if var is not None and var in variables:
+            plan.writes.append(op)
+            plan.target[op] = var
+
+    def per_clone(g):
+        return any(t.op in candidates for t in ir.components(g))
+
+    reduced = set()
+    sites = []
+    if not clip_after_allreduce:
+        for rec in ir_graph.apply_records:
+            pairs = [(g, v) for g, v in rec.grads_and_vars if g is not None and per_clone(g)]
+            if pairs:
+                sites.append((rec.op_ids[0] if len(rec.op_ids) else 0,
+                              ReductionSite(None, pairs, set())))
+                for g, _ in pairs:
+                    reduced.update(ir.components(g))
+
+    grad_owner = {}       # gradient tensor -> (record index, position in record)
+    for r, rec in enumerate(ir_graph.gradient_records):
+        for i, g in enumerate(rec.grads):
+            for t in ir.components(g):
+                grad_owner.setdefault(t, (r, i))
+
+    needed = collections.OrderedDict()   # record index -> set of positions
+    tainted = {}                         # write op -> (source op, a tensor on the path)
+    for w in plan.writes:
+        need, taint = _trace(w, reduced, grad_owner, batch_ops, is_source)
+        for r, i in need:
+            needed.setdefault(r, set()).add(i)
+        if taint is not None:
+            tainted[w] = taint
+    for r in sorted(needed):
+        rec = ir_graph.gradient_records[r]
+        pairs = [(rec.grads[i], rec.xs[i]) for i in sorted(needed[r])
+                 if rec.grads[i] is not None and per_clone(rec.grads[i])]
+        if pairs:
+            sites.append((rec.op_ids[0] if len(rec.op_ids) else 0,
+                          ReductionSite(None, pairs, set(rec.op_ids))))
+            for g, _ in pairs:
+                reduced.update(ir.components(g))
+    for index, (_, site) in enumerate(sorted(sites, key=lambda s: s[0])):
+        site.index = index
+        plan.sites.append(site)
+
+    for w, (source, via) in tainted.items():
+        var = plan.target[w]
+        if var in trainable_ops:
+            raise NotImplementedError(
+                "EPL: %r (%s) writes the trainable variable %r from values each replica "
+                "computes from its own batch (it reads %r, which comes from %r without "
+                "passing through a gradient). EPL reduces gradients across replicas; this "
+                "update would make the replicas' weights diverge. Compute the update from "
+                "tf.gradients / an optimizer, or mark the variable trainable=False if it is "
+                "per-replica state (like batch-norm statistics)."
+                % (w.name, w.type, var.name, via.name, source.name))
+        plan.local_variables.add(var)
+
+    variant = _variant_ops(ordered, candidates, reduced, batch_ops, is_source)
+    run_once = set(w for w in plan.writes if w not in tainted)
+    run_once.update(op for op in ordered if ir_graph.phase_of(op) == ir.APPLY
+                    and op not in variant and op.type not in VARIABLE_OPS
+                    and written_variable(op) not in plan.local_variables)
+    changed = True
+    while changed:   # what only the updates read runs once too
+        changed = False
+        for op in reversed(ordered):
+            if op in run_once or op in variant or op.type in VARIABLE_OPS:
+                continue
+            users = [c for out in op.outputs for c in out.consumers()]
+            users += list(op._control_outputs)  # pylint: disable=protected-access
+            if users and all(u in run_once for u in users):
+                run_once.add(op)
+                changed = True
+    plan.run_once = run_once
+    return plan
+
+
+def _trace(write, reduced, grad_owner, batch_ops, is_source):
+    """Walk up from ``write``'s values: the gradients it needs (not yet reduced), and a
+    batch source it reaches without passing a gradient (or None)."""
+    target_inputs = set(i for i, t in enumerate(write.inputs) if ir.is_state_handle(t))
+    stack = [t for i, t in enumerate(write.inputs) if i not in target_inputs]
+    seen = set()
+    need = set()
+    taint = None
+    while stack:
+        t = stack.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        if t in reduced:
+            continue
+        if t in grad_owner:
+            need.add(grad_owner[t])
+            continue
+        op = t.op
+        if op not in batch_ops or ir.is_state_handle(t):
+            continue
+        if is_source(op):
+            if taint is None:
+                taint = (op, t)
+            continue
+        stack.extend(op.inputs)
+    return need, taint
+
+
+def _variant_ops(ordered, candidates, reduced, batch_ops, is_source):
+    """Replica ops whose value differs between replicas: computed from the batch, other
+    than through reduced gradients.  Batch values made outside the replica (the input
+    pipeline's pulls, a split scope's rows) differ per replica too.  (Creation order
+    is topological outside control flow.)"""
+    variant = set()
+    for op in ordered:
+        if is_source(op):
+            variant.add(op)
+            continue
+        for t in op.inputs:
+            if t in reduced:
+                continue
+            up = t.op
+            if up in variant or (up not in candidates and up in batch_ops):
+                variant.add(op)
+                break
+    return variant
