@@ -7,6 +7,24 @@ op names.  It edits nothing itself.
 """
 FORWARD, BACKWARD, APPLY, SAVE, REWRITE = "forward", "backward", "apply", "save", "rewrite"
 
+# Each replica pulls its own batch by running its own copy of these.
+SOURCE_OPS = frozenset(["IteratorGetNext", "IteratorGetNextSync", "QueueDequeueV2",
+                        "QueueDequeueManyV2", "QueueDequeueUpToV2", "QueueDequeue",
+                        "QueueDequeueMany", "QueueDequeueUpTo"])
+
+
+def is_batch_placeholder(op):
+    """A fed placeholder whose first dimension is unknown: it holds the global batch."""
+    if op.type != "Placeholder":
+        return False
+    shape = op.outputs[0].shape
+    return shape.ndims is not None and shape.ndims >= 1 and shape.dims[0].value is None
+
+
+def is_batch_source(op):
+    """The op pulls or holds an input batch."""
+    return op.type in SOURCE_OPS or is_batch_placeholder(op)
+
 
 def is_state_handle(t):
     """A ref or resource tensor: a variable (or other state) itself, not a value read
@@ -86,6 +104,8 @@ class Graph(object):
         self.apply_records = []
         self.gradient_records = []  # every tf.gradients call, in call order
         self.relaxed = {}           # batch-relaxing op name -> the tensor it relaxes
+        self.relax_cache = {}       # (tensor name, taskgraph index) -> relaxed view
+        self._batch_memo = {}       # op name -> computed from a batch (capture time)
         self.rewritten = False
         self.rewrite_result = None
 
@@ -157,6 +177,29 @@ class Graph(object):
                 "other's outputs in a cycle: %s. Each stage may only read earlier stages: put "
                 "the ops of the cycle into one scope." % "; ".join(pairs))
         return {tg_index: stage for stage, tg_index in enumerate(order)}
+
+    def is_batch(self, op):
+        """``op`` is computed from an input batch.  While the graph is built (ops and
+        their inputs do not change yet), so the answer is kept."""
+        memo = self._batch_memo
+        stack, on_stack = [op], set([op.name])
+        while stack:
+            cur = stack[-1]
+            if cur.name in memo:
+                stack.pop()
+                on_stack.discard(cur.name)
+                continue
+            if is_batch_source(cur):
+                memo[cur.name] = True
+                continue
+            pending = [t.op for t in cur.inputs
+                       if t.op.name not in memo and t.op.name not in on_stack]
+            if pending:
+                stack.extend(pending)
+                on_stack.update(p.name for p in pending)
+                continue
+            memo[cur.name] = any(memo.get(t.op.name, False) for t in cur.inputs)
+        return memo[op.name]
 
     def taskgraph_of(self, op):
         return self.op_taskgraph.get(op.name)

@@ -42,6 +42,11 @@ Patch points (all installed by :func:`install`, idempotent):
     in every TensorFlow module that exports them: on class-sharded logits they
     run sharded (``epl.tensor_parallel.losses``); on anything else, unchanged.
 
+15. ``ops.Graph._create_op_internal``: before a user op of a scope that runs on
+    another number of rows than it is built for (``replicate(k > 1)``, ``split``)
+    is created, its fixed-batch inputs entering the scope are replaced by relaxed
+    views with an unknown batch dimension (``epl.rebatch``).
+
 Everything else reads and edits graphs through :mod:`epl.ir` and the rewriter.
 """
 import contextlib
@@ -72,7 +77,20 @@ def _c():
         _ctx.apply_depth = 0
         _ctx.save = 0
         _ctx.rewriting = 0
+        _ctx.forced = []        # TaskGraph EPL creates an op for (epl.rebatch)
     return _ctx
+
+
+@contextlib.contextmanager
+def creating_for(taskgraph):
+    """Ops created inside belong to ``taskgraph``'s forward phase (EPL builds them on
+    the user's behalf while the user builds the graph)."""
+    c = _c()
+    c.forced.append(taskgraph)
+    try:
+        yield
+    finally:
+        c.forced.pop()
 
 
 @contextlib.contextmanager
@@ -89,11 +107,12 @@ def rewriting():
 def _classify(graph, op):
     """(TaskGraph, phase, shard) of a new op from the capture context."""
     from epl.tensor_parallel.sharding import current_shard
-    from epl.strategies import current_strategy
     c = _c()
     epl_graph = ir.Graph.get(graph)
     if c.rewriting:
         return None, ir.REWRITE, None
+    if c.forced:
+        return c.forced[-1], ir.FORWARD, None
     if c.save:
         return None, ir.SAVE, None
     if c.apply:
@@ -106,20 +125,36 @@ def _classify(graph, op):
             tg = c.grad_default[-1]
         # A shard's backward runs on the shard's device.
         return tg, ir.BACKWARD, (epl_graph.shard_of(fwd) if fwd is not None else None)
-    strategy = current_strategy()
-    if strategy is not None:
-        tg = epl_graph.taskgraph_for(strategy)
-    else:
-        # Outside any annotation: an op computed from annotated ops (a loss built after
-        # the last stage's scope) joins the latest TaskGraph it reads from.  Reading a
-        # variable's handle itself (IsVariableInitialized, tf.assign) is bookkeeping.
-        fed = [epl_graph.taskgraph_of(t.op) for t in op.inputs if not ir.is_state_handle(t)]
-        fed = [tg for tg in fed if tg is not None]
-        tg = max(fed, key=lambda tg: tg.index) if fed else None
+    tg = _forward_taskgraph(epl_graph, op.inputs)
     shard = current_shard() if tg is not None and tg.kind == "split" else None
     if shard is None and tg is not None and tg.kind == "split":
         shard = _colocated(epl_graph, op)[1]   # a shard variable's initializer, slots
     return tg, ir.FORWARD, shard
+
+
+def _forward_taskgraph(epl_graph, inputs):
+    """The TaskGraph of a new forward op reading ``inputs``."""
+    from epl.strategies import current_strategy
+    strategy = current_strategy()
+    if strategy is not None:
+        return epl_graph.taskgraph_for(strategy)
+    # Outside any annotation: an op computed from annotated ops (a loss built after
+    # the last stage's scope) joins the latest TaskGraph it reads from.  Reading a
+    # variable's handle itself (IsVariableInitialized, tf.assign) is bookkeeping.
+    fed = [epl_graph.taskgraph_of(t.op) for t in inputs if not ir.is_state_handle(t)]
+    fed = [tg for tg in fed if tg is not None]
+    return max(fed, key=lambda tg: tg.index) if fed else None
+
+
+def _create_op_internal(self, op_type, inputs, *args, **kwargs):
+    from epl.env import Env
+    c = _c()
+    if (inputs and Env.initialized() and not (c.rewriting or c.save or c.apply
+                                                or c.grad_ops or c.forced)):
+        from epl import rebatch
+        tg = _forward_taskgraph(ir.Graph.get(self), inputs)
+        inputs = rebatch.inputs_for(self, tg, inputs)
+    return _originals["create_op_internal"](self, op_type, inputs, *args, **kwargs)
 
 
 def _colocated(epl_graph, op):
@@ -407,6 +442,7 @@ def _session_run(self, fetches, feed_dict=None, options=None, run_metadata=None)
 
 _PATCHES = [
     ("create_op_helper", ops.Graph, "_create_op_helper", _create_op_helper),
+    ("create_op_internal", ops.Graph, "_create_op_internal", _create_op_internal),
     ("maybe_colocate_with", gradients_util, "_maybe_colocate_with", _maybe_colocate_with),
     ("gradients_helper", gradients_util, "_GradientsHelper", _gradients_helper),
     ("apply_gradients", tf_optimizer.Optimizer, "apply_gradients", _apply_gradients),

@@ -8,18 +8,29 @@ A fed placeholder with an unknown first dimension holds the global batch and
 is split into one shard per clone.
 """
 import tensorflow as tf
+from tensorflow.python.ops import gen_array_ops
 
 from epl.rewrite.cloner import clone_op, new_ops
 
 
-def _split(graph, t, n, device, name):
+def _split(graph, t, n, device, name, why):
+    """``n`` equal shards of ``t``'s rows.  The shards' batch dimension is left unknown:
+    the ops that read them were built for the whole batch (in place of the user's
+    tensor, clone 0 reads a shard) and, where the batch is fixed, by ``epl.rebatch``
+    for any number of rows."""
+    rows = t.shape[0].value if t.shape.ndims else None
+    if rows is not None and rows % n:
+        raise ValueError(
+            "EPL: the input %r has a fixed batch of %d rows, which cannot be split into %d "
+            "equal parts (%s); use a batch size divisible by %d." % (t.name, rows, n, why, n))
     with new_ops(graph), tf.device(device):
-        rows = tf.shape(t)[0]
+        if rows is not None:
+            t = tf.compat.v1.placeholder_with_default(t, [None] + t.shape.as_list()[1:])
+        size = gen_array_ops.shape(t)[0]   # (not folded into a constant: see above)
         check = tf.debugging.assert_equal(
-            tf.math.floormod(rows, n), 0,
-            message="EPL: input %r has a batch that cannot be split into %d equal shards "
-                    "(one per device of the replica); use a batch size divisible by %d."
-                    % (t.name, n, n))
+            tf.math.floormod(size, n), 0, data=[size],
+            message="EPL: input %r has a batch that cannot be split into %d equal parts "
+                    "(%s); use a batch size divisible by %d. Rows:" % (t.name, n, why, n))
         with tf.control_dependencies([check]):
             return tf.split(t, n, axis=0, name=name)
 
@@ -37,14 +48,16 @@ def shard_inputs(state):
                 if len(group) == 1:
                     per_clone.append(pull.outputs[i])
                 else:
-                    per_clone.extend(_split(state.graph, pull.outputs[i], len(group),
-                                            state.devices[group[0]],
-                                            "EPL_SHARD/%s_%d_r%d" % (src.name, i, g)))
+                    per_clone.extend(_split(
+                        state.graph, pull.outputs[i], len(group),
+                        state.devices[group[0]], "EPL_SHARD/%s_%d_r%d" % (src.name, i, g),
+                        "one per device of a replicate(device_count=%d) replica" % len(group)))
             _install(state, out, per_clone)
     for ph in state.selection.placeholders:
         out = ph.outputs[0]
         shards = _split(state.graph, out, state.num_clones, state.devices[0],
-                        "EPL_SHARD/%s" % ph.name)
+                        "EPL_SHARD/%s" % ph.name, "a fed batch is split over %d clones"
+                        % state.num_clones)
         _install(state, out, shards)
 
 

@@ -16,10 +16,9 @@ from epl.rewrite import updates
 from epl.rewrite.updates import VARIABLE_OPS
 ASSIGN_OPS = frozenset(["Assign", "AssignAdd", "AssignSub", "AssignVariableOp",
                         "AssignAddVariableOp", "AssignSubVariableOp"])
-# Each replica pulls its own batch by running its own copy of these.
-SOURCE_OPS = frozenset(["IteratorGetNext", "IteratorGetNextSync", "QueueDequeueV2",
-                        "QueueDequeueManyV2", "QueueDequeueUpToV2", "QueueDequeue",
-                        "QueueDequeueMany", "QueueDequeueUpTo"])
+SOURCE_OPS = ir.SOURCE_OPS
+is_batch_placeholder = ir.is_batch_placeholder
+is_source = ir.is_batch_source
 _CHECKPOINT_OPS = frozenset(["SaveV2", "RestoreV2", "MergeV2Checkpoints", "Save", "Restore",
                              "RestoreSlice", "SaveSlices"])
 
@@ -40,24 +39,12 @@ class Selection(object):
         return op in self.op_set
 
 
-def is_batch_placeholder(op):
-    if op.type != "Placeholder":
-        return False
-    shape = op.outputs[0].shape
-    return shape.ndims is not None and shape.ndims >= 1 and shape.dims[0].value is None
-
-
 def _is_shared_resource(op):
     """An op that creates state other than a variable (iterator, queue, table)."""
     if op.type in VARIABLE_OPS:
         return False
     return (any(ir.is_state_handle(o) for o in op.outputs)
             and not any(ir.is_state_handle(i) for i in op.inputs))
-
-
-def is_source(op):
-    """The op pulls or holds an input batch."""
-    return op.type in SOURCE_OPS or is_batch_placeholder(op)
 
 
 def select(ir_graph, taskgraphs, share_variables=False, clip_after_allreduce=False):

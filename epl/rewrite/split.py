@@ -20,11 +20,12 @@ replicated TaskGraph around them.
 import logging
 
 import tensorflow as tf
+from tensorflow.python.ops import gen_array_ops
 
 from epl import ir
+from epl.rewrite.cloner import clone_op, new_ops
 
 log = logging.getLogger("epl")
-from epl.rewrite.cloner import new_ops
 
 
 def split_taskgraphs(state):
@@ -112,36 +113,23 @@ def bridge(state):
         return
     sel = state.selection
     n = state.num_clones
-    gathered = {}     # replica tensor -> its concatenation over clones
-    batch_rows = None
-    on_batch = _batch_ops(state)
-    # Replica -> split: the whole batch.  Also for the unannotated ops between the
-    # input pipeline and the split (a loss's label preprocessing), which must see
-    # every replica's pull too.
     model = (ir.FORWARD, ir.BACKWARD)   # not a shard's optimizer: it reads reduced grads
-    readers = set(op for op in split_ops if state.ir_graph.phase_of(op) in model)
-    frontier = list(readers)
-    while frontier:
-        for t in frontier.pop().inputs:
-            up = t.op
-            if (up not in readers and up not in sel and up in on_batch
-                    and state.ir_graph.taskgraph_of(up) is None
-                    and state.ir_graph.phase_of(up) in model):
-                readers.add(up)
-                frontier.append(up)
+    gather = _Gather(state)
+    relaxed = state.ir_graph.relaxed
+    # Replica -> split: the whole batch.
+    readers = [op for op in split_ops if state.ir_graph.phase_of(op) in model]
     for op in sorted(readers, key=lambda o: o._id):  # pylint: disable=protected-access
         for i, t in enumerate(op.inputs):
-            copies = state.copies(t)
-            if not _crosses(state, t) or all(cp is t for cp in copies):
-                continue   # (one clone: nothing to gather)
-            if t not in gathered:
-                _check_batch_major(t, op)
-                with new_ops(state.graph), tf.device(op.device):
-                    gathered[t] = tf.concat(copies, axis=0,
-                                            name="EPL_SPLIT_GATHER/" + t.op.name)
-                    if batch_rows is None:
-                        batch_rows = [tf.shape(c)[0] for c in copies]
-            op._update_input(i, gathered[t])  # pylint: disable=protected-access
+            whole = gather(t, op)
+            if whole is t:
+                continue
+            if op.name in relaxed:
+                # The scope reads the rows through a relaxed view (epl.rebatch), built
+                # for any batch: its readers take every clone's rows.
+                _rewire(op.outputs[0], whole)
+            else:
+                op._update_input(i, whole)  # pylint: disable=protected-access
+    batch_rows, on_batch = gather.batch_rows, gather.on_batch
     # Split -> replica: each clone's rows.
     sliced = {}
     for c in range(n):
@@ -167,11 +155,72 @@ def bridge(state):
                 key = (t, c)
                 if key not in sliced:
                     with new_ops(state.graph), tf.device(mine.device):
-                        parts = tf.split(t, tf.stack(batch_rows), num=n, axis=0,
+                        # tf.gradients stamps a gradient with its forward input's shape:
+                        # the split's gradient of a fixed-batch activation claims one
+                        # replica's rows while it holds all of them.
+                        whole = tf.compat.v1.placeholder_with_default(
+                            t, [None] + t.shape.as_list()[1:]) if t.shape.ndims else t
+                        parts = tf.split(whole, tf.stack(batch_rows), num=n, axis=0,
                                          name="EPL_SPLIT_SCATTER/%s_%d" % (t.op.name, t.value_index))
                         for cc in range(n):
                             sliced[(t, cc)] = parts[cc]
                 mine._update_input(i, sliced[key])  # pylint: disable=protected-access
+
+
+class _Gather(object):
+    """The whole batch behind a tensor a split op reads: the concatenation of every
+    clone's copy of a per-clone tensor (batch order = clone order = the order of a fed
+    global batch), and, for the unannotated ops between the input pipeline and the
+    split (a loss's label preprocessing), a copy of the op computed on the gathered
+    inputs.  The user's own ops are left as they are."""
+
+    def __init__(self, state):
+        self.state = state
+        self.done = {}
+        self.batch_rows = None      # rows of each clone's part (for the way back)
+        self.on_batch = _batch_ops(state)
+
+    def __call__(self, t, reader):
+        if t not in self.done:
+            self.done[t] = self._whole(t, reader)
+        return self.done[t]
+
+    def _whole(self, t, reader):
+        state = self.state
+        if _crosses(state, t):
+            copies = state.copies(t)
+            if all(cp is t for cp in copies):
+                return t   # (one clone: nothing to gather)
+            _check_batch_major(t, reader)
+            with new_ops(state.graph), tf.device(reader.device):
+                whole = tf.concat(copies, axis=0, name="EPL_SPLIT_GATHER/" + t.op.name)
+                if self.batch_rows is None:
+                    # (gen_array_ops: a clone-0 tensor may still claim the fixed batch it
+                    # was built with; tf.shape would fold that in)
+                    self.batch_rows = [gen_array_ops.shape(c)[0] for c in copies]
+            return whole
+        up = t.op
+        if (up in self.state.selection or up not in self.on_batch
+                or state.ir_graph.taskgraph_of(up) is not None
+                or state.ir_graph.phase_of(up) not in (ir.FORWARD, ir.BACKWARD)
+                or _is_variable_value(t)):
+            return t
+        inputs = [self(i, reader) for i in up.inputs]
+        if all(a is b for a, b in zip(inputs, up.inputs)):
+            return t
+        with new_ops(state.graph):
+            copy = clone_op(up, inputs, state.graph.unique_name("EPL_SPLIT_GATHER/" + up.name),
+                            reader.device, [state.op(0, c) for c in up.control_inputs])
+        for old, new in zip(up.outputs, copy.outputs):
+            self.done[old] = new
+        return self.done[t]
+
+
+def _rewire(old, new):
+    for consumer in list(old.consumers()):
+        for i, inp in enumerate(consumer.inputs):
+            if inp is old:
+                consumer._update_input(i, new)  # pylint: disable=protected-access
 
 
 def _check_batch_major(t, reader):

@@ -1,0 +1,232 @@
+"""Fixed batch shapes (``drop_remainder=True`` datasets, static placeholders) in every
+layout that changes how many rows a part of the model sees (issue 10, item 2).
+
+Oracles: the same program without EPL on one device.  ``replicate(device_count=k)``
+splits each replica's batch into k parts (seed 003): the total equals the local
+batch.  A fed placeholder holds the global batch (split over the replicas).  A split
+scope after replicated layers sees every replica's rows.
+"""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import epl
+from tests import models
+from tests import split_models as sm
+
+STEPS, B = 3, 8
+
+
+def _reset():
+    from epl import strategies
+    from epl.env import Env
+    strategies.reset()
+    Env._instance = None  # pylint: disable=protected-access
+    tf.compat.v1.reset_default_graph()
+
+
+def _fixed_batches(x, y, batch):
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True)
+    bx, by = tf.compat.v1.data.make_one_shot_iterator(ds).get_next()
+    assert bx.shape[0] == batch
+    return bx, by
+
+
+def _train(loss, steps=STEPS, feeds=None):
+    op = models.train_op(loss, "momentum", tf.compat.v1.train.get_or_create_global_step())
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        for i in range(steps):
+            sess.run(op, feeds(i) if feeds else None)
+        return models.weights(sess)
+
+
+def _local_dense(x, y, batch):
+    _reset()
+    bx, by = _fixed_batches(x, y, batch)
+    return _train(models.forward(bx, by)[1])
+
+
+@pytest.mark.parametrize("devices,k", [(2, 2), (4, 2), (4, 4)])
+def test_replicate_device_count_k_splits_a_fixed_batch(devices, k):
+    replicas = devices // k
+    x, y = models.data(STEPS * replicas * B)
+    want = _local_dense(x, y, replicas * B)
+    _reset()
+    epl.init(epl.Config({"cluster.devices_per_worker": devices}))
+    bx, by = _fixed_batches(x, y, B)
+    with epl.replicate(device_count=k):
+        _, loss = models.forward(bx, by)
+    models.assert_weights_close(_train(loss), want)
+    matmuls = set(o.device for o in tf.compat.v1.get_default_graph().get_operations()
+                  if o.type == "MatMul")
+    assert len(matmuls) == devices
+
+
+def test_dp_fixed_batch():
+    n = 2
+    x, y = models.data(STEPS * n * B)
+    want = _local_dense(x, y, n * B)
+    _reset()
+    epl.init(epl.Config({"cluster.devices_per_worker": n}))
+    epl.set_default_strategy(epl.replicate(1))
+    bx, by = _fixed_batches(x, y, B)
+    models.assert_weights_close(_train(models.forward(bx, by)[1]), want)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_static_placeholder_holds_the_global_batch(n):
+    x, y = models.data(STEPS * B)
+
+    def feeds(px, py):
+        return lambda i: {px: x[i * B:(i + 1) * B], py: y[i * B:(i + 1) * B]}
+
+    _reset()
+    px, py = tf.compat.v1.placeholder(tf.float32, [B, models.IN]), \
+        tf.compat.v1.placeholder(tf.int64, [B])
+    want = _train(models.forward(px, py)[1], feeds=feeds(px, py))
+    _reset()
+    epl.init(epl.Config({"cluster.devices_per_worker": n}))
+    epl.set_default_strategy(epl.replicate(1))
+    px, py = tf.compat.v1.placeholder(tf.float32, [B, models.IN]), \
+        tf.compat.v1.placeholder(tf.int64, [B])
+    models.assert_weights_close(_train(models.forward(px, py)[1], feeds=feeds(px, py)), want)
+
+
+def test_fixed_batch_that_does_not_divide_is_named():
+    x, y = models.data(4 * 5)
+    epl.init(epl.Config({"cluster.devices_per_worker": 2}))
+    bx, by = _fixed_batches(x, y, 5)
+    with epl.replicate(device_count=2):
+        _, loss = models.forward(bx, by)
+    with pytest.raises(ValueError, match=r"IteratorGetNext:0.* 5 rows.*2 "):
+        _train(loss)
+
+
+def test_pipeline_fixed_batch():
+    m = 2
+    x, y = models.data(STEPS * m * B)
+    want = _local_dense(x, y, m * B)
+    _reset()
+    epl.init(epl.Config({"cluster.devices_per_worker": 2, "pipeline.num_micro_batch": m}))
+    bx, by = _fixed_batches(x, y, B)
+    w = models.initial_weights()
+    with epl.replicate(1, name="stage_0"):
+        h = tf.compat.v1.layers.dense(
+            bx, models.HIDDEN, activation=tf.nn.tanh,
+            kernel_initializer=tf.compat.v1.constant_initializer(w["dense/kernel"]),
+            bias_initializer=tf.compat.v1.constant_initializer(w["dense/bias"]))
+    with epl.replicate(1, name="stage_1"):
+        logits = tf.compat.v1.layers.dense(
+            h, models.CLASSES,
+            kernel_initializer=tf.compat.v1.constant_initializer(w["dense_1/kernel"]),
+            bias_initializer=tf.compat.v1.constant_initializer(w["dense_1/bias"]))
+        loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels=by, logits=logits)
+    models.assert_weights_close(_train(loss), want)
+
+
+def _head_model(bx, by, values, rdc=None, n=None):
+    """A replicated backbone and a split classifier head whose loss reads the labels
+    straight from the iterator (the seed's large-scale classification, §5.3.1)."""
+    def c(k):
+        return tf.compat.v1.constant_initializer(values[k])
+
+    def backbone():
+        return tf.compat.v1.layers.dense(bx, sm.H1, activation=tf.nn.tanh,
+                                         kernel_initializer=c("dense/kernel"),
+                                         bias_initializer=c("dense/bias"))
+
+    def head(h):
+        return tf.compat.v1.layers.dense(h, sm.CLASSES, kernel_initializer=c("dense_1/kernel"),
+                                         bias_initializer=c("dense_1/bias"))
+    if n is None:
+        logits = head(backbone())
+    else:
+        with epl.replicate(rdc):
+            h = backbone()
+        with epl.split(n):
+            logits = head(h)
+    return tf.compat.v1.losses.sparse_softmax_cross_entropy(labels=by, logits=logits)
+
+
+def _head_values():
+    rng = np.random.RandomState(5)
+    values = sm.init_values()
+    values["dense_1/kernel"] = (rng.randn(sm.H1, sm.CLASSES) * 0.3).astype(np.float32)
+    values["dense_1/bias"] = (rng.randn(sm.CLASSES) * 0.3).astype(np.float32)
+    return values
+
+
+def _checkpointed(loss, tmpdir, name):
+    import os
+    op = sm.train_op(loss)
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        for _ in range(STEPS):
+            sess.run(op)
+        path = tf.compat.v1.train.Saver().save(sess, os.path.join(str(tmpdir), name))
+    reader = tf.compat.v1.train.load_checkpoint(path)
+    return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()}
+
+
+@pytest.mark.parametrize("devices,rdc,n", [(2, 1, 2), (4, 4, 4), (2, 2, 2)])
+def test_hybrid_with_fixed_batches_matches_local(devices, rdc, n, tmpdir):
+    """replicate(rdc) backbone + split(n) head, colocated: (2, 1, 2) is two replicas
+    whose batches the head concatenates; (4, 4, 4) is the seed's replicate(8)+split(8)
+    on 4 devices: one replica whose batch is split into 4."""
+    values = _head_values()
+    replicas = devices // rdc
+    x, y = sm.data(STEPS * replicas * B)
+    _reset()
+    want = _checkpointed(_head_model(*_fixed_batches(x, y, replicas * B), values), tmpdir, "l")
+    _reset()
+    epl.init(epl.Config({"cluster.devices_per_worker": devices,
+                         "cluster.colocate_split_and_replicate": True}))
+    bx, by = _fixed_batches(x, y, B)
+    got = _checkpointed(_head_model(bx, by, values, rdc, n), tmpdir, "h")
+    assert sorted(got) == sorted(want)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_seed_moe_recipe_with_fixed_batches(tmpdir):
+    """Seed §5.3.2 with a drop_remainder dataset: default replicate(n), expert variables
+    under split(n), the calculation after it (back in the default replicate)."""
+    import os
+    n, experts, d, hidden, t = 2, 4, 6, 8, 8
+    rng = np.random.RandomState(0)
+    xs = rng.randn(STEPS * t, d).astype(np.float32)
+    ys = rng.randn(STEPS * t, d).astype(np.float32)
+    w1v = (rng.randn(experts, d, hidden) * 0.4).astype(np.float32)
+    w2v = (rng.randn(d, d) * 0.4).astype(np.float32)
+
+    def build(annotate):
+        bx, by = _fixed_batches(xs, ys, t)
+        if annotate:
+            epl.set_default_strategy(epl.replicate(n))
+        pre = tf.compat.v1.layers.dense(bx, d, kernel_initializer=tf.compat.v1
+                                        .constant_initializer(w2v), name="attention")
+        if annotate:
+            with epl.split(n):
+                w1 = tf.compat.v1.get_variable("experts_w1", initializer=w1v)
+        else:
+            w1 = tf.compat.v1.get_variable("experts_w1", initializer=w1v)
+        h = tf.nn.relu(tf.einsum("td,edh->teh", pre, w1))
+        loss = tf.reduce_mean((tf.reduce_sum(h, axis=1)[:, :d] - by) ** 2)
+        op = sm.train_op(loss, "adam")
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for _ in range(STEPS):
+                sess.run(op)
+            path = tf.compat.v1.train.Saver().save(sess, os.path.join(str(tmpdir), "moe"))
+        reader = tf.compat.v1.train.load_checkpoint(path)
+        return {k: reader.get_tensor(k) for k in ("experts_w1", "attention/kernel")}
+
+    _reset()
+    want = build(False)
+    _reset()
+    epl.init(epl.Config({"cluster.devices_per_worker": n,
+                         "cluster.colocate_split_and_replicate": True}))
+    got = build(True)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
