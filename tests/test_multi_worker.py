@@ -76,7 +76,7 @@ def test_pipeline_spanning_two_workers_equals_local(tmp_path, devices):
     assert any(f.startswith("model.ckpt-4") for f in os.listdir(str(tmp_path / "ckpt")))
 
 
-@pytest.mark.parametrize("mode", ["hybrid", "moe"])
+@pytest.mark.parametrize("mode", ["hybrid", "moe", "moe_recipe_fixed"])
 def test_split_across_two_workers_equals_local(tmp_path, mode):
     """epl.split(2) over 2 workers x 1 device (the seed's MoE tutorial shape), in-graph on
     TF's runtime: a replicated backbone + split head, and an MoE layer, equal the local
@@ -98,6 +98,10 @@ def test_split_across_two_workers_equals_local(tmp_path, mode):
             np.testing.assert_allclose(got["losses"], losses, rtol=1e-5)
             np.testing.assert_array_equal(got["accs"], accs)
             for k, v in weights.items():
+                np.testing.assert_allclose(got["w/" + k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+        elif mode == "moe_recipe_fixed":
+            from tests import test_static_shapes as tss
+            for k, v in tss.seed_moe_recipe(tmp_path).items():
                 np.testing.assert_allclose(got["w/" + k], v, rtol=1e-5, atol=1e-6, err_msg=k)
         else:
             runs = ts._moe_run(ts._moe_values(4), 4, 2, groups=2)

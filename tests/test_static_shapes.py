@@ -15,6 +15,7 @@ from tests import models
 from tests import split_models as sm
 
 STEPS, B = 3, 8
+HEAD_CLASSES = 12   # enough to shard the head over 8 devices
 
 
 def _reset():
@@ -137,7 +138,7 @@ def _head_model(bx, by, values, rdc=None, n=None):
                                          bias_initializer=c("dense/bias"))
 
     def head(h):
-        return tf.compat.v1.layers.dense(h, sm.CLASSES, kernel_initializer=c("dense_1/kernel"),
+        return tf.compat.v1.layers.dense(h, HEAD_CLASSES, kernel_initializer=c("dense_1/kernel"),
                                          bias_initializer=c("dense_1/bias"))
     if n is None:
         logits = head(backbone())
@@ -152,8 +153,8 @@ def _head_model(bx, by, values, rdc=None, n=None):
 def _head_values():
     rng = np.random.RandomState(5)
     values = sm.init_values()
-    values["dense_1/kernel"] = (rng.randn(sm.H1, sm.CLASSES) * 0.3).astype(np.float32)
-    values["dense_1/bias"] = (rng.randn(sm.CLASSES) * 0.3).astype(np.float32)
+    values["dense_1/kernel"] = (rng.randn(sm.H1, HEAD_CLASSES) * 0.3).astype(np.float32)
+    values["dense_1/bias"] = (rng.randn(HEAD_CLASSES) * 0.3).astype(np.float32)
     return values
 
 
@@ -169,14 +170,14 @@ def _checkpointed(loss, tmpdir, name):
     return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()}
 
 
-@pytest.mark.parametrize("devices,rdc,n", [(2, 1, 2), (4, 4, 4), (2, 2, 2)])
+@pytest.mark.parametrize("devices,rdc,n", [(2, 1, 2), (4, 4, 4), (2, 2, 2), (8, 8, 8)])
 def test_hybrid_with_fixed_batches_matches_local(devices, rdc, n, tmpdir):
     """replicate(rdc) backbone + split(n) head, colocated: (2, 1, 2) is two replicas
-    whose batches the head concatenates; (4, 4, 4) is the seed's replicate(8)+split(8)
-    on 4 devices: one replica whose batch is split into 4."""
+    whose batches the head concatenates; (8, 8, 8) is the seed's replicate(8)+split(8):
+    one replica whose batch is split into 8."""
     values = _head_values()
     replicas = devices // rdc
-    x, y = sm.data(STEPS * replicas * B)
+    x, y = sm.data(STEPS * replicas * B, classes=HEAD_CLASSES)
     _reset()
     want = _checkpointed(_head_model(*_fixed_batches(x, y, replicas * B), values), tmpdir, "l")
     _reset()
@@ -189,44 +190,46 @@ def test_hybrid_with_fixed_batches_matches_local(devices, rdc, n, tmpdir):
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
-def test_seed_moe_recipe_with_fixed_batches(tmpdir):
+def seed_moe_recipe(tmpdir, n=None):
     """Seed §5.3.2 with a drop_remainder dataset: default replicate(n), expert variables
-    under split(n), the calculation after it (back in the default replicate)."""
+    under split(n), the calculation after it (back in the default replicate).  Without
+    ``n``: the same program without EPL.  Returns the trained weights (checkpoint)."""
     import os
-    n, experts, d, hidden, t = 2, 4, 6, 8, 8
+    experts, d, hidden, t = 4, 6, 8, 8
     rng = np.random.RandomState(0)
     xs = rng.randn(STEPS * t, d).astype(np.float32)
     ys = rng.randn(STEPS * t, d).astype(np.float32)
     w1v = (rng.randn(experts, d, hidden) * 0.4).astype(np.float32)
     w2v = (rng.randn(d, d) * 0.4).astype(np.float32)
-
-    def build(annotate):
-        bx, by = _fixed_batches(xs, ys, t)
-        if annotate:
-            epl.set_default_strategy(epl.replicate(n))
-        pre = tf.compat.v1.layers.dense(bx, d, kernel_initializer=tf.compat.v1
-                                        .constant_initializer(w2v), name="attention")
-        if annotate:
-            with epl.split(n):
-                w1 = tf.compat.v1.get_variable("experts_w1", initializer=w1v)
-        else:
+    bx, by = _fixed_batches(xs, ys, t)
+    if n:
+        epl.set_default_strategy(epl.replicate(n))
+    pre = tf.compat.v1.layers.dense(bx, d, kernel_initializer=tf.compat.v1
+                                    .constant_initializer(w2v), name="attention")
+    if n:
+        with epl.split(n):
             w1 = tf.compat.v1.get_variable("experts_w1", initializer=w1v)
-        h = tf.nn.relu(tf.einsum("td,edh->teh", pre, w1))
-        loss = tf.reduce_mean((tf.reduce_sum(h, axis=1)[:, :d] - by) ** 2)
-        op = sm.train_op(loss, "adam")
-        with tf.compat.v1.Session() as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
-            for _ in range(STEPS):
-                sess.run(op)
-            path = tf.compat.v1.train.Saver().save(sess, os.path.join(str(tmpdir), "moe"))
-        reader = tf.compat.v1.train.load_checkpoint(path)
-        return {k: reader.get_tensor(k) for k in ("experts_w1", "attention/kernel")}
+    else:
+        w1 = tf.compat.v1.get_variable("experts_w1", initializer=w1v)
+    h = tf.nn.relu(tf.einsum("td,edh->teh", pre, w1))
+    loss = tf.reduce_mean((tf.reduce_sum(h, axis=1)[:, :d] - by) ** 2)
+    op = sm.train_op(loss, "adam")
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        for _ in range(STEPS):
+            sess.run(op)
+        path = tf.compat.v1.train.Saver().save(sess, os.path.join(str(tmpdir), "moe"))
+    reader = tf.compat.v1.train.load_checkpoint(path)
+    return {k: reader.get_tensor(k) for k in ("experts_w1", "attention/kernel")}
 
+
+def test_seed_moe_recipe_with_fixed_batches(tmpdir):
+    n = 2
     _reset()
-    want = build(False)
+    want = seed_moe_recipe(tmpdir)
     _reset()
     epl.init(epl.Config({"cluster.devices_per_worker": n,
                          "cluster.colocate_split_and_replicate": True}))
-    got = build(True)
+    got = seed_moe_recipe(tmpdir, n)
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
