@@ -136,24 +136,28 @@ class Graph(object):
         if taskgraph is not None:
             taskgraph.ops.append(op)
 
-    def stage_order(self):
-        """Position of every TaskGraph in the pipeline: {taskgraph index: stage}.
+    def stage_order(self, taskgraphs=None):
+        """Position of every TaskGraph (of ``taskgraphs``, default all) in the pipeline:
+        {taskgraph index: stage}.
 
         Stages follow the forward data flow between TaskGraphs (creation order
         breaks ties).  A cycle (each of two scopes reads the other's output)
         cannot be pipelined and raises ValueError naming both directions.
         """
+        taskgraphs = list(self.taskgraphs if taskgraphs is None else taskgraphs)
+        members = set(tg.index for tg in taskgraphs)
         example = {}
-        for tg in self.taskgraphs:
+        for tg in taskgraphs:
             for op in tg.ops:
                 if self.phase_of(op) != FORWARD:
                     continue
                 for t in op.inputs:
                     src = self.taskgraph_of(t.op)
-                    if src is not None and src is not tg and self.phase_of(t.op) == FORWARD:
+                    if (src is not None and src is not tg and src.index in members
+                            and self.phase_of(t.op) == FORWARD):
                         example.setdefault((src.index, tg.index), (t.name, op.name))
-        succ = {tg.index: set() for tg in self.taskgraphs}
-        indeg = {tg.index: 0 for tg in self.taskgraphs}
+        succ = {tg.index: set() for tg in taskgraphs}
+        indeg = {tg.index: 0 for tg in taskgraphs}
         for (a, b) in example:
             if b not in succ[a]:
                 succ[a].add(b)
@@ -167,7 +171,7 @@ class Graph(object):
                 if indeg[j] == 0:
                     ready.append(j)
                     ready.sort()
-        if len(order) != len(self.taskgraphs):
+        if len(order) != len(taskgraphs):
             stuck = [i for i in indeg if indeg[i] > 0]
             pairs = ["%r reads %r (op %r)" % (self.taskgraphs[b].strategy, example[(a, b)][0],
                                               example[(a, b)][1])

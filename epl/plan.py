@@ -182,11 +182,13 @@ def _plan_split(cluster, splits, replicas, config):
             "%r with pipeline.num_micro_batch = %d: pipelines of split TaskGraphs are not "
             "implemented yet; set pipeline.num_micro_batch to 1."
             % (splits[0].strategy, config.get("pipeline.num_micro_batch")))
-    if len(replicas) > 1:
+    counts = sorted(set(tg.device_count for tg in replicas))
+    if len(counts) > 1:
         raise NotImplementedError(
-            "%d replicate scopes together with %r: only one replicated TaskGraph may be "
-            "combined with split scopes (put the replicated part under one scope)."
-            % (len(replicas), splits[0].strategy))
+            "replicate scopes with different device_count (%s) together with %r: the "
+            "replicated parts around a split form one model replica; give them the same "
+            "device_count." % (", ".join(repr(tg.strategy) for tg in replicas),
+                               splits[0].strategy))
     n = max(split_device_count(tg, total) for tg in splits)
     if not replicas:
         if n != total:

@@ -13,7 +13,8 @@ fixed-batch tensor entering the scope (from the input pipeline, or from another
 scope) reads a *relaxed* view of it instead: the same values, with the batch
 dimension unknown (a ``PlaceholderWithDefault``, whose gradient is the
 identity).  Everything built from it, forward and backward, is then computed
-from the run-time shape.  The rewriter treats the relaxed view as the point
+from the run-time shape.  The same holds for the gradients other scopes send
+into such a scope (the replicas' gradient of a split output they read).  The rewriter treats the relaxed view as the point
 where rows enter the scope (see ``epl.rewrite.split``).
 
 Outside those scopes nothing changes: data parallelism with ``device_count=1``
@@ -37,9 +38,10 @@ def _fixed_batch(t):
             and not ir.is_state_handle(t))
 
 
-def inputs_for(graph, taskgraph, inputs):
+def inputs_for(graph, taskgraph, inputs, phase=ir.FORWARD):
     """The inputs a new op of ``taskgraph`` should read: fixed-batch tensors that
-    enter the scope are replaced by their relaxed views."""
+    enter the scope (in the backward pass: the gradients other scopes send in) are
+    replaced by their relaxed views."""
     if not rebatches(taskgraph):
         return inputs
     epl_graph = ir.Graph.get(graph)
@@ -55,11 +57,11 @@ def inputs_for(graph, taskgraph, inputs):
             continue
         if out is None:
             out = list(inputs)
-        out[i] = _relaxed(graph, epl_graph, t, taskgraph)
+        out[i] = _relaxed(graph, epl_graph, t, taskgraph, phase)
     return inputs if out is None else out
 
 
-def _relaxed(graph, epl_graph, t, taskgraph):
+def _relaxed(graph, epl_graph, t, taskgraph, phase):
     key = (t.name, taskgraph.index)
     view = epl_graph.relax_cache.get(key)
     if view is None:
@@ -67,7 +69,7 @@ def _relaxed(graph, epl_graph, t, taskgraph):
         shape = [None] + t.shape.as_list()[1:]
         with graph.name_scope(None), graph.control_dependencies(None), \
                 graph.colocate_with(None, ignore_existing=True), \
-                tf_patches.creating_for(taskgraph):
+                tf_patches.creating_for(taskgraph, phase):
             view = tf.compat.v1.placeholder_with_default(
                 t, shape, name="EPL_RELAXED_BATCH/" + t.op.name.replace(":", "_"))
         epl_graph.relaxed[view.op.name] = t

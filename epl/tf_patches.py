@@ -77,16 +77,16 @@ def _c():
         _ctx.apply_depth = 0
         _ctx.save = 0
         _ctx.rewriting = 0
-        _ctx.forced = []        # TaskGraph EPL creates an op for (epl.rebatch)
+        _ctx.forced = []        # (TaskGraph, phase) EPL creates an op for (epl.rebatch)
     return _ctx
 
 
 @contextlib.contextmanager
-def creating_for(taskgraph):
-    """Ops created inside belong to ``taskgraph``'s forward phase (EPL builds them on
-    the user's behalf while the user builds the graph)."""
+def creating_for(taskgraph, phase):
+    """Ops created inside belong to ``taskgraph`` in ``phase`` (EPL builds them on the
+    user's behalf while the user builds the graph)."""
     c = _c()
-    c.forced.append(taskgraph)
+    c.forced.append((taskgraph, phase))
     try:
         yield
     finally:
@@ -112,7 +112,8 @@ def _classify(graph, op):
     if c.rewriting:
         return None, ir.REWRITE, None
     if c.forced:
-        return c.forced[-1], ir.FORWARD, None
+        tg, phase = c.forced[-1]
+        return tg, phase, None
     if c.save:
         return None, ir.SAVE, None
     if c.apply:
@@ -149,11 +150,18 @@ def _forward_taskgraph(epl_graph, inputs):
 def _create_op_internal(self, op_type, inputs, *args, **kwargs):
     from epl.env import Env
     c = _c()
-    if (inputs and Env.initialized() and not (c.rewriting or c.save or c.apply
-                                                or c.grad_ops or c.forced)):
+    if inputs and Env.initialized() and not (c.rewriting or c.save or c.apply or c.forced):
         from epl import rebatch
-        tg = _forward_taskgraph(ir.Graph.get(self), inputs)
-        inputs = rebatch.inputs_for(self, tg, inputs)
+        epl_graph = ir.Graph.get(self)
+        if c.grad_ops:
+            fwd = c.grad_ops[-1]
+            tg = epl_graph.taskgraph_of(fwd) if fwd is not None else None
+            if tg is None and c.grad_default:
+                tg = c.grad_default[-1]
+            phase = ir.BACKWARD
+        else:
+            tg, phase = _forward_taskgraph(epl_graph, inputs), ir.FORWARD
+        inputs = rebatch.inputs_for(self, tg, inputs, phase)
     return _originals["create_op_internal"](self, op_type, inputs, *args, **kwargs)
 
 

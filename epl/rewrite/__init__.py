@@ -11,7 +11,8 @@ first ``Session.run`` of a plain session.  Passes, in order, each with one job:
 4. shard inputs  every clone gets its own batch (``inputs.py``)
 5. clone         copies per clone; gradients reduced before the first apply
                  op (``replicate.py``, ``gradients.py``)
-6. bridge        split scopes read every clone's batch (``split.py``)
+6. bridge        split scopes read every clone's batch; their gradients of a loss
+                 the replicas compute are averaged like the replicas' (``split.py``)
    schedule      pipeline order of each stage's micro-batches (``schedule.py``)
 7. join          the user's train op runs every clone's update
 8. mirror        initial values come from worker 0; initializers / restores /
@@ -64,9 +65,9 @@ def _rewrite(epl_graph, env):
     replicate.place_originals(state)
     split.place(state)
     inputs.shard_inputs(state)
-    state.reduce_method = split.reduce_method(state)
     replicate.clone_replicas(state)
     split.bridge(state)
+    split.scale_split_gradients(state)
     schedule.schedule_pipeline(state)
     replicate.join_clones(state)
     mirror.broadcast_initial_values(state)

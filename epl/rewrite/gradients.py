@@ -26,7 +26,7 @@ from epl.rewrite.cloner import new_ops
 def reduce_gradients(state, site):
     """All-reduce the gradients of one ``updates.ReductionSite`` across clones."""
     cfg = state.config
-    method = state.reduce_method or cfg.get("communication.gradients_reduce_method")
+    method = "sum" if site.loss_in_split else cfg.get("communication.gradients_reduce_method")
     n = state.num_clones
     users = 1 if state.share_variables else n  # shared variables: only rank 0's result is read
     name = "EPL_GRADIENTS_%d" % site.index

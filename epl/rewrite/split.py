@@ -13,9 +13,14 @@ replicated TaskGraph around them.
   a replica op reading a split tensor (the gradient of a bridged activation, or
   a split output fed back) reads its clone's rows of it.  Autodiff already built
   the split part's backward for the whole batch, so the gradient of the bridge
-  is exactly those row slices.  The loss is then a function of the whole batch,
-  so each replica's gradients are partial sums: they are all-reduced with SUM
-  (:func:`reduce_method`).
+  is exactly those row slices.
+* Reductions: a loss the split computes is a function of the whole batch, so
+  each replica's gradients are partial sums and are all-reduced with SUM
+  (``updates.ReductionSite.loss_in_split``).  A loss the replicas compute after
+  the split (replicate -> split -> replicate) is one per replica: replicated
+  gradients are averaged as in plain data parallelism, and the split's own
+  gradients, which sum every replica's part, are divided to match
+  (:func:`scale_split_gradients`).
 """
 import logging
 
@@ -96,17 +101,6 @@ def _crosses(state, t):
     return t.op in state.selection or any(t in m for m in state.tensor_map[1:])
 
 
-def reduce_method(state):
-    """SUM when a split TaskGraph reads replica activations (its loss covers the whole
-    batch).  Call after the inputs are sharded, before the clones are made."""
-    for op in _split_ops(state):
-        if state.ir_graph.phase_of(op) != ir.FORWARD:
-            continue   # (a shard's optimizer reads replicated gradients: no bridge)
-        if any(t.op in state.selection and _crosses(state, t) for t in op.inputs):
-            return "sum"
-    return None
-
-
 def bridge(state):
     split_ops = _split_ops(state)
     if not split_ops or not state.selection.ops:
@@ -165,6 +159,38 @@ def bridge(state):
                         for cc in range(n):
                             sliced[(t, cc)] = parts[cc]
                 mine._update_input(i, sliced[key])  # pylint: disable=protected-access
+
+
+def scale_split_gradients(state):
+    """A loss the replicas compute after a split scope (each replica's loss is the mean
+    over its own rows): the split's backward reads every replica's gradient at once,
+    so its gradients are the *sum* of the replicas' contributions.  With
+    ``gradients_reduce_method = "mean"`` the replicated gradients are averaged;
+    the split's are divided by the number of replicas to match."""
+    from epl.rewrite.updates import loss_of_split
+    n = state.num_clones
+    split_ops = _split_ops(state)
+    if (n == 1 or not split_ops
+            or state.config.get("communication.gradients_reduce_method") != "mean"):
+        return
+    for rec in state.ir_graph.gradient_records:
+        if loss_of_split(state.ir_graph, rec) or not any(
+                y.op in state.selection for y in rec.ys):
+            continue
+        for g in rec.grads:
+            parts = ir.components(g)
+            if not parts or not all(t.op in split_ops for t in parts):
+                continue
+            value = g.values if isinstance(g, tf.IndexedSlices) else g
+            with new_ops(state.graph), tf.device(value.device):
+                scaled = value * tf.cast(1.0 / n, value.dtype)
+            for consumer in list(value.consumers()):
+                if (consumer is scaled.op or consumer._id in rec.op_ids  # pylint: disable=protected-access
+                        or state.ir_graph.phase_of(consumer) == ir.REWRITE):
+                    continue
+                for i, inp in enumerate(consumer.inputs):
+                    if inp is value:
+                        consumer._update_input(i, scaled)  # pylint: disable=protected-access
 
 
 class _Gather(object):

@@ -15,7 +15,8 @@ class ReplicaState(object):
         self.ir_graph = ir_graph
         self.graph = ir_graph.tf_graph
         self.taskgraphs = taskgraphs
-        self.stage_index = ir_graph.stage_order()   # {taskgraph index: pipeline stage}
+        # {taskgraph index: pipeline stage} (a pipeline's stages are replicate scopes)
+        self.stage_index = ir_graph.stage_order(taskgraphs) if layout.num_stages > 1 else {}
         self.selection = selection
         self.layout = layout
         self.cluster = cluster
@@ -57,7 +58,6 @@ class ReplicaState(object):
         self.tensor_map = [dict() for _ in self.clones]
         self.op_map = [dict() for _ in self.clones]
         self.merged = {}          # fetched tensor name -> merged tensor
-        self.reduce_method = None  # overrides communication.gradients_reduce_method
         self.batch_ops = None      # ops computed from an input batch (split.py)
 
     @property

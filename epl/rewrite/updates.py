@@ -39,10 +39,13 @@ _READS = frozenset(["IsVariableInitialized", "VarIsInitializedOp", "ReadVariable
 class ReductionSite(object):
     """Gradients reduced together (one fused collective set, one barrier)."""
 
-    def __init__(self, index, pairs, origin_ids):
+    def __init__(self, index, pairs, origin_ids, loss_in_split=False):
         self.index = index            # unique per graph, the same on every worker
         self.pairs = pairs            # [(grad Tensor/IndexedSlices, variable or x)]
         self.origin_ids = origin_ids  # ids of the ops that made them (not readers)
+        # The loss is computed by a split scope over every replica's rows: each
+        # replica's gradient is a part of the whole, so the parts are summed.
+        self.loss_in_split = loss_in_split
 
     def tensors(self):
         out = []
@@ -108,22 +111,26 @@ def analyze(ir_graph, candidates, batch_ops, is_source, clip_after_allreduce,
     def per_clone(g):
         return any(t.op in candidates for t in ir.components(g))
 
+    grad_owner = {}       # gradient tensor -> (record index, position in record)
+    for r, rec in enumerate(ir_graph.gradient_records):
+        for i, g in enumerate(rec.grads):
+            for t in ir.components(g):
+                grad_owner.setdefault(t, (r, i))
+
+    def loss_in_split(records):
+        return any(loss_of_split(ir_graph, ir_graph.gradient_records[r]) for r in records)
+
     reduced = set()
     sites = []
     if not clip_after_allreduce:
         for rec in ir_graph.apply_records:
             pairs = [(g, v) for g, v in rec.grads_and_vars if g is not None and per_clone(g)]
             if pairs:
+                tensors = [t for g, _ in pairs for t in ir.components(g)]
+                records = _records_behind(tensors, grad_owner, batch_ops)
                 sites.append((rec.op_ids[0] if len(rec.op_ids) else 0,
-                              ReductionSite(None, pairs, set())))
-                for g, _ in pairs:
-                    reduced.update(ir.components(g))
-
-    grad_owner = {}       # gradient tensor -> (record index, position in record)
-    for r, rec in enumerate(ir_graph.gradient_records):
-        for i, g in enumerate(rec.grads):
-            for t in ir.components(g):
-                grad_owner.setdefault(t, (r, i))
+                              ReductionSite(None, pairs, set(), loss_in_split(records))))
+                reduced.update(tensors)
 
     needed = collections.OrderedDict()   # record index -> set of positions
     tainted = {}                         # write op -> (source op, a tensor on the path)
@@ -139,7 +146,7 @@ def analyze(ir_graph, candidates, batch_ops, is_source, clip_after_allreduce,
                  if rec.grads[i] is not None and per_clone(rec.grads[i])]
         if pairs:
             sites.append((rec.op_ids[0] if len(rec.op_ids) else 0,
-                          ReductionSite(None, pairs, set(rec.op_ids))))
+                          ReductionSite(None, pairs, set(rec.op_ids), loss_in_split([r]))))
             for g, _ in pairs:
                 reduced.update(ir.components(g))
     for index, (_, site) in enumerate(sorted(sites, key=lambda s: s[0])):
@@ -177,6 +184,31 @@ def analyze(ir_graph, candidates, batch_ops, is_source, clip_after_allreduce,
                 changed = True
     plan.run_once = run_once
     return plan
+
+
+def loss_of_split(ir_graph, record):
+    """The gradient call differentiates a loss computed by a split scope."""
+    for y in record.ys:
+        tg = ir_graph.taskgraph_of(y.op)
+        if tg is not None and tg.kind == "split":
+            return True
+    return False
+
+
+def _records_behind(tensors, grad_owner, batch_ops):
+    """The gradient calls whose outputs ``tensors`` are computed from (through the
+    user's clipping, scaling...)."""
+    stack, seen, found = list(tensors), set(), set()
+    while stack:
+        t = stack.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        if t in grad_owner:
+            found.add(grad_owner[t][0])
+        elif t.op in batch_ops:
+            stack.extend(t.op.inputs)
+    return found
 
 
 def _trace(write, reduced, grad_owner, batch_ops, is_source):
