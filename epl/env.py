@@ -35,7 +35,12 @@ _NOT_YET = {
 def init(config=None):
     """Initialize EPL for this process (seed 001 §3).
 
-    Must run in graph mode (TF1): eager execution has no graph to rewrite.
+    Must run in graph mode (TF1): eager execution has no graph to rewrite.  Called
+    again, it starts over as the original EPL does: the new config and cluster, no
+    strategy, and a new default graph (the annotations of the old one were laid out
+    for the old cluster); build the model after the last ``epl.init``.  Inside a
+    ``with graph.as_default():`` block, whose graph cannot be replaced, that graph's
+    annotations are dropped instead (refused once it has been rewritten).
     """
     import tensorflow as tf
     from epl import strategies, tf_patches
@@ -57,7 +62,27 @@ def init(config=None):
                 "epl.Config: %r = %r asks for %s, which this EPL version does not implement "
                 "yet; remove the key (the model then trains without it)."
                 % (key, config.get(key), feature))
+    again = Env._instance is not None
     Env._instance = Env(config, Cluster(config))
     strategies.reset()
     tf_patches.install()
+    if again:
+        _start_over()
     return Env._instance
+
+
+def _start_over():
+    import tensorflow as tf
+    from tensorflow.python.framework import ops
+    if ops._default_graph_stack.is_cleared():  # pylint: disable=protected-access
+        tf.compat.v1.reset_default_graph()
+        return
+    graph = tf.compat.v1.get_default_graph()
+    old = getattr(graph, "_epl_graph", None)
+    if old is not None and old.rewritten:
+        raise RuntimeError(
+            "epl.init() called again inside `with graph.as_default():` for a graph EPL "
+            "already rewrote for the previous configuration; build the model in a new "
+            "tf.Graph after epl.init().")
+    if old is not None:
+        del graph._epl_graph

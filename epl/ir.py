@@ -108,6 +108,8 @@ class Graph(object):
         self._batch_memo = {}       # op name -> computed from a batch (capture time)
         self.rewritten = False
         self.rewrite_result = None
+        self.rewrite_error = None   # the exception a failed rewrite raised
+        self.pending = False        # model ops were added since the last rewrite
 
     @staticmethod
     def get(tf_graph=None):

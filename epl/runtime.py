@@ -1,4 +1,11 @@
-"""Session integration: EPL's devices in every session, merged fetches."""
+"""Session integration: EPL's devices in every session, when to rewrite, merged fetches.
+
+The graph is rewritten before its first run (or callable: tf.keras trains
+through ``Session._make_callable_from_options``) or when it is finalized
+(MonitoredTrainingSession, Estimator).  Ops built after that (a train op built
+after initializing the variables, tf.keras's train function, a new input
+pipeline) are rewritten before the next run that follows them.
+"""
 import tensorflow as tf
 
 from epl import ir
@@ -41,3 +48,22 @@ def _map(fetch, merged):
     if isinstance(fetch, (list, tuple)):
         return type(fetch)(_map(v, merged) for v in fetch)
     return fetch
+
+
+def before_run(session):
+    """Rewrite ``session``'s graph if ops were built since the last rewrite."""
+    from epl.rewrite import rewrite_if_needed
+    rewrite_if_needed(session.graph)
+
+
+def map_callable(graph, callable_options):
+    """``callable_options`` with fetches of merged tensors (epl.GraphKeys) replaced."""
+    result = ir.Graph.get(graph).rewrite_result
+    if result is None or not result.merged:
+        return callable_options
+    out = type(callable_options)()
+    out.CopyFrom(callable_options)
+    for i, name in enumerate(out.fetch):
+        if name in result.merged:
+            out.fetch[i] = result.merged[name].name
+    return out

@@ -24,8 +24,9 @@ Patch points (all installed by :func:`install`, idempotent):
 7. ``session.BaseSession.__init__``: the session sees EPL's devices; for a pipeline
    spanning workers the chief's session runs on its TF server and the other
    workers serve (``epl.distributed_runtime``).
-8. ``session.BaseSession.run``: rewrite before the first run of a plain
-   Session, and map fetches of merged tensors (epl.GraphKeys).
+8. ``session.BaseSession.run``, ``make_callable`` and ``_make_callable_from_options``
+   (tf.keras): rewrite before the first run, and the ops built since before a later
+   one (``epl.runtime.before_run``); map fetches of merged tensors (epl.GraphKeys).
 9. ``writer.FileWriter.add_event``: summaries are written only by the chief.
 10. ``readers.{TFRecord,TextLine,FixedLengthRecord}DatasetV2.__init__``: with
     ``io.slicing`` each worker reads its share of the files (``epl.io_slicing``).
@@ -441,11 +442,25 @@ def _session_init(self, target="", graph=None, config=None):
 
 
 def _session_run(self, fetches, feed_dict=None, options=None, run_metadata=None):
-    from epl.rewrite import rewrite_if_needed
-    from epl.runtime import map_fetches
-    rewrite_if_needed(self.graph)
+    from epl.runtime import before_run, map_fetches
+    before_run(self)
     fetches = map_fetches(self.graph, fetches)
     return _originals["session_run"](self, fetches, feed_dict, options, run_metadata)
+
+
+def _make_callable(self, fetches, feed_list=None, accept_options=False):
+    from epl.runtime import before_run, map_fetches
+    before_run(self)
+    return _originals["make_callable"](self, map_fetches(self.graph, fetches), feed_list,
+                                       accept_options)
+
+
+def _make_callable_from_options(self, callable_options):
+    """tf.keras runs its train, test and predict functions through callables."""
+    from epl.runtime import before_run, map_callable
+    before_run(self)
+    return _originals["make_callable_from_options"](self, map_callable(self.graph,
+                                                                       callable_options))
 
 
 _PATCHES = [
@@ -467,6 +482,9 @@ _PATCHES = [
      _reader_init("fixedlength_init")),
     ("session_init", tf_session.BaseSession, "__init__", _session_init),
     ("session_run", tf_session.BaseSession, "run", _session_run),
+    ("make_callable", tf_session.BaseSession, "make_callable", _make_callable),
+    ("make_callable_from_options", tf_session.BaseSession, "_make_callable_from_options",
+     _make_callable_from_options),
 ]
 
 

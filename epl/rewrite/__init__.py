@@ -35,53 +35,137 @@ class RewriteResult(object):
 
 
 def rewrite_if_needed(graph):
+    """Rewrite ``graph`` before it runs: the whole graph the first time, then the ops
+    added since (a train op built after the first run, tf.keras's train function).
+
+    A rewrite that failed leaves the graph half-edited: every later call raises the
+    same error (never runs the plain graph)."""
     from epl.env import Env
     if not Env.initialized():
         return None
     epl_graph = ir.Graph.get(graph)
-    if epl_graph.rewritten:
+    if epl_graph.rewrite_error is not None:
+        raise epl_graph.rewrite_error
+    if epl_graph.rewritten and not epl_graph.pending:
         return epl_graph.rewrite_result
-    epl_graph.rewritten = True
     if not epl_graph.taskgraphs:
+        epl_graph.rewritten = True
+        epl_graph.pending = False
         epl_graph.rewrite_result = RewriteResult()
         return epl_graph.rewrite_result
     start = time.time()
-    state = _rewrite(epl_graph, Env.get())
-    epl_graph.rewrite_result = RewriteResult(state, time.time() - start)
-    log.info("EPL rewrote the graph for %d clones in %.2fs", state.num_clones,
-             epl_graph.rewrite_result.seconds)
+    try:
+        if epl_graph.rewritten:
+            state = epl_graph.rewrite_result.state
+            _extend(epl_graph, Env.get(), state)
+        else:
+            state = _rewrite(epl_graph, Env.get())
+    except Exception as e:
+        epl_graph.rewrite_error = e
+        raise
+    seconds = time.time() - start
+    if not epl_graph.rewritten:
+        log.info("EPL rewrote the graph for %d clones in %.2fs", state.num_clones, seconds)
+    epl_graph.rewritten = True
+    epl_graph.pending = False
+    epl_graph.rewrite_result = RewriteResult(state, seconds)
     return epl_graph.rewrite_result
 
 
 def _rewrite(epl_graph, env):
     from epl import plan as planner
-    from epl.rewrite import inputs, merge, mirror, replicate, schedule, selection, split
+    from epl.rewrite import selection, split
     from epl.rewrite.state import ReplicaState, share_variables
     layout = planner.plan(env.cluster, epl_graph.taskgraphs, env.config)
     replicated = [tg for tg in epl_graph.taskgraphs if tg.kind != "split"]
     sel = selection.select(epl_graph, replicated, share_variables(env.cluster, env.config),
                            env.config.get("communication.clip_after_allreduce"))
     state = ReplicaState(epl_graph, replicated, sel, layout, env.cluster, env.config)
-    replicate.place_originals(state)
     split.place(state)
-    inputs.shard_inputs(state)
-    replicate.clone_replicas(state)
-    split.bridge(state)
-    split.scale_split_gradients(state)
-    schedule.schedule_pipeline(state)
-    replicate.join_clones(state)
-    mirror.broadcast_initial_values(state)
-    mirror.mirror_writes(state)
-    merge.merge_outputs(state)
+    _passes(state, sel, since=-1, first=True)
     return state
 
 
+def _passes(state, sel, since, first):
+    """The passes that copy ``sel`` (all of the replica, or the ops added after
+    ``since``) per clone and connect the copies."""
+    from epl.rewrite import inputs, merge, mirror, replicate, schedule, split
+    state.frozen_id = since
+    replicate.place_originals(state, sel)
+    state.reinstall()
+    inputs.shard_inputs(state, sel)
+    replicate.clone_replicas(state, sel)
+    if first:
+        split.bridge(state)
+        split.scale_split_gradients(state)
+        schedule.schedule_pipeline(state)
+    replicate.join_clones(state, sel, since)
+    mirror.broadcast_initial_values(state, since)
+    mirror.mirror_writes(state, since)
+    merge.merge_outputs(state)
+    state.last_id = state.graph._last_id  # pylint: disable=protected-access
+
+
+def _extend(epl_graph, env, state):
+    """Rewrite the ops added since the last rewrite.  Sessions that already ran keep
+    the nodes they have seen (TensorFlow ignores later edits of them), so this only
+    adds nodes and edits new ones; what would need more is refused by name."""
+    from epl.rewrite import selection
+    since = state.last_id
+    nodes = state.graph._nodes_by_id  # pylint: disable=protected-access
+    new = [nodes[i] for i in range(since + 1, state.graph._last_id + 1)  # pylint: disable=protected-access
+           if i in nodes and epl_graph.phase_of(nodes[i]) not in (ir.REWRITE, ir.SAVE)]
+    model = [op for op in new if epl_graph.taskgraph_of(op) is not None]
+    if not model:
+        state.last_id = state.graph._last_id  # pylint: disable=protected-access
+        return
+    unknown = [op for op in model if epl_graph.taskgraph_of(op) not in state.laid_out]
+    layout = state.layout
+    why = None
+    if unknown:
+        why = "they belong to a scope the first rewrite did not lay out (%r)" % (
+            epl_graph.taskgraph_of(unknown[0]).strategy,)
+        model = unknown
+    elif layout.num_stages > 1 or layout.num_micro_batch > 1:
+        why = "the pipeline schedule of the first rewrite orders the ops already run"
+    elif layout.split_devices:
+        why = "the split scopes were bridged to the replicas by the first rewrite"
+    if why is not None:
+        from epl.rewrite.updates import written_variable
+        model = [op for op in model if epl_graph.phase_of(op) != ir.FORWARD
+                 or written_variable(op) is not None]
+        if not model and not unknown:
+            # Only reads of the model (an accuracy, a whole view of split variables):
+            # they compute on replica 0's tensors, like a fetch.
+            state.last_id = state.graph._last_id  # pylint: disable=protected-access
+            return
+        model = model or unknown
+        names = ", ".join("%r (%s)" % (op.name, op.type) for op in model[:4])
+        raise RuntimeError(
+            "EPL rewrote the graph for %d clones before its first session.run; ops were "
+            "added afterwards (%s%s) that it cannot add to this model: %s. Build the whole "
+            "model and training step before the first session.run, or call epl.init() "
+            "again and rebuild the graph." % (state.num_clones, names,
+                                              " ..." if len(model) > 4 else "", why))
+    sel = selection.select(epl_graph, state.taskgraphs, state.share_variables,
+                           env.config.get("communication.clip_after_allreduce"),
+                           known=state.selection, since_id=since)
+    state.selection.merge(sel)
+    _passes(state, sel, since, first=False)
+
+
 def on_new_op(graph, op):
-    """Ops made after the rewrite: mirror late writes (a Saver built after the first run)."""
+    """Ops made after a rewrite: mirror late writes of the user's variables (a Saver
+    built after the first run, a user's assign) at once; model ops wait for the next
+    rewrite (before the next run)."""
     epl_graph = getattr(graph, "_epl_graph", None)
     if epl_graph is None or epl_graph.rewrite_result is None:
         return
     state = epl_graph.rewrite_result.state
-    if state is not None:
-        from epl.rewrite.mirror import mirror_one
-        mirror_one(state, op)
+    if state is None:
+        return
+    if epl_graph.taskgraph_of(op) is not None:
+        epl_graph.pending = True
+        return
+    from epl.rewrite.mirror import mirror_one
+    mirror_one(state, op)

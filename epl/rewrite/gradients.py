@@ -90,7 +90,7 @@ def reduce_gradients(state, site):
     readers = set()
     for _, per in installs:
         readers.update(op for op in per[0].consumers()
-                       if state.ir_graph.phase_of(op) != ir.REWRITE)
+                       if state.ir_graph.phase_of(op) != ir.REWRITE and state.editable(op))
     for op in sorted(readers, key=lambda o: o._id):  # pylint: disable=protected-access
         op._add_control_inputs([barriers[0]])  # pylint: disable=protected-access
 

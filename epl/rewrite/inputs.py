@@ -35,9 +35,13 @@ def _split(graph, t, n, device, name, why):
             return tf.split(t, n, axis=0, name=name)
 
 
-def shard_inputs(state):
+def shard_inputs(state, sel):
+    """Give the clones their input of the sources and placeholders ``sel`` reads (those
+    an earlier rewrite sharded are reinstalled for ``sel``'s new readers)."""
     groups = state.pull_groups   # clones that share one pull (the shards of a replica)
-    for src in state.selection.sources:
+    done = state.sharded_inputs
+    for src in [op for op in sel.sources if op not in done]:
+        done.add(src)
         pulls = [src]
         for group in groups[1:]:
             pulls.append(clone_op(src, src.inputs, state.clone_name(group[0], src.name),
@@ -53,7 +57,8 @@ def shard_inputs(state):
                         state.devices[group[0]], "EPL_SHARD/%s_%d_r%d" % (src.name, i, g),
                         "one per device of a replicate(device_count=%d) replica" % len(group)))
             _install(state, out, per_clone)
-    for ph in state.selection.placeholders:
+    for ph in [op for op in sel.placeholders if op not in done]:
+        done.add(ph)
         out = ph.outputs[0]
         shards = _split(state.graph, out, state.num_clones, state.devices[0],
                         "EPL_SHARD/%s" % ph.name, "a fed batch is split over %d clones"

@@ -10,6 +10,8 @@ def merge_outputs(state):
         for key in GraphKeys.ALL:
             _, how = merge_kind(key)
             for t in state.graph.get_collection(key):
+                if t.name in state.merged:
+                    continue   # (merged by an earlier rewrite)
                 copies = state.copies(t)
                 name = "EPL_MERGED/%s_%s" % (t.op.name, how)
                 if how == "concat":

@@ -10,10 +10,13 @@ from epl.rewrite.cloner import clone_op
 from epl.rewrite.selection import ASSIGN_OPS
 
 
-def mirror_writes(state):
+def mirror_writes(state, since=-1):
+    """Mirror the writes made after op id ``since`` (all of them the first time)."""
     variables = set(state.selection.variables)
-    for op in list(state.graph.get_operations()):
-        mirror_one(state, op, variables)
+    nodes = state.graph._nodes_by_id  # pylint: disable=protected-access
+    for i in range(since + 1, state.graph._last_id + 1):  # pylint: disable=protected-access
+        if i in nodes:
+            mirror_one(state, nodes[i], variables)
 
 
 def mirror_one(state, op, variables=None):
@@ -35,8 +38,9 @@ def mirror_one(state, op, variables=None):
     op._add_control_inputs(twins)  # pylint: disable=protected-access
 
 
-def broadcast_initial_values(state):
-    """Multi-worker: every variable starts from worker 0's initial value."""
+def broadcast_initial_values(state, since=-1):
+    """Multi-worker: every variable (made after op id ``since``) starts from worker 0's
+    initial value."""
     if state.cluster.worker_num <= 1 or state.in_graph:
         return   # (in-graph: one session initializes every variable)
     import tensorflow as tf
@@ -45,9 +49,12 @@ def broadcast_initial_values(state):
     timeout = state.config.get("communication.timeout_seconds")
     for v in state.graph.get_collection(tf.GraphKeys.GLOBAL_VARIABLES):
         init = v.initializer
+        if init._id <= since:  # pylint: disable=protected-access
+            continue
         if init.type not in ASSIGN_OPS or len(init.inputs) < 2:
             continue
         with new_ops(state.graph), tf.device(state.devices[0]):
             value = broadcast_across_workers(init.inputs[1], "EPL_INIT/" + v.op.name,
                                              state.cluster, timeout)
         init._update_input(1, value)  # pylint: disable=protected-access
+

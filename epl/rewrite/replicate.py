@@ -13,12 +13,11 @@ from epl.rewrite.gradients import reduce_gradients
 from epl.rewrite.selection import VARIABLE_OPS
 
 
-def place_originals(state):
+def place_originals(state, sel):
     """The user's replica ops go to clone 0's device (shared variables and the
     single update too, when a worker shares one copy of its variables).  A write to
     a variable runs where the variable lives."""
-    ops = sorted(list(state.selection.ops) + list(state.selection.shared),
-                 key=lambda o: o._id)  # pylint: disable=protected-access
+    ops = sorted(list(sel.ops) + list(sel.shared), key=lambda o: o._id)  # pylint: disable=protected-access
     for op in ops:
         check_clonable(op)
         # Our placement replaces TF's colocation hints: tf.gradients colocates a
@@ -43,10 +42,10 @@ def owned(state, op):
     return op.type in VARIABLE_OPS or op in state.selection.updates.run_once
 
 
-def clone_replicas(state):
-    sel = state.selection
+def clone_replicas(state, sel):
+    """Copy ``sel``'s ops (the replica, or what was added to it) per clone."""
     # A site whose readers are not copied (shared variables) is reduced last.
-    pending = sorted(((_first_id(state, site), site) for site in sel.updates.sites),
+    pending = sorted(((_first_id(sel, site), site) for site in sel.updates.sites),
                      key=lambda x: (x[0], x[1].index))
     for op in sel.ops:
         while pending and op._id >= pending[0][0]:  # pylint: disable=protected-access
@@ -74,12 +73,12 @@ def clone_replicas(state):
         reduce_gradients(state, rec)
 
 
-def _first_id(state, site):
+def _first_id(sel, site):
     """Where to reduce ``site``: just before the first copied op that reads its
     gradients (not the gradient call's own ops), once all of them exist."""
     wanted = set(site.tensors())
     made = [t.op._id for t in wanted]  # pylint: disable=protected-access
-    ids = [op._id for op in state.selection.ops  # pylint: disable=protected-access
+    ids = [op._id for op in sel.ops  # pylint: disable=protected-access
            if op._id not in site.origin_ids and any(t in wanted for t in op.inputs)]  # pylint: disable=protected-access
     if not ids:
         return float("inf")
@@ -92,7 +91,7 @@ def _is_update(state, op):
             and (op in plan.target or state.ir_graph.phase_of(op) == ir.APPLY))
 
 
-def join_clones(state):
+def join_clones(state, sel, since=-1):
     """Running the user's train op must run every clone's update.
 
     * Every update a replica runs once waits for its copies: whichever of them the
@@ -102,8 +101,11 @@ def join_clones(state):
       micro-batches' copies of what it waits for (their batch-norm updates...).
     * An op outside the replica (a shared update, the ``global_step`` increment)
       that waits for a replica op, or reads a replica's update, waits for all copies.
+
+    ``sel``: the replica ops to join (of this rewrite), ``since``: the last op id an
+    earlier rewrite saw.
     """
-    sel = state.selection
+    whole = state.selection
     n = state.num_clones
     owners = [c for c in range(1, n) if state.is_rep(c)]  # hold an update
     for op in sel.ops:
@@ -113,16 +115,19 @@ def join_clones(state):
         if not owned(state, op):
             continue
         for ci in op.control_inputs:
-            if ci in sel and not owned(state, ci):
+            if ci in whole and not owned(state, ci):
                 for c in range(1, n):
                     if not state.is_rep(c):
                         state.op(state.reps[c], op)._add_control_inputs([state.op(c, ci)])  # pylint: disable=protected-access
-    for op in state.graph.get_operations():
-        if op in sel or state.ir_graph.phase_of(op) == ir.REWRITE:
+    nodes = state.graph._nodes_by_id  # pylint: disable=protected-access
+    for i in range(since + 1, state.graph._last_id + 1):  # pylint: disable=protected-access
+        op = nodes.get(i)
+        if op is None or op in whole or state.ir_graph.phase_of(op) == ir.REWRITE:
             continue
-        extra = [state.op(c, ci) for ci in op.control_inputs if ci in sel for c in range(1, n)]
-        extra += [state.op(c, t.op) for t in op.inputs if t.op in sel and _is_update(state, t.op)
-                  for c in owners]
+        extra = [state.op(c, ci) for ci in op.control_inputs if ci in whole
+                 for c in range(1, n)]
+        extra += [state.op(c, t.op) for t in op.inputs
+                  if t.op in whole and _is_update(state, t.op) for c in owners]
         extra = [e for e in extra if e not in op.control_inputs]
         if extra:
             op._add_control_inputs(extra)  # pylint: disable=protected-access

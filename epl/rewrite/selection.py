@@ -35,6 +35,16 @@ class Selection(object):
         self.shared = []           # replica ops run once per worker (shared variables)
         self.updates = None        # the updates.UpdatePlan
 
+    def merge(self, delta):
+        """Add the selection of ops made after this one (a later rewrite)."""
+        self.ops += delta.ops
+        self.op_set |= delta.op_set
+        self.variables += delta.variables
+        self.sources += [op for op in delta.sources if op not in self.sources]
+        self.placeholders += [op for op in delta.placeholders if op not in self.placeholders]
+        self.shared += delta.shared
+        self.updates.merge(delta.updates)
+
     def __contains__(self, op):
         return op in self.op_set
 
@@ -47,11 +57,13 @@ def _is_shared_resource(op):
             and not any(ir.is_state_handle(i) for i in op.inputs))
 
 
-def select(ir_graph, taskgraphs, share_variables=False, clip_after_allreduce=False):
+def select(ir_graph, taskgraphs, share_variables=False, clip_after_allreduce=False,
+           known=None, since_id=-1):
     """The replica's ops (of every TaskGraph: pipeline stages are one replica).
 
     With ``share_variables`` the clones of one worker read the user's variables
-    and only the user's updates change them, once.
+    and only the user's updates change them, once.  A later rewrite passes the
+    selection ``known`` so far and selects the ops made after ``since_id``.
     """
     graph = ir_graph.tf_graph
     initializers = set()
@@ -74,11 +86,15 @@ def select(ir_graph, taskgraphs, share_variables=False, clip_after_allreduce=Fal
             return True
         if any(ci in initializers for ci in op.control_inputs):
             return True   # tf.global_variables_initializer()'s group
+        if known is not None and (op in known or op in known_shared):
+            return True   # an earlier rewrite's
         return ir_graph.phase_of(op) in (ir.SAVE, ir.REWRITE)
 
+    known_shared = set(known.shared) if known is not None else set()
     sel = Selection()
     wanted = [op for tg in taskgraphs for op in tg.ops
-              if ir_graph.phase_of(op) in (ir.FORWARD, ir.BACKWARD, ir.APPLY)
+              if op._id > since_id  # pylint: disable=protected-access
+              and ir_graph.phase_of(op) in (ir.FORWARD, ir.BACKWARD, ir.APPLY)
               and not excluded(op)]
     chosen = set(wanted)
 
@@ -95,8 +111,12 @@ def select(ir_graph, taskgraphs, share_variables=False, clip_after_allreduce=Fal
                 frontier.append(up)
 
     trainable = set(v.op for v in graph.get_collection(tf.GraphKeys.TRAINABLE_VARIABLES))
+    variables = set(op for tg in taskgraphs for op in tg.ops if op.type in VARIABLE_OPS)
     sel.updates = updates.analyze(ir_graph, chosen, on_batch, is_source, clip_after_allreduce,
-                                  trainable)
+                                  trainable, variables,
+                                  known.updates if known is not None else None,
+                                  (known.op_set | known_shared) if known is not None
+                                  else frozenset())
     if share_variables:
         shared = set(op for op in chosen if op.type in VARIABLE_OPS
                      and op not in sel.updates.local_variables) | sel.updates.run_once

@@ -15,6 +15,7 @@ class ReplicaState(object):
         self.ir_graph = ir_graph
         self.graph = ir_graph.tf_graph
         self.taskgraphs = taskgraphs
+        self.laid_out = list(ir_graph.taskgraphs)   # every scope the layout placed
         # {taskgraph index: pipeline stage} (a pipeline's stages are replicate scopes)
         self.stage_index = ir_graph.stage_order(taskgraphs) if layout.num_stages > 1 else {}
         self.selection = selection
@@ -58,6 +59,12 @@ class ReplicaState(object):
         self.tensor_map = [dict() for _ in self.clones]
         self.op_map = [dict() for _ in self.clones]
         self.merged = {}          # fetched tensor name -> merged tensor
+        # Ops up to ``frozen_id`` may have run in a session: TensorFlow ignores later
+        # edits of them, so a later rewrite only edits ops made after (``editable``).
+        self.frozen_id = -1
+        self.last_id = -1         # the last op the rewrites have seen
+        self.installed = {}       # original tensor -> per-clone replacement (substitute)
+        self.sharded_inputs = set()  # sources and placeholders given to the clones
         self.batch_ops = None      # ops computed from an input batch (split.py)
 
     @property
@@ -74,18 +81,36 @@ class ReplicaState(object):
         """``t`` in every clone (a list indexed by clone)."""
         return [self.tensor(c, t) for c in range(self.num_clones)]
 
+    def editable(self, op):
+        """``op`` was made after the last rewrite (no session has run it yet)."""
+        return op._id > self.frozen_id  # pylint: disable=protected-access
+
     def substitute(self, original, per_clone, rewire):
         """The user's ops accepted by ``rewire(op)`` read ``per_clone[0]`` instead of
         ``original``; clone c (copied later) reads ``per_clone[c]``."""
         if per_clone[0] is not original:
             for consumer in list(original.consumers()):
-                if not rewire(consumer):
+                if not rewire(consumer) or not self.editable(consumer):
                     continue
                 for i, inp in enumerate(consumer.inputs):
                     if inp is original:
                         consumer._update_input(i, per_clone[0])  # pylint: disable=protected-access
+            self.installed[original] = (per_clone, rewire)
         for c in range(len(per_clone)):
             self.tensor_map[c][per_clone[0]] = per_clone[c]
+
+    def reinstall(self):
+        """Ops made after a rewrite that read a tensor an earlier rewrite replaced (a
+        sharded input, a reduced gradient) read the replacement too."""
+        for original, (per_clone, rewire) in self.installed.items():
+            if per_clone[0] is original:
+                continue
+            for consumer in list(original.consumers()):
+                if not self.editable(consumer) or not rewire(consumer):
+                    continue
+                for i, inp in enumerate(consumer.inputs):
+                    if inp is original:
+                        consumer._update_input(i, per_clone[0])  # pylint: disable=protected-access
 
     def stage_of(self, op):
         tg = self.ir_graph.taskgraph_of(op)

@@ -63,6 +63,17 @@ class UpdatePlan(object):
         self.run_once = set()       # updates (and what only they read): once per replica
         self.local_variables = set()  # variable ops every replica keeps its own copy of
         self.target = {}            # write op -> variable op it writes
+        self.reduced = set()        # the tensors the sites reduce
+        self.apply_records = 0      # how many apply_gradients calls were looked at
+
+    def merge(self, later):
+        self.sites += later.sites
+        self.writes += later.writes
+        self.run_once |= later.run_once
+        self.local_variables |= later.local_variables
+        self.target.update(later.target)
+        self.reduced |= later.reduced
+        self.apply_records = later.apply_records
 
 
 def written_variable(op):
@@ -93,14 +104,16 @@ def _variable_of(t):
 
 
 def analyze(ir_graph, candidates, batch_ops, is_source, clip_after_allreduce,
-            trainable_ops):
+            trainable_ops, variables, known=None, earlier_ops=frozenset()):
     """The UpdatePlan for the replica ops ``candidates`` (a set).
 
     ``batch_ops``: ops computed from an input batch; ``is_source(op)``: the op pulls
-    or holds a batch; ``trainable_ops``: variable ops of trainable variables.
+    or holds a batch; ``trainable_ops``: variable ops of trainable variables;
+    ``variables``: the replicated variable ops.  A later rewrite passes the plan
+    ``known`` so far (its reductions are reused, its sites keep their numbers) and
+    the replica ops it selected (``earlier_ops``).
     """
     plan = UpdatePlan()
-    variables = set(op for op in candidates if op.type in VARIABLE_OPS)
     ordered = sorted(candidates, key=lambda o: o._id)  # pylint: disable=protected-access
     for op in ordered:
         var = written_variable(op)
@@ -109,7 +122,7 @@ def analyze(ir_graph, candidates, batch_ops, is_source, clip_after_allreduce,
             plan.target[op] = var
 
     def per_clone(g):
-        return any(t.op in candidates for t in ir.components(g))
+        return any(t.op in candidates or t.op in earlier_ops for t in ir.components(g))
 
     grad_owner = {}       # gradient tensor -> (record index, position in record)
     for r, rec in enumerate(ir_graph.gradient_records):
@@ -120,10 +133,12 @@ def analyze(ir_graph, candidates, batch_ops, is_source, clip_after_allreduce,
     def loss_in_split(records):
         return any(loss_of_split(ir_graph, ir_graph.gradient_records[r]) for r in records)
 
-    reduced = set()
+    reduced = set(known.reduced) if known is not None else set()
     sites = []
+    first_record = known.apply_records if known is not None else 0
+    plan.apply_records = len(ir_graph.apply_records)
     if not clip_after_allreduce:
-        for rec in ir_graph.apply_records:
+        for rec in ir_graph.apply_records[first_record:]:
             pairs = [(g, v) for g, v in rec.grads_and_vars if g is not None and per_clone(g)]
             if pairs:
                 tensors = [t for g, _ in pairs for t in ir.components(g)]
@@ -149,12 +164,20 @@ def analyze(ir_graph, candidates, batch_ops, is_source, clip_after_allreduce,
                           ReductionSite(None, pairs, set(rec.op_ids), loss_in_split([r]))))
             for g, _ in pairs:
                 reduced.update(ir.components(g))
+    first_index = len(known.sites) if known is not None else 0
     for index, (_, site) in enumerate(sorted(sites, key=lambda s: s[0])):
-        site.index = index
+        site.index = first_index + index
         plan.sites.append(site)
+    plan.reduced = reduced - (known.reduced if known is not None else set())
 
     for w, (source, via) in tainted.items():
         var = plan.target[w]
+        if known is not None and var not in candidates and var not in known.local_variables:
+            raise RuntimeError(
+                "EPL: %r (%s), built after EPL rewrote the graph, writes %r from each "
+                "replica's own batch: that makes it per-replica state, but the replicas "
+                "already share one copy of it. Build it before the first session.run."
+                % (w.name, w.type, var.name))
         if var in trainable_ops:
             raise NotImplementedError(
                 "EPL: %r (%s) writes the trainable variable %r from values each replica "

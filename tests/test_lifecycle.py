@@ -1,0 +1,212 @@
+"""The graph's life around the rewrite (issue 10, item 4).
+
+EPL rewrites the graph before the first run that computes the model (or when
+the graph is finalized): runs that only initialize or restore variables, or
+initialize an iterator, do not trigger it, so a train op built after them is
+replicated.  Later updates are refused by name; a failed rewrite keeps failing.
+"""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import epl
+from epl.plan import LayoutError
+from tests import models
+
+STEPS, BATCH = 3, 4
+
+
+def _reset():
+    from epl import strategies
+    from epl.env import Env
+    strategies.reset()
+    Env._instance = None  # pylint: disable=protected-access
+    tf.compat.v1.reset_default_graph()
+
+
+def _init(n, **extra):
+    cfg = {"cluster.devices_per_worker": n}
+    cfg.update(extra)
+    epl.init(epl.Config(cfg))
+    epl.set_default_strategy(epl.replicate(1))
+
+
+@pytest.mark.parametrize("copies", ["per_device", "per_worker"])
+def test_train_op_built_after_the_first_run_is_replicated(copies):
+    n = 2
+    x, y = models.data(STEPS * n * BATCH)
+    want, _ = models.train_local(x, y, n * BATCH, STEPS, "momentum")
+    _init(n, **{"cluster.variable_copies": copies})
+    bx, by = models.input_batch(x, y, BATCH)
+    _, loss = models.forward(bx, by)
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())   # not the model yet
+        op = models.train_op(loss, "momentum", tf.compat.v1.train.get_or_create_global_step())
+        sess.run(tf.compat.v1.variables_initializer([tf.compat.v1.train.get_global_step()] + [
+            v for v in tf.compat.v1.global_variables() if "Momentum" in v.op.name]))
+        for _ in range(STEPS):
+            sess.run(op)
+        for c in range(n if copies == "per_device" else 1):
+            got = models.weights(sess, "" if c == 0 else "EPL_REPLICA_%d/" % c)
+            models.assert_weights_close(got, want)
+
+
+def _keras_model():
+    w = models.initial_weights()
+    inp = tf.keras.Input((models.IN,))
+    h = tf.keras.layers.Dense(models.HIDDEN, activation="tanh", name="dense",
+                              kernel_initializer=tf.compat.v1.constant_initializer(
+                                  w["dense/kernel"]),
+                              bias_initializer=tf.compat.v1.constant_initializer(
+                                  w["dense/bias"]))(inp)
+    out = tf.keras.layers.Dense(models.CLASSES, name="dense_1", activation="softmax",
+                                kernel_initializer=tf.compat.v1.constant_initializer(
+                                    w["dense_1/kernel"]),
+                                bias_initializer=tf.compat.v1.constant_initializer(
+                                    w["dense_1/bias"]))(h)
+    return tf.keras.Model(inp, out)
+
+
+def _keras_fit(x, y, batch, epochs_steps):
+    model = _keras_model()
+    model.compile(tf.keras.optimizers.SGD(0.1, momentum=0.9),
+                  "sparse_categorical_crossentropy")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).repeat()
+    for steps in epochs_steps:   # fit twice: the second call makes a new iterator
+        model.fit(ds, steps_per_epoch=steps, epochs=1, verbose=0)
+    return {v.name.split(":")[0]: v for v in model.weights}, \
+        tf.compat.v1.keras.backend.get_session()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_keras_compile_and_fit(n):
+    """Keras feeds each step's batch into the model's Input placeholder: that batch is
+    the global batch, split over the replicas (as MirroredStrategy does with Keras).
+    Oracle: the same program without EPL."""
+    batch = 4 * n
+    x, y = models.data(5 * batch)
+    _reset()
+    tf.compat.v1.keras.backend.clear_session()
+    weights, sess = _keras_fit(x, y, batch, [3, 2])
+    want = {k: sess.run(v) for k, v in weights.items()}
+    _reset()
+    tf.compat.v1.keras.backend.clear_session()
+    _init(n)
+    weights, sess = _keras_fit(x, y, batch, [3, 2])
+    got = {k: sess.run(v) for k, v in weights.items()}
+    assert sorted(got) == sorted(want)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    types = [o.type for o in tf.compat.v1.get_default_graph().get_operations()]
+    assert "EplAllReduceN" in types or n == 1
+    tf.compat.v1.keras.backend.clear_session()
+
+
+def test_failed_rewrite_keeps_failing():
+    epl.init(epl.Config({"cluster.devices_per_worker": 3}))
+    with epl.replicate(2):
+        w = tf.compat.v1.get_variable("w", initializer=tf.ones([2]))
+        x = tf.compat.v1.placeholder(tf.float32, [None, 2])
+        loss = tf.reduce_sum(w * x)
+    with tf.compat.v1.Session() as sess:
+        for _ in range(2):   # never the plain single-device graph
+            with pytest.raises(LayoutError, match="3 devices cannot be divided"):
+                sess.run(loss, {x: np.ones((4, 2))})
+
+
+def test_second_train_op_after_training_started():
+    """A train op built after the model already trained is rewritten before it runs."""
+    n = 2
+    x, y = models.data(2 * STEPS * n * BATCH)
+    _init(n)
+    bx, by = models.input_batch(x, y, BATCH)
+    _, loss = models.forward(bx, by)
+    first = models.train_op(loss, "sgd")
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        for _ in range(STEPS):
+            sess.run(first)
+        second = models.train_op(loss, "momentum")
+        sess.run(tf.compat.v1.variables_initializer(
+            [v for v in tf.compat.v1.global_variables() if "Momentum" in v.op.name]))
+        for _ in range(STEPS):
+            sess.run(second)
+        got = models.weights(sess)
+    _reset()
+    with tf.Graph().as_default():
+        bx, by = models.input_batch(x, y, n * BATCH)
+        _, loss = models.forward(bx, by)
+        first = models.train_op(loss, "sgd")
+        second = models.train_op(loss, "momentum")
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for op in [first] * STEPS + [second] * STEPS:
+                sess.run(op)
+            want = models.weights(sess)
+    models.assert_weights_close(got, want)
+
+
+def test_ops_added_to_a_pipeline_after_its_rewrite_are_refused_by_name():
+    epl.init(epl.Config({"cluster.devices_per_worker": 2, "pipeline.num_micro_batch": 2}))
+    bx, by = models.input_batch(*models.data(64), BATCH)
+    with epl.replicate(1, name="stage_0"):
+        h = tf.compat.v1.layers.dense(bx, 8, name="first")
+    with epl.replicate(1, name="stage_1"):
+        loss = tf.reduce_mean(tf.compat.v1.layers.dense(h, 2, name="second"))
+    op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        sess.run(op)
+        late = tf.compat.v1.train.GradientDescentOptimizer(0.2).minimize(loss)
+        with pytest.raises(RuntimeError, match=r"added afterwards \('gradients_1/.*pipeline"):
+            sess.run(late)
+
+
+def test_reading_the_model_after_the_rewrite_is_fine():
+    """New ops that only read the model (an accuracy built after training) compute on
+    replica 0's tensors, like a fetch."""
+    _init(2)
+    x, y = models.data(64)
+    bx, by = models.input_batch(x, y, BATCH)
+    logits, loss = models.forward(bx, by)
+    op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        sess.run(op)
+        correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, 1), by), tf.int32))
+        assert 0 <= sess.run(correct) <= BATCH
+
+
+def test_init_twice_starts_a_new_graph():
+    """A second epl.init() starts over, as the original does: a new default graph (the
+    old graph's annotations belong to the old cluster), the new config applies."""
+    _init(2)
+    old = tf.compat.v1.get_default_graph()
+    tf.constant(1.0, name="old_op")
+    n = 4
+    x, y = models.data(STEPS * n * BATCH)
+    _init(n)
+    assert tf.compat.v1.get_default_graph() is not old
+    bx, by = models.input_batch(x, y, BATCH)
+    _, loss = models.forward(bx, by)
+    op = models.train_op(loss, "momentum")
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        for _ in range(STEPS):
+            sess.run(op)
+        got = models.weights(sess)
+    _reset()
+    want, _ = models.train_local(x, y, n * BATCH, STEPS, "momentum")
+    models.assert_weights_close(got, want)
+
+
+def test_init_twice_inside_a_graph_context_drops_that_graphs_annotations():
+    g = tf.Graph()
+    with g.as_default():
+        _init(2)
+        with epl.replicate(1):
+            tf.constant(1.0)
+        assert epl.Graph.get().taskgraphs
+        _init(2)
+        assert tf.compat.v1.get_default_graph() is g
+        assert not epl.Graph.get().taskgraphs
