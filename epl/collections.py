@@ -18,6 +18,7 @@ class GraphKeys(object):
 
     ALL = (GLOBAL_CONCAT_OBJECTS, GLOBAL_MEAN_OBJECTS, GLOBAL_SUM_OBJECTS,
            LOCAL_CONCAT_OBJECTS, LOCAL_MEAN_OBJECTS, LOCAL_SUM_OBJECTS)
+    ALL_COLLECTION_KEYS = list(ALL)
 
 
 def merge_kind(key):
@@ -26,15 +27,23 @@ def merge_kind(key):
     return scope, how
 
 
-def add_to_collection(tensor, key):
+def add_to_collection(tensors, key):
+    """Add a tensor, or a list/tuple of tensors, to the epl.GraphKeys collection ``key``."""
     if key not in GraphKeys.ALL:
         raise ValueError("epl.add_to_collection: unknown key %r; use one of epl.GraphKeys.%s"
                          % (key, ", epl.GraphKeys.".join(k.upper() for k in GraphKeys.ALL)))
-    if not isinstance(tensor, tf.Tensor):
-        raise TypeError("epl.add_to_collection expects a tf.Tensor, got %r" % (tensor,))
-    tensor.graph.add_to_collection(key, tensor)
+    for tensor in (tensors if isinstance(tensors, (list, tuple)) else [tensors]):
+        if not isinstance(tensor, tf.Tensor):
+            raise TypeError("epl.add_to_collection expects a tf.Tensor or a list of them, "
+                            "got %r" % (tensor,))
+        tensor.graph.add_to_collection(key, tensor)
 
 
 def get_collection(key, graph=None):
-    graph = graph or tf.get_default_graph()
+    graph = graph or tf.compat.v1.get_default_graph()
     return graph.get_collection(key)
+
+
+def get_all_collections(graph=None):
+    """{key: tensors} for every epl.GraphKeys collection (``GraphKeys.ALL_COLLECTION_KEYS``)."""
+    return {key: get_collection(key, graph) for key in GraphKeys.ALL_COLLECTION_KEYS}

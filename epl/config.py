@@ -113,9 +113,13 @@ def _convert(key, value, from_env=False):
         if not isinstance(value, str):
             raise bad()
         out = value
+        if key.choices is not None:
+            # Case does not matter ("MEAN", "o1", "V1"), as in the original EPL.
+            same = [c for c in key.choices if c.lower() == value.lower()]
+            out = same[0] if same else value
     elif key.type == _LOSS_SCALE:
-        if isinstance(value, str) and value == "dynamic":
-            out = value
+        if isinstance(value, str) and value.lower() == "dynamic":
+            out = "dynamic"
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             out = value
         elif from_env or isinstance(value, str):

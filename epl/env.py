@@ -3,7 +3,9 @@ from epl.config import Config
 
 
 class Env(object):
-    """``Env.get()`` returns the state made by the last ``epl.init``."""
+    """``Env.get()`` returns the state made by the last ``epl.init``.  Before
+    ``epl.init`` it returns an Env with the default config and no cluster (as the
+    original EPL does); ``Env.initialized()`` tells the two apart."""
     _instance = None
 
     def __init__(self, config, cluster):
@@ -13,7 +15,7 @@ class Env(object):
     @classmethod
     def get(cls):
         if cls._instance is None:
-            raise RuntimeError("EPL is not initialized: call epl.init() first.")
+            return Env(Config(), None)
         return cls._instance
 
     @classmethod

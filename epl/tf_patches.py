@@ -35,7 +35,11 @@ Patch points (all installed by :func:`install`, idempotent):
     someone else to initialize it fails at once with the fix instead of hanging.
 12. ``estimator.RunConfig.__init__``: an Estimator in an EPL job runs a local session
     on every worker (EPL does the distribution), so RunConfig does not read the
-    job's TF_CONFIG (which would make it look for gRPC masters and a "chief").
+    job's TF_CONFIG (which would make it look for gRPC masters and a "chief"), and
+    a ``train_distribute`` / ``eval_distribute`` strategy is dropped with a warning.
+    ``estimator.training._TrainingExecutor.run_local``: in train_and_evaluate only
+    the chief writes checkpoints, so only the chief evaluates them; the other
+    workers train.
 13. ``keras.layers.Dense.build`` / ``call`` (also ``tf.layers.Dense``): under
     ``epl.split`` the layer is built sharded (``epl.tensor_parallel.layers``).
 14. ``nn_ops.sparse_softmax_cross_entropy_with_logits`` (so also
@@ -358,6 +362,14 @@ def _worker_session(self):
 
 def _run_config_init(self, *args, **kwargs):
     from epl.env import Env
+    if Env.initialized():
+        for key in ("train_distribute", "eval_distribute", "experimental_distribute"):
+            if kwargs.get(key) is not None:
+                import logging
+                logging.getLogger("epl").warning(
+                    "EPL: RunConfig(%s=%r) is ignored: EPL distributes this Estimator "
+                    "(epl.replicate / epl.split annotations).", key, kwargs[key])
+                kwargs[key] = None
     saved = os.environ.get("TF_CONFIG")
     hide = Env.initialized() and Env.get().cluster.distributed and saved is not None
     if hide:
@@ -367,6 +379,20 @@ def _run_config_init(self, *args, **kwargs):
     finally:
         if hide:
             os.environ["TF_CONFIG"] = saved
+
+
+def _train_and_evaluate_locally(self):
+    from epl.env import Env
+    if Env.initialized() and not Env.get().cluster.is_chief:
+        import logging
+        logging.getLogger("epl").info(
+            "EPL: worker %d trains; the chief evaluates the checkpoints it writes.",
+            Env.get().cluster.worker_index)
+        hooks = list(self._train_spec.hooks) + list(self._train_hooks)
+        self._estimator.train(input_fn=self._train_spec.input_fn,
+                              max_steps=self._train_spec.max_steps, hooks=hooks)
+        return None, []
+    return _originals["train_and_evaluate_local"](self)
 
 
 def _dense_build(self, input_shape):
@@ -521,8 +547,10 @@ def _optional_patches():
     except ImportError:  # pragma: no cover
         pass
     try:
-        from tensorflow_estimator.python.estimator import run_config
+        from tensorflow_estimator.python.estimator import run_config, training
         out.append(("run_config_init", run_config.RunConfig, "__init__", _run_config_init))
+        out.append(("train_and_evaluate_local", training._TrainingExecutor, "run_local",  # pylint: disable=protected-access
+                    _train_and_evaluate_locally))
     except ImportError:  # pragma: no cover - estimator not installed
         pass
     return out

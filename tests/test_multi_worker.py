@@ -175,3 +175,42 @@ def test_estimator_under_epl_launch(tmp_path):
     got = dict(np.load(str(tmp_path / "chief.npz")))
     assert got.pop("steps")[0] == STEPS
     models.assert_weights_close(got, _local_oracle(2, 2))
+
+
+def test_global_merges_combine_every_worker(tmp_path):
+    """GLOBAL_* fetches merge the replicas of every worker (LOCAL_* only this worker's),
+    and every worker fetches the same global values."""
+    workers, devices = 2, 2
+    code, out = launch(["--num_workers", str(workers), "--gpu_per_worker", str(devices),
+                        "--log_dir", str(tmp_path / "logs"), os.path.join(HERE, "mw_api.py"),
+                        "merge", str(tmp_path)])
+    assert code == 0, out[-5000:]
+    got = [dict(np.load(str(tmp_path / ("merge_%d.npz" % w)))) for w in range(workers)]
+    x, y = models.data(STEPS * BATCH * devices * workers)
+    from tests.mw_train import worker_rows
+    rows = [worker_rows(x, y, w, workers, BATCH * devices) for w in range(workers)]
+    # The first step: replica d of worker w pulled batch d of that worker's rows.
+    first = [wy[:BATCH * devices] for _, wy in rows]
+    np.testing.assert_array_equal(got[0]["global_concat"], got[1]["global_concat"])
+    assert sorted(got[0]["global_concat"].tolist()) == sorted(np.concatenate(first).tolist())
+    for w in range(workers):
+        assert sorted(got[w]["local_concat"].tolist()) == sorted(first[w].tolist())
+    np.testing.assert_allclose(got[0]["global_mean"], got[1]["global_mean"], rtol=1e-6)
+    np.testing.assert_allclose(got[0]["global_sum"], got[0]["global_mean"] * workers * devices,
+                               rtol=1e-5)
+    np.testing.assert_allclose(got[0]["global_mean"],
+                               (got[0]["local_mean"] + got[1]["local_mean"]) / 2, rtol=1e-5)
+
+
+def test_train_and_evaluate_on_two_workers(tmp_path):
+    """tf.estimator.train_and_evaluate runs unchanged: both workers train, the chief
+    evaluates its checkpoints; the weights equal the local model."""
+    code, out = launch(["--num_workers", "2", "--gpu_per_worker", "1", "--log_dir",
+                        str(tmp_path / "logs"), os.path.join(HERE, "mw_api.py"),
+                        "train_and_evaluate", str(tmp_path)])
+    assert code == 0, out[-5000:]
+    assert "worker 0 done (evaluated: True)" in out and "worker 1 done (evaluated: False)" in out
+    got = dict(np.load(str(tmp_path / "chief.npz")))
+    assert got.pop("step")[0] == STEPS
+    assert 0 <= got.pop("acc")[0] <= 1 and np.isfinite(got.pop("loss")[0])
+    models.assert_weights_close(got, _local_oracle(2, 1))

@@ -24,11 +24,7 @@ class HierarchicalCommunicator(Communicator):
         self.transport = transport
         self.timeout_seconds = timeout_seconds
         self._calls = 0
-        # The shm transport moves host memory: on GPUs the cross-worker step runs on the
-        # worker's CPU (TensorFlow copies to and from the GPU around it).
-        first = devices[0]
-        self.cross_device = first if "CPU" in first.upper() else \
-            first[:first.upper().rfind("/DEVICE:")] + "/device:CPU:0"
+        self.cross_device = host_device(devices[0])
 
     def _group(self, what):
         self._calls += 1
@@ -81,6 +77,13 @@ class HierarchicalCommunicator(Communicator):
             value = native_ops.broadcast(tensors[root], self._group("broadcast"), root=0,
                                          **self._cross())
         return [o[0] for o in self._fan_out([value])]
+
+
+def host_device(device):
+    """Where a cross-worker step of ``device``'s worker runs: the transports move host
+    memory, so on GPUs it is the worker's CPU (TensorFlow copies around it)."""
+    return device if "CPU" in device.upper() else \
+        device[:device.upper().rfind("/DEVICE:")] + "/device:CPU:0"
 
 
 def broadcast_across_workers(value, name, cluster, timeout_seconds):
