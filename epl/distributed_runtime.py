@@ -59,12 +59,13 @@ def server():
         from epl.env import Env
         cluster = Env.get().cluster
         spec = {job: list(addrs) for job, addrs in cluster.cluster_spec.items()}
-        config = tf.ConfigProto()
+        config = tf.compat.v1.ConfigProto()
         if cluster.device_type == "cpu":
             config.device_count["CPU"] = cluster.gpu_num_per_worker
-        _server[0] = tf.train.Server(tf.train.ClusterSpec(spec), job_name=cluster.task_type,
-                                     task_index=cluster.task_index, config=config,
-                                     start=True)
+        _server[0] = tf.compat.v1.train.Server(tf.compat.v1.train.ClusterSpec(spec),
+                                               job_name=cluster.task_type,
+                                               task_index=cluster.task_index, config=config,
+                                               start=True)
         log.info("EPL: started the TF server of %s:%d for an in-graph pipeline",
                  cluster.task_type, cluster.task_index)
     return _server[0]

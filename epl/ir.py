@@ -114,7 +114,7 @@ class Graph(object):
     @staticmethod
     def get(tf_graph=None):
         import tensorflow as tf
-        g = tf_graph if tf_graph is not None else tf.get_default_graph()
+        g = tf_graph if tf_graph is not None else tf.compat.v1.get_default_graph()
         ir = getattr(g, "_epl_graph", None)
         if ir is None:
             ir = Graph(g)

@@ -23,5 +23,5 @@ def available():
 
 def backends():
     import tensorflow as tf
-    with tf.Graph().as_default(), tf.Session() as sess:
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
         return sess.run(ops().epl_build_info()).decode().split(",")

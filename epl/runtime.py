@@ -17,7 +17,7 @@ def session_config(config):
     if not Env.initialized():
         return config
     cluster = Env.get().cluster
-    merged = tf.ConfigProto()
+    merged = tf.compat.v1.ConfigProto()
     if config is not None:
         merged.CopyFrom(config)
     if cluster.device_type == "cpu":

@@ -297,7 +297,7 @@ def _capture_apply(grads_and_vars, global_step, apply):
     if Env.get().config.get("communication.sparse_as_dense"):
         grads_and_vars = [(tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g, v)
                           for g, v in grads_and_vars]
-    graph = tf.get_default_graph()
+    graph = tf.compat.v1.get_default_graph()
     epl_graph = ir.Graph.get(graph)
     record = ir.ApplyRecord(grads_and_vars, global_step)
     tg = None
@@ -431,8 +431,10 @@ def _argmax(input, axis=None, name=None, dimension=None, output_type=None):  # p
         if isinstance(ax, int) and ax % rank == sharded.axis % rank:
             from epl.tensor_parallel import losses
             return losses.argmax(sharded, output_type, name)
-    return _originals["argmax"](input, axis=axis, name=name, dimension=dimension,
-                                output_type=output_type)
+    if dimension is not None:   # (passing dimension=None still warns it is deprecated)
+        return _originals["argmax"](input, axis=axis, name=name, dimension=dimension,
+                                    output_type=output_type)
+    return _originals["argmax"](input, axis=axis, name=name, output_type=output_type)
 
 
 def _scope_get_variable(self, var_store, name, *args, **kwargs):
@@ -459,7 +461,7 @@ def _session_init(self, target="", graph=None, config=None):
     from epl.runtime import session_config
     import tensorflow as tf
     config = session_config(config)
-    if not target and distributed_runtime.needed(graph or tf.get_default_graph()):
+    if not target and distributed_runtime.needed(graph or tf.compat.v1.get_default_graph()):
         from epl.env import Env
         if not Env.get().cluster.is_chief:
             distributed_runtime.serve_until_chief_exits()

@@ -28,7 +28,7 @@ def clone_op(op, inputs, name, device, control_inputs=(), seed_offset=0, attr_ov
     attrs = {k: v for k, v in op.node_def.attr.items() if k != "_class"}
     if seed_offset and any(k in attrs for k in _SEED_ATTRS) and attrs.get("seed2").i:
         # Stateful random ops with a fixed seed would repeat replica 0's stream.
-        attrs["seed2"] = tf.AttrValue(i=attrs["seed2"].i + 7919 * seed_offset)
+        attrs["seed2"] = tf.compat.v1.AttrValue(i=attrs["seed2"].i + 7919 * seed_offset)
     for k, v in (attr_overrides or {}).items():
         attrs[k] = v
     with g.name_scope(None), g.control_dependencies(None), \

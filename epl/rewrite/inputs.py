@@ -27,7 +27,7 @@ def _split(graph, t, n, device, name, why):
         if rows is not None:
             t = tf.compat.v1.placeholder_with_default(t, [None] + t.shape.as_list()[1:])
         size = gen_array_ops.shape(t)[0]   # (not folded into a constant: see above)
-        check = tf.debugging.assert_equal(
+        check = tf.compat.v1.debugging.assert_equal(
             tf.math.floormod(size, n), 0, data=[size],
             message="EPL: input %r has a batch that cannot be split into %d equal parts "
                     "(%s); use a batch size divisible by %d. Rows:" % (t.name, n, why, n))

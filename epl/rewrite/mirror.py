@@ -47,7 +47,7 @@ def broadcast_initial_values(state, since=-1):
     from epl.communicators.hierarchical import broadcast_across_workers
     from epl.rewrite.cloner import new_ops
     timeout = state.config.get("communication.timeout_seconds")
-    for v in state.graph.get_collection(tf.GraphKeys.GLOBAL_VARIABLES):
+    for v in state.graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES):
         init = v.initializer
         if init._id <= since:  # pylint: disable=protected-access
             continue

@@ -63,7 +63,7 @@ def clone_replicas(state, sel):
             controls = [state.op(c, ci) for ci in op.control_inputs]
             attr = None
             if op.type == "VarHandleOp":
-                attr = {"shared_name": tf.AttrValue(s=state.clone_name(c, op.name).encode())}
+                attr = {"shared_name": tf.compat.v1.AttrValue(s=state.clone_name(c, op.name).encode())}
             new = clone_op(op, inputs, state.clone_name(c, op.name), _device_for(state, c, inputs, op),
                            controls, seed_offset=c, attr_overrides=attr)
             state.op_map[c][op] = new

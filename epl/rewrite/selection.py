@@ -67,10 +67,10 @@ def select(ir_graph, taskgraphs, share_variables=False, clip_after_allreduce=Fal
     """
     graph = ir_graph.tf_graph
     initializers = set()
-    for key in (tf.GraphKeys.GLOBAL_VARIABLES, tf.GraphKeys.LOCAL_VARIABLES):
+    for key in (tf.compat.v1.GraphKeys.GLOBAL_VARIABLES, tf.compat.v1.GraphKeys.LOCAL_VARIABLES):
         for v in graph.get_collection(key):
             initializers.add(v.initializer)
-    step = tf.train.get_global_step(graph)
+    step = tf.compat.v1.train.get_global_step(graph)
     step_op = step.op if step is not None else None
     from_step = _step_only_ops(graph, step_op)
 
@@ -110,7 +110,7 @@ def select(ir_graph, taskgraphs, share_variables=False, clip_after_allreduce=Fal
                 chosen.add(up)
                 frontier.append(up)
 
-    trainable = set(v.op for v in graph.get_collection(tf.GraphKeys.TRAINABLE_VARIABLES))
+    trainable = set(v.op for v in graph.get_collection(tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES))
     variables = set(op for tg in taskgraphs for op in tg.ops if op.type in VARIABLE_OPS)
     sel.updates = updates.analyze(ir_graph, chosen, on_batch, is_source, clip_after_allreduce,
                                   trainable, variables,

@@ -33,7 +33,7 @@ def sparse_softmax_cross_entropy(sharded, labels, name=None):
                 local = tf.cast(labels, tf.int64) - sharded.offsets[i]
                 onehot = tf.one_hot(local, sharded.sizes[i], dtype=logits.dtype)
                 picked.append(tf.reduce_sum(shifted * onehot, axis=-1))
-        return tf.log(tf.add_n(norms)) - tf.add_n(picked)
+        return tf.math.log(tf.add_n(norms)) - tf.add_n(picked)
 
 
 def argmax(sharded, output_type=tf.int64, name=None):

@@ -43,8 +43,8 @@ def moe_layer(inputs, num_experts, hidden_size, output_size=None, top_k=1,
                          "devices (each device gates whole groups)." % (groups, n))
     d = int(inputs.shape[-1])
     out_size = output_size or d
-    with tf.variable_scope(None, default_name=name), sharding.raw():
-        gate = tf.get_variable("gate", [d, num_experts], inputs.dtype,
+    with tf.compat.v1.variable_scope(None, default_name=name), sharding.raw():
+        gate = tf.compat.v1.get_variable("gate", [d, num_experts], inputs.dtype,
                                initializer=gate_initializer)
         w1 = _experts(strategy, n, "experts_w1", [num_experts, d, hidden_size], inputs.dtype,
                       expert_initializer)
@@ -64,15 +64,15 @@ def moe_layer(inputs, num_experts, hidden_size, output_size=None, top_k=1,
 def _experts(strategy, n, name, full_shape, dtype, initializer):
     """One variable (local) or n expert shards, saved as slices of ``name``."""
     if strategy is None:
-        return [tf.get_variable(name, full_shape, dtype, initializer=initializer)]
+        return [tf.compat.v1.get_variable(name, full_shape, dtype, initializer=initializer)]
     counts = sharding.sizes(full_shape[0], n, "number of experts")
     offs = sharding.offsets(counts)
-    init = initializer or tf.glorot_uniform_initializer()
+    init = initializer or tf.compat.v1.glorot_uniform_initializer()
     out = []
     for i in range(n):
         with sharding.on_shard(i):
             shape = [counts[i]] + full_shape[1:]
-            v = tf.get_variable("%s/part_%d" % (name, i), shape, dtype,
+            v = tf.compat.v1.get_variable("%s/part_%d" % (name, i), shape, dtype,
                                 initializer=sharding.slice_initializer(init, full_shape, 0,
                                                                        offs[i], counts[i]))
             out.append(sharding.mark_slice(v, v.op.name.rsplit("/part_", 1)[0], full_shape, 0,

@@ -132,7 +132,7 @@ def slice_initializer(initializer, full_shape, axis, offset, size):
     """Shard of ``initializer``'s value for the full shape: a shard starts exactly as
     its slice of the unsplit variable (fan-in/out scaling included)."""
     if initializer is None:
-        initializer = tf.glorot_uniform_initializer()   # tf.get_variable's default
+        initializer = tf.compat.v1.glorot_uniform_initializer()   # tf.get_variable's default
     init = tf.keras.initializers.get(initializer) if not callable(initializer) else initializer
 
     def make(shape, dtype=None, partition_info=None):  # pylint: disable=unused-argument

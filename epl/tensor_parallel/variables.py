@@ -45,7 +45,7 @@ def get_variable(original, scope, var_store, name, *args, **kwargs):
     params["partitioner"] = tf.fixed_size_partitioner(n, axis=0)
     if _is_constant(params.get("initializer")):
         params["initializer"] = _sliced(params["initializer"])
-    graph = tf.get_default_graph()
+    graph = tf.compat.v1.get_default_graph()
     first = graph._last_id + 1  # pylint: disable=protected-access
     var = original(*bound.args, **bound.kwargs)
     if isinstance(var, tf_variables.PartitionedVariable):

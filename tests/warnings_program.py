@@ -1,0 +1,81 @@
+"""Runs EPL through its main modes with TensorFlow's warnings on (test_warnings.py
+checks that none of them points into EPL's own modules)."""
+import os
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import epl  # noqa: E402
+from tests import models  # noqa: E402
+
+
+def fresh(devices, **cfg):
+    from epl.env import Env
+    from epl import strategies
+    strategies.reset()
+    Env._instance = None  # pylint: disable=protected-access
+    tf.compat.v1.reset_default_graph()
+    conf = {"cluster.devices_per_worker": devices}
+    conf.update(cfg)
+    epl.init(epl.Config(conf))
+
+
+def train(op, steps=2):
+    with tf.compat.v1.train.MonitoredTrainingSession() as sess:
+        for _ in range(steps):
+            sess.run(op)
+
+
+def main():
+    x, y = models.data(64)
+
+    def batches(n, **kwargs):
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(n, **kwargs).repeat()
+        return tf.compat.v1.data.make_one_shot_iterator(ds).get_next()
+    # data parallelism (the seed's quick start), fixed-shape input, replicate(k > 1)
+    for batch_kwargs, count in (({}, 1), ({"drop_remainder": True}, 2)):
+        fresh(2)
+        bx, by = batches(8, **batch_kwargs)
+        with epl.replicate(count):
+            _, loss = models.forward(bx, by)
+        step = tf.compat.v1.train.get_or_create_global_step()
+        train(tf.compat.v1.train.MomentumOptimizer(0.01, 0.9).minimize(loss, step))
+    # a pipeline, hybrid split, MoE
+    fresh(2, **{"pipeline.num_micro_batch": 2})
+    bx, by = batches(4)
+    with epl.replicate(1, name="s0"):
+        h = tf.compat.v1.layers.dense(bx, 8)
+    with epl.replicate(1, name="s1"):
+        loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(by, tf.compat.v1.layers.dense(h, 5))
+    train(tf.compat.v1.train.AdamOptimizer(0.01).minimize(loss))
+    fresh(2, **{"cluster.colocate_split_and_replicate": True})
+    bx, by = batches(4)
+    with epl.replicate(1):
+        h = tf.compat.v1.layers.dense(bx, 8)
+    with epl.split(2):
+        logits = tf.compat.v1.layers.dense(h, 6)
+        moe = epl.moe_layer(h, num_experts=2, hidden_size=4)
+    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(by, logits) + tf.reduce_mean(moe[0])
+    train(tf.compat.v1.train.AdamOptimizer(0.01).minimize(loss))
+    # a custom optimizer written with tf.gradients and assigns; tf.keras fit
+    fresh(2)
+    epl.set_default_strategy(epl.replicate(1))
+    bx, by = batches(4)
+    _, loss = models.forward(bx, by)
+    tvars = tf.compat.v1.trainable_variables()
+    grads, _ = tf.clip_by_global_norm(tf.gradients(loss, tvars), 1.0)
+    train(tf.group(*[tf.compat.v1.assign_sub(v, 0.1 * g) for g, v in zip(grads, tvars)]))
+    fresh(2)
+    epl.set_default_strategy(epl.replicate(1))
+    inp = tf.keras.Input((models.IN,))
+    model = tf.keras.Model(inp, tf.keras.layers.Dense(5, activation="softmax")(inp))
+    model.compile(tf.keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat(), steps_per_epoch=2,
+              epochs=1, verbose=0)
+    print("EPL warnings program done")
+
+
+if __name__ == "__main__":
+    main()
