@@ -14,7 +14,8 @@ first ``Session.run`` of a plain session.  Passes, in order, each with one job:
 6. bridge        split scopes read every clone's batch; their gradients of a loss
                  the replicas compute are averaged like the replicas' (``split.py``)
    schedule      pipeline order of each stage's micro-batches (``schedule.py``)
-7. join          the user's train op runs every clone's update
+7. join          the user's train op runs every clone's update; global_step
+                 advances after the step's reads of it (``step.py``)
 8. mirror        initial values come from worker 0; initializers / restores /
                  assigns reach every variable copy
 9. merge         merged fetches for epl.GraphKeys
@@ -89,7 +90,7 @@ def _rewrite(epl_graph, env):
 def _passes(state, sel, since, first):
     """The passes that copy ``sel`` (all of the replica, or the ops added after
     ``since``) per clone and connect the copies."""
-    from epl.rewrite import inputs, merge, mirror, replicate, schedule, split
+    from epl.rewrite import inputs, merge, mirror, replicate, schedule, split, step
     state.frozen_id = since
     replicate.place_originals(state, sel)
     state.reinstall()
@@ -100,6 +101,7 @@ def _passes(state, sel, since, first):
         split.scale_split_gradients(state)
         schedule.schedule_pipeline(state)
     replicate.join_clones(state, sel, since)
+    step.order_global_step(state, since)
     mirror.broadcast_initial_values(state, since)
     mirror.mirror_writes(state, since)
     merge.merge_outputs(state)
@@ -109,7 +111,9 @@ def _passes(state, sel, since, first):
 def _extend(epl_graph, env, state):
     """Rewrite the ops added since the last rewrite.  Sessions that already ran keep
     the nodes they have seen (TensorFlow ignores later edits of them), so this only
-    adds nodes and edits new ones; what would need more is refused by name."""
+    adds nodes and edits new ones; what would need more is refused by name.  (With
+    gradient accumulation the added ops' micro-batches are not scheduled: they run in
+    whatever order TensorFlow picks, which changes no number.)"""
     from epl.rewrite import selection
     since = state.last_id
     nodes = state.graph._nodes_by_id  # pylint: disable=protected-access
@@ -126,7 +130,7 @@ def _extend(epl_graph, env, state):
         why = "they belong to a scope the first rewrite did not lay out (%r)" % (
             epl_graph.taskgraph_of(unknown[0]).strategy,)
         model = unknown
-    elif layout.num_stages > 1 or layout.num_micro_batch > 1:
+    elif layout.num_stages > 1:
         why = "the pipeline schedule of the first rewrite orders the ops already run"
     elif layout.split_devices:
         why = "the split scopes were bridged to the replicas by the first rewrite"

@@ -124,13 +124,15 @@ def bridge(state):
             else:
                 op._update_input(i, whole)  # pylint: disable=protected-access
     batch_rows, on_batch = gather.batch_rows, gather.on_batch
-    # Split -> replica: each clone's rows.
+    # Split -> replica: each clone's rows (not of the gradient of a split variable,
+    # e.g. read by the user's global-norm clipping: every clone reads the same).
+    weight_grads = _variable_gradients(state)
     sliced = {}
     for c in range(n):
         for op in sel.ops:
             mine = state.op(c, op)
             for i, t in enumerate(mine.inputs):
-                if t.op not in split_ops or _is_variable_value(t):
+                if t.op not in split_ops or _is_variable_value(t) or t in weight_grads:
                     continue
                 if t.op not in on_batch:
                     raise NotImplementedError(
@@ -240,6 +242,17 @@ class _Gather(object):
         for old, new in zip(up.outputs, copy.outputs):
             self.done[old] = new
         return self.done[t]
+
+
+def _variable_gradients(state):
+    """The gradients of variables (tensors every clone reads alike, not batch rows)."""
+    out = set()
+    for rec in state.ir_graph.gradient_records:
+        for g, x in zip(rec.grads, rec.xs):
+            handle = getattr(x, "op", None)
+            if handle is not None and handle.type in ("VariableV2", "Variable", "VarHandleOp"):
+                out.update(ir.components(g))
+    return out
 
 
 def _rewire(old, new):

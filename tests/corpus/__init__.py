@@ -1,0 +1,1 @@
+"""Real TF1 programs, written by us, that the corpus tests train with and without EPL."""
