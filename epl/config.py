@@ -58,9 +58,12 @@ SCHEMA = [
         "Max number of communication groups for tensor fusion."),
     Key("communication.fp16", _BOOL, False, None, "Enable FP16 AllReduce."),
     Key("communication.fp16_scale", _INT, 128, None, "Scale the gradients after FP16 AllReduce."),
-    Key("communication.clip_after_allreduce", _BOOL, False, None, "Clip gradients after AllReduce."),
+    Key("communication.clip_after_allreduce", _BOOL, False, None,
+        "Clip gradients after AllReduce: True reduces the gradients where tf.gradients returns "
+        "them (clipping sees the reduced ones); False reduces them where they enter "
+        "apply_gradients (each replica clips its own). See README, 'What EPL supports'."),
     Key("communication.gradients_reduce_method", _STR, "mean", ("mean", "sum"),
-        "How gradients are reduced across replicas: 'mean' or 'sum'."),
+        "How gradients are reduced across replicas: 'mean' or 'sum' (any case)."),
     Key("communication.timeout_seconds", _INT, 600, None,
         "EPL extension: a collective whose peers do not arrive in time fails, naming them."),
     Key("io.slicing", _BOOL, False, None, "Slice the dataset files across workers."),
