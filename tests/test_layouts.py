@@ -105,3 +105,35 @@ def test_replicate_split_replicate_equals_local(how, colocate, fixed):
     split_devices = set(o.device for o in g.get_operations()
                         if o.type == "MatMul" and o.name.startswith("dense_1/"))
     assert len(split_devices) == n
+
+
+@pytest.mark.parametrize("colocate", [True, False])
+def test_split_first_then_replicate_equals_local(colocate):
+    """The input goes through a split block first, replicated layers and the loss follow
+    (split -> replicate)."""
+    n, replicas = 2, 2
+    values = _values()
+    x, y = sm.data(STEPS * replicas * B)
+
+    def model(bx, by, annotate):
+        if annotate:
+            with epl.split(n):
+                h = _dense(bx, sm.H1, values, "dense", tf.nn.tanh)
+            with epl.replicate(1):
+                g = _dense(h, sm.H2, values, "dense_1", tf.nn.relu)
+                logits = _dense(g, sm.CLASSES, values, "dense_2")
+                return tf.compat.v1.losses.sparse_softmax_cross_entropy(labels=by,
+                                                                        logits=logits)
+        h = _dense(bx, sm.H1, values, "dense", tf.nn.tanh)
+        g = _dense(h, sm.H2, values, "dense_1", tf.nn.relu)
+        logits = _dense(g, sm.CLASSES, values, "dense_2")
+        return tf.compat.v1.losses.sparse_softmax_cross_entropy(labels=by, logits=logits)
+
+    _reset()
+    want = _train(x, y, replicas * B, lambda bx, by: model(bx, by, False), True)
+    _reset()
+    epl.init(epl.Config({"cluster.devices_per_worker": replicas if colocate else replicas + n,
+                         "cluster.colocate_split_and_replicate": colocate}))
+    got = _train(x, y, B, lambda bx, by: model(bx, by, True), True)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
