@@ -14,12 +14,7 @@ tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
 def fresh_graph():
     """Every test starts with a new default graph, no EPL strategy and EPL not initialized
     (an oracle built in-process must not see another test's cluster)."""
-    from epl import strategies
-    from epl.env import Env
-    strategies.reset()
-    Env._instance = None  # pylint: disable=protected-access
-    tf.reset_default_graph()
+    from tests import models
+    models.reset()
     yield
-    strategies.reset()
-    Env._instance = None  # pylint: disable=protected-access
-    tf.reset_default_graph()
+    models.reset()

@@ -11,6 +11,25 @@ import tensorflow as tf
 IN, HIDDEN, CLASSES = 12, 16, 5
 
 
+def reset():
+    """A new default graph and EPL not initialized (so the next program is built without
+    EPL, e.g. the oracle, unless it calls epl.init)."""
+    from epl import strategies
+    from epl.env import Env
+    strategies.reset()
+    Env._instance = None  # pylint: disable=protected-access
+    tf.compat.v1.reset_default_graph()
+
+
+def init_data_parallel(n, **extra):
+    """epl.init on n devices (plus ``extra`` config) with replicate(1) as the default."""
+    import epl
+    cfg = {"cluster.devices_per_worker": n}
+    cfg.update(extra)
+    epl.init(epl.Config(cfg))
+    epl.set_default_strategy(epl.replicate(1))
+
+
 def data(rows, seed=0):
     rng = np.random.RandomState(seed)
     x = rng.randn(rows, IN).astype(np.float32)

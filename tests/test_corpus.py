@@ -12,17 +12,10 @@ import pytest
 import tensorflow as tf
 
 import epl
+from tests import models
 from tests.corpus import bert
 
 STEPS, B = 3, 4
-
-
-def _reset():
-    from epl import strategies
-    from epl.env import Env
-    strategies.reset()
-    Env._instance = None  # pylint: disable=protected-access
-    tf.compat.v1.reset_default_graph()
 
 
 def _checkpoint(sess, tmpdir, name):
@@ -54,7 +47,7 @@ def _bert_run(tmpdir, layout=None):
     pretrained = os.path.join(str(tmpdir), "pretrained")
     if not os.path.exists(pretrained + ".index"):
         bert.pretrained_checkpoint(pretrained)
-    _reset()
+    models.reset()
     if layout is None:
         batch, stages, split = B * _bert_factor(), None, None
     else:
@@ -112,7 +105,7 @@ def _values(sess, names, prefix=""):
 
 def _convnet_towers(x, y, n, stats_from, steps, global_batch):
     from tests.corpus import convnet
-    _reset()
+    models.reset()
     px = tf.compat.v1.placeholder(tf.float32, [None] + list(x.shape[1:]))
     py = tf.compat.v1.placeholder(tf.int64, [None])
     loss, updates = convnet.towers(px, py, n, stats_from)
@@ -123,6 +116,17 @@ def _convnet_towers(x, y, n, stats_from, steps, global_batch):
             rows = slice(s * global_batch, (s + 1) * global_batch)
             sess.run(op, {px: x[rows], py: y[rows]})
         return _values(sess, convnet.WEIGHTS + convnet.STATS)
+
+
+def _convnet_under_epl(x, **config):
+    """The conv net under EPL data parallelism: (images, labels placeholders, train op)."""
+    from tests.corpus import convnet
+    models.reset()
+    epl.init(epl.Config(config))
+    epl.set_default_strategy(epl.replicate(1))
+    px = tf.compat.v1.placeholder(tf.float32, [None] + list(x.shape[1:]))
+    py = tf.compat.v1.placeholder(tf.int64, [None])
+    return px, py, convnet.train_op(convnet.model(px, py))
 
 
 @pytest.mark.parametrize("copies", ["per_worker", "per_device"])
@@ -136,12 +140,8 @@ def test_convnet_with_batch_norm(n, copies, tmpdir):
     from tests.corpus import convnet
     x, y = convnet.data(STEPS * n * B)
     want = [_convnet_towers(x, y, n, r, STEPS, n * B) for r in (0, n - 1)]
-    _reset()
-    epl.init(epl.Config({"cluster.devices_per_worker": n, "cluster.variable_copies": copies}))
-    epl.set_default_strategy(epl.replicate(1))
-    px = tf.compat.v1.placeholder(tf.float32, [None] + list(x.shape[1:]))
-    py = tf.compat.v1.placeholder(tf.int64, [None])
-    op = convnet.train_op(convnet.model(px, py))
+    px, py, op = _convnet_under_epl(x, **{"cluster.devices_per_worker": n,
+                                          "cluster.variable_copies": copies})
     with tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         for s in range(STEPS):
@@ -166,7 +166,7 @@ def test_convnet_gradient_accumulation():
     x, y = convnet.data(m * B)
     orders = []
     for order in ((0, 1), (1, 0)):
-        _reset()
+        models.reset()
         px = tf.compat.v1.placeholder(tf.float32, [None] + list(x.shape[1:]))
         py = tf.compat.v1.placeholder(tf.int64, [None])
         loss, _ = convnet.towers(px, py, m)
@@ -179,12 +179,8 @@ def test_convnet_gradient_accumulation():
                 sess.run(updates[t * per_tower:(t + 1) * per_tower], {px: x, py: y})
             sess.run(op, {px: x, py: y})
             orders.append(_values(sess, convnet.WEIGHTS + convnet.STATS))
-    _reset()
-    epl.init(epl.Config({"cluster.devices_per_worker": 1, "pipeline.num_micro_batch": m}))
-    epl.set_default_strategy(epl.replicate(1))
-    px = tf.compat.v1.placeholder(tf.float32, [None] + list(x.shape[1:]))
-    py = tf.compat.v1.placeholder(tf.int64, [None])
-    op = convnet.train_op(convnet.model(px, py))
+    px, py, op = _convnet_under_epl(x, **{"cluster.devices_per_worker": 1,
+                                          "pipeline.num_micro_batch": m})
     with tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         sess.run(op, {px: x, py: y})
@@ -225,9 +221,9 @@ def _estimator(tmpdir, name, batch, steps):
 @pytest.mark.parametrize("devices, micro", [(2, 1), (4, 1), (1, 2)])
 def test_estimator_with_bert_optimizer(devices, micro, tmpdir):
     factor = devices * micro
-    _reset()
+    models.reset()
     want = _estimator(tmpdir, "local", factor * B, STEPS)
-    _reset()
+    models.reset()
     epl.init(epl.Config({"cluster.devices_per_worker": devices,
                          "pipeline.num_micro_batch": micro,
                          "communication.clip_after_allreduce": True}))
@@ -283,10 +279,10 @@ def test_keras_functional_model(how, devices, micro):
     x, y = keras_model.data(STEPS * factor * B)
     run = _keras_fit if how == "fit" else _keras_loop
     batch = factor * B
-    _reset()
+    models.reset()
     tf.compat.v1.keras.backend.clear_session()
     want = run(batch, x, y, STEPS)
-    _reset()
+    models.reset()
     tf.compat.v1.keras.backend.clear_session()
     epl.init(epl.Config({"cluster.devices_per_worker": devices,
                          "pipeline.num_micro_batch": micro}))

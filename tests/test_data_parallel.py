@@ -9,13 +9,6 @@ from tests import models
 STEPS, BATCH = 5, 4
 
 
-def _init(n, **extra):
-    cfg = {"cluster.devices_per_worker": n}
-    cfg.update(extra)
-    epl.init(epl.Config(cfg))
-    epl.set_default_strategy(epl.replicate(1))
-
-
 def _replica_weights(sess, n):
     """Every replica's copy of every weight (replica 0 under the user's names)."""
     return [models.weights(sess, "" if c == 0 else "EPL_REPLICA_%d/" % c) for c in range(n)]
@@ -23,7 +16,7 @@ def _replica_weights(sess, n):
 
 def run_dp_session(n, optimizer, use_resource=False, runner="session", copies="per_device"):
     x, y = models.data(STEPS * n * BATCH)
-    _init(n, **{"cluster.variable_copies": copies})
+    models.init_data_parallel(n, **{"cluster.variable_copies": copies})
     bx, by = models.input_batch(x, y, BATCH)
     _, loss = models.forward(bx, by, use_resource)
     step = tf.train.get_or_create_global_step()
@@ -67,7 +60,7 @@ def test_dp_resource_variables(copies):
 
 def test_replicas_start_from_replica_zero_random_init():
     """Random initializers are broadcast: every copy starts from replica 0's value."""
-    _init(3, **{"cluster.variable_copies": "per_device"})
+    models.init_data_parallel(3, **{"cluster.variable_copies": "per_device"})
     v = tf.get_variable("v", [50], initializer=tf.random_normal_initializer())
     r = tf.get_variable("r", [50], initializer=tf.random_uniform_initializer(),
                         use_resource=True)
@@ -89,7 +82,7 @@ def test_dp_estimator(tmp_path):
     n, optimizer = 2, "momentum"
     x, y = models.data(STEPS * n * BATCH)
     want, _ = models.train_local(x, y, n * BATCH, STEPS, optimizer)
-    _init(n)
+    models.init_data_parallel(n)
 
     def input_fn():
         return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
@@ -122,7 +115,7 @@ def test_gradients_reduce_sum():
             for _ in range(STEPS):
                 sess.run(op)
             want = models.weights(sess)
-    _init(n, **{"communication.gradients_reduce_method": "sum"})
+    models.init_data_parallel(n, **{"communication.gradients_reduce_method": "sum"})
     bx, by = models.input_batch(x, y, BATCH)
     _, loss = models.forward(bx, by)
     op = models.train_op(loss, "sgd")
@@ -135,7 +128,7 @@ def test_gradients_reduce_sum():
 
 def test_fetch_returns_replica_zero_and_merged_collections():
     n = 2
-    _init(n)
+    models.init_data_parallel(n)
     x = tf.placeholder(tf.float32, [None, 3])
     w = tf.get_variable("w", initializer=tf.ones([3, 1]))
     y = tf.matmul(x, w)
@@ -157,7 +150,7 @@ def test_fetch_returns_replica_zero_and_merged_collections():
 
 
 def test_fed_batch_not_divisible_names_placeholder():
-    _init(2)
+    models.init_data_parallel(2)
     x = tf.placeholder(tf.float32, [None, 3], name="features")
     w = tf.get_variable("w", initializer=tf.ones([3, 1]))
     loss = tf.reduce_sum(tf.matmul(x, w))
@@ -169,7 +162,7 @@ def test_fed_batch_not_divisible_names_placeholder():
 
 
 def test_global_step_advances_once_without_explicit_global_step():
-    _init(4)
+    models.init_data_parallel(4)
     x, y = models.data(64)
     bx, by = models.input_batch(x, y, 4)
     _, loss = models.forward(bx, by)
@@ -227,7 +220,7 @@ def test_dp_with_keras_optimizer(copies):
             for _ in range(STEPS):
                 sess.run(op)
             want = models.weights(sess)
-    _init(n, **{"cluster.variable_copies": copies})
+    models.init_data_parallel(n, **{"cluster.variable_copies": copies})
     op = build(BATCH)
     with tf.Session() as sess:
         sess.run(tf.global_variables_initializer())

@@ -7,17 +7,10 @@ import pytest
 import tensorflow as tf
 
 import epl
+from tests import models
 from tests import split_models as sm
 
 STEPS, B = 3, 6
-
-
-def _reset():
-    from epl import strategies
-    from epl.env import Env
-    strategies.reset()
-    Env._instance = None  # pylint: disable=protected-access
-    tf.compat.v1.reset_default_graph()
 
 
 def _values():
@@ -93,9 +86,9 @@ def test_replicate_split_replicate_equals_local(how, colocate, fixed):
     devices = replicas if colocate else replicas + n
     values = _values()
     x, y = sm.data(STEPS * replicas * B)
-    _reset()
+    models.reset()
     want = _train(x, y, replicas * B, lambda bx, by: _model(bx, by, values), fixed)
-    _reset()
+    models.reset()
     epl.init(epl.Config({"cluster.devices_per_worker": devices,
                          "cluster.colocate_split_and_replicate": colocate}))
     got = _train(x, y, B, lambda bx, by: _model(bx, by, values, how, n), fixed)
@@ -129,9 +122,9 @@ def test_split_first_then_replicate_equals_local(colocate):
         logits = _dense(g, sm.CLASSES, values, "dense_2")
         return tf.compat.v1.losses.sparse_softmax_cross_entropy(labels=by, logits=logits)
 
-    _reset()
+    models.reset()
     want = _train(x, y, replicas * B, lambda bx, by: model(bx, by, False), True)
-    _reset()
+    models.reset()
     epl.init(epl.Config({"cluster.devices_per_worker": replicas if colocate else replicas + n,
                          "cluster.colocate_split_and_replicate": colocate}))
     got = _train(x, y, B, lambda bx, by: model(bx, by, True), True)

@@ -16,27 +16,12 @@ from tests import models
 STEPS, BATCH = 3, 4
 
 
-def _reset():
-    from epl import strategies
-    from epl.env import Env
-    strategies.reset()
-    Env._instance = None  # pylint: disable=protected-access
-    tf.compat.v1.reset_default_graph()
-
-
-def _init(n, **extra):
-    cfg = {"cluster.devices_per_worker": n}
-    cfg.update(extra)
-    epl.init(epl.Config(cfg))
-    epl.set_default_strategy(epl.replicate(1))
-
-
 @pytest.mark.parametrize("copies", ["per_device", "per_worker"])
 def test_train_op_built_after_the_first_run_is_replicated(copies):
     n = 2
     x, y = models.data(STEPS * n * BATCH)
     want, _ = models.train_local(x, y, n * BATCH, STEPS, "momentum")
-    _init(n, **{"cluster.variable_copies": copies})
+    models.init_data_parallel(n, **{"cluster.variable_copies": copies})
     bx, by = models.input_batch(x, y, BATCH)
     _, loss = models.forward(bx, by)
     with tf.compat.v1.Session() as sess:
@@ -85,13 +70,13 @@ def test_keras_compile_and_fit(n):
     Oracle: the same program without EPL."""
     batch = 4 * n
     x, y = models.data(5 * batch)
-    _reset()
+    models.reset()
     tf.compat.v1.keras.backend.clear_session()
     weights, sess = _keras_fit(x, y, batch, [3, 2])
     want = {k: sess.run(v) for k, v in weights.items()}
-    _reset()
+    models.reset()
     tf.compat.v1.keras.backend.clear_session()
-    _init(n)
+    models.init_data_parallel(n)
     weights, sess = _keras_fit(x, y, batch, [3, 2])
     got = {k: sess.run(v) for k, v in weights.items()}
     assert sorted(got) == sorted(want)
@@ -118,7 +103,7 @@ def test_second_train_op_after_training_started():
     """A train op built after the model already trained is rewritten before it runs."""
     n = 2
     x, y = models.data(2 * STEPS * n * BATCH)
-    _init(n)
+    models.init_data_parallel(n)
     bx, by = models.input_batch(x, y, BATCH)
     _, loss = models.forward(bx, by)
     first = models.train_op(loss, "sgd")
@@ -132,7 +117,7 @@ def test_second_train_op_after_training_started():
         for _ in range(STEPS):
             sess.run(second)
         got = models.weights(sess)
-    _reset()
+    models.reset()
     with tf.Graph().as_default():
         bx, by = models.input_batch(x, y, n * BATCH)
         _, loss = models.forward(bx, by)
@@ -165,7 +150,7 @@ def test_ops_added_to_a_pipeline_after_its_rewrite_are_refused_by_name():
 def test_reading_the_model_after_the_rewrite_is_fine():
     """New ops that only read the model (an accuracy built after training) compute on
     replica 0's tensors, like a fetch."""
-    _init(2)
+    models.init_data_parallel(2)
     x, y = models.data(64)
     bx, by = models.input_batch(x, y, BATCH)
     logits, loss = models.forward(bx, by)
@@ -180,22 +165,21 @@ def test_reading_the_model_after_the_rewrite_is_fine():
 def test_init_twice_starts_a_new_graph():
     """A second epl.init() starts over, as the original does: a new default graph (the
     old graph's annotations belong to the old cluster), the new config applies."""
-    _init(2)
+    models.init_data_parallel(2)
     old = tf.compat.v1.get_default_graph()
     tf.constant(1.0, name="old_op")
     n = 4
     x, y = models.data(STEPS * n * BATCH)
-    _init(n)
+    models.init_data_parallel(n)
     assert tf.compat.v1.get_default_graph() is not old
     bx, by = models.input_batch(x, y, BATCH)
     _, loss = models.forward(bx, by)
     op = models.train_op(loss, "momentum")
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
-        for _ in range(STEPS):
-            sess.run(op)
-        got = models.weights(sess)
-    _reset()
+    names = sorted(models.initial_weights())
+    g = tf.compat.v1.get_default_graph()
+    got = dict(zip(names, models.run_steps(op, STEPS, [models.value_tensor(g, k)
+                                                      for k in names])))
+    models.reset()
     want, _ = models.train_local(x, y, n * BATCH, STEPS, "momentum")
     models.assert_weights_close(got, want)
 
@@ -203,10 +187,10 @@ def test_init_twice_starts_a_new_graph():
 def test_init_twice_inside_a_graph_context_drops_that_graphs_annotations():
     g = tf.Graph()
     with g.as_default():
-        _init(2)
+        models.init_data_parallel(2)
         with epl.replicate(1):
             tf.constant(1.0)
         assert epl.Graph.get().taskgraphs
-        _init(2)
+        models.init_data_parallel(2)
         assert tf.compat.v1.get_default_graph() is g
         assert not epl.Graph.get().taskgraphs

@@ -18,14 +18,6 @@ STEPS, B = 3, 8
 HEAD_CLASSES = 12   # enough to shard the head over 8 devices
 
 
-def _reset():
-    from epl import strategies
-    from epl.env import Env
-    strategies.reset()
-    Env._instance = None  # pylint: disable=protected-access
-    tf.compat.v1.reset_default_graph()
-
-
 def _fixed_batches(x, y, batch):
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True)
     bx, by = tf.compat.v1.data.make_one_shot_iterator(ds).get_next()
@@ -43,7 +35,7 @@ def _train(loss, steps=STEPS, feeds=None):
 
 
 def _local_dense(x, y, batch):
-    _reset()
+    models.reset()
     bx, by = _fixed_batches(x, y, batch)
     return _train(models.forward(bx, by)[1])
 
@@ -53,7 +45,7 @@ def test_replicate_device_count_k_splits_a_fixed_batch(devices, k):
     replicas = devices // k
     x, y = models.data(STEPS * replicas * B)
     want = _local_dense(x, y, replicas * B)
-    _reset()
+    models.reset()
     epl.init(epl.Config({"cluster.devices_per_worker": devices}))
     bx, by = _fixed_batches(x, y, B)
     with epl.replicate(device_count=k):
@@ -68,7 +60,7 @@ def test_dp_fixed_batch():
     n = 2
     x, y = models.data(STEPS * n * B)
     want = _local_dense(x, y, n * B)
-    _reset()
+    models.reset()
     epl.init(epl.Config({"cluster.devices_per_worker": n}))
     epl.set_default_strategy(epl.replicate(1))
     bx, by = _fixed_batches(x, y, B)
@@ -82,11 +74,11 @@ def test_static_placeholder_holds_the_global_batch(n):
     def feeds(px, py):
         return lambda i: {px: x[i * B:(i + 1) * B], py: y[i * B:(i + 1) * B]}
 
-    _reset()
+    models.reset()
     px, py = tf.compat.v1.placeholder(tf.float32, [B, models.IN]), \
         tf.compat.v1.placeholder(tf.int64, [B])
     want = _train(models.forward(px, py)[1], feeds=feeds(px, py))
-    _reset()
+    models.reset()
     epl.init(epl.Config({"cluster.devices_per_worker": n}))
     epl.set_default_strategy(epl.replicate(1))
     px, py = tf.compat.v1.placeholder(tf.float32, [B, models.IN]), \
@@ -108,7 +100,7 @@ def test_pipeline_fixed_batch():
     m = 2
     x, y = models.data(STEPS * m * B)
     want = _local_dense(x, y, m * B)
-    _reset()
+    models.reset()
     epl.init(epl.Config({"cluster.devices_per_worker": 2, "pipeline.num_micro_batch": m}))
     bx, by = _fixed_batches(x, y, B)
     w = models.initial_weights()
@@ -129,33 +121,13 @@ def test_pipeline_fixed_batch():
 def _head_model(bx, by, values, rdc=None, n=None):
     """A replicated backbone and a split classifier head whose loss reads the labels
     straight from the iterator (the seed's large-scale classification, §5.3.1)."""
-    def c(k):
-        return tf.compat.v1.constant_initializer(values[k])
-
-    def backbone():
-        return tf.compat.v1.layers.dense(bx, sm.H1, activation=tf.nn.tanh,
-                                         kernel_initializer=c("dense/kernel"),
-                                         bias_initializer=c("dense/bias"))
-
-    def head(h):
-        return tf.compat.v1.layers.dense(h, HEAD_CLASSES, kernel_initializer=c("dense_1/kernel"),
-                                         bias_initializer=c("dense_1/bias"))
-    if n is None:
-        logits = head(backbone())
-    else:
-        with epl.replicate(rdc):
-            h = backbone()
-        with epl.split(n):
-            logits = head(h)
-    return tf.compat.v1.losses.sparse_softmax_cross_entropy(labels=by, logits=logits)
+    from tests.test_split import _hybrid
+    return _hybrid(values, n, rdc)(bx, by)[0]
 
 
 def _head_values():
-    rng = np.random.RandomState(5)
-    values = sm.init_values()
-    values["dense_1/kernel"] = (rng.randn(sm.H1, HEAD_CLASSES) * 0.3).astype(np.float32)
-    values["dense_1/bias"] = (rng.randn(HEAD_CLASSES) * 0.3).astype(np.float32)
-    return values
+    from tests.test_split import _head_values as head_values
+    return head_values(classes=HEAD_CLASSES)
 
 
 def _checkpointed(loss, tmpdir, name):
@@ -178,9 +150,9 @@ def test_hybrid_with_fixed_batches_matches_local(devices, rdc, n, tmpdir):
     values = _head_values()
     replicas = devices // rdc
     x, y = sm.data(STEPS * replicas * B, classes=HEAD_CLASSES)
-    _reset()
+    models.reset()
     want = _checkpointed(_head_model(*_fixed_batches(x, y, replicas * B), values), tmpdir, "l")
-    _reset()
+    models.reset()
     epl.init(epl.Config({"cluster.devices_per_worker": devices,
                          "cluster.colocate_split_and_replicate": True}))
     bx, by = _fixed_batches(x, y, B)
@@ -225,9 +197,9 @@ def seed_moe_recipe(tmpdir, n=None):
 
 def test_seed_moe_recipe_with_fixed_batches(tmpdir):
     n = 2
-    _reset()
+    models.reset()
     want = seed_moe_recipe(tmpdir)
-    _reset()
+    models.reset()
     epl.init(epl.Config({"cluster.devices_per_worker": n,
                          "cluster.colocate_split_and_replicate": True}))
     got = seed_moe_recipe(tmpdir, n)

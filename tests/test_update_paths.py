@@ -90,19 +90,10 @@ def custom_optimizer(loss, tvars, use_resource=False):
 WAYS = {"assign_sub": sgd_assign_sub, "raw_apply": raw_apply_op, "override": custom_optimizer}
 
 
-def _reset():
-    """A new graph and EPL not initialized (the oracle is the program without EPL)."""
-    from epl import strategies
-    from epl.env import Env
-    strategies.reset()
-    Env._instance = None  # pylint: disable=protected-access
-    tf.compat.v1.reset_default_graph()
-
-
 def _run(build, x, y, batch, n=None, cfg=None, steps=STEPS):
     """Train ``build(bx, by) -> (train_op, fetches)`` for ``steps``; with ``n`` under EPL
     data parallelism on n devices.  Returns the fetched values."""
-    _reset()
+    models.reset()
     if n is not None:
         conf = {"cluster.devices_per_worker": n}
         conf.update(cfg or {})
@@ -201,7 +192,7 @@ def _clipped(bx, by, clip_norm=0.05):
 def _towers_clip_then_mean(x, y, n, clip_norm=0.05):
     """Oracle for clip_after_allreduce=False without EPL: n towers on one device, each
     clips its own gradients, the clipped gradients are averaged, then applied."""
-    _reset()
+    models.reset()
     bx, by = models.input_batch(x, y, n * BATCH)
     xs, ys = tf.split(bx, n), tf.split(by, n)
     per_tower = []
@@ -272,7 +263,7 @@ def test_two_stage_pipeline_hand_written_update(way):
         return WAYS[way](loss, tvars), tvars
 
     want = _run(build, x, y, m * BATCH)
-    _reset()
+    models.reset()
     epl.init(epl.Config({"cluster.devices_per_worker": 2, "pipeline.num_micro_batch": m}))
     bx, by = models.input_batch(x, y, BATCH)
     op, tvars = build(bx, by, stages=True)

@@ -12,11 +12,7 @@ from tests import models  # noqa: E402
 
 
 def fresh(devices, **cfg):
-    from epl.env import Env
-    from epl import strategies
-    strategies.reset()
-    Env._instance = None  # pylint: disable=protected-access
-    tf.compat.v1.reset_default_graph()
+    models.reset()
     conf = {"cluster.devices_per_worker": devices}
     conf.update(cfg)
     epl.init(epl.Config(conf))

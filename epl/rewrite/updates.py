@@ -221,27 +221,22 @@ def loss_of_split(ir_graph, record):
 def _records_behind(tensors, grad_owner, batch_ops):
     """The gradient calls whose outputs ``tensors`` are computed from (through the
     user's clipping, scaling...)."""
-    stack, seen, found = list(tensors), set(), set()
-    while stack:
-        t = stack.pop()
-        if t in seen:
-            continue
-        seen.add(t)
-        if t in grad_owner:
-            found.add(grad_owner[t][0])
-        elif t.op in batch_ops:
-            stack.extend(t.op.inputs)
-    return found
+    need, _ = _walk_up(tensors, (), grad_owner, batch_ops, lambda op: False)
+    return set(r for r, _ in need)
 
 
 def _trace(write, reduced, grad_owner, batch_ops, is_source):
     """Walk up from ``write``'s values: the gradients it needs (not yet reduced), and a
     batch source it reaches without passing a gradient (or None)."""
-    target_inputs = set(i for i, t in enumerate(write.inputs) if ir.is_state_handle(t))
-    stack = [t for i, t in enumerate(write.inputs) if i not in target_inputs]
-    seen = set()
-    need = set()
-    taint = None
+    values = [t for t in write.inputs if not ir.is_state_handle(t)]
+    return _walk_up(values, reduced, grad_owner, batch_ops, is_source)
+
+
+def _walk_up(tensors, reduced, grad_owner, batch_ops, is_source):
+    """Up from ``tensors`` through ops computed from the batch, stopping at reduced
+    tensors and at gradients: ((record, position) of every gradient reached, the first
+    batch source reached without passing a gradient as (op, tensor), or None)."""
+    stack, seen, need, taint = list(tensors), set(), set(), None
     while stack:
         t = stack.pop()
         if t in seen:
