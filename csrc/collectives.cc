@@ -41,7 +41,7 @@ void ReduceTyped(const std::vector<const void*>& ins, void* out_v, int64 begin, 
                  F f, bool mean) {
   using W = typename Wide<T>::type;
   const int n = static_cast<int>(ins.size());
-  T* __restrict out = static_cast<T*>(out_v);
+  T* out = static_cast<T*>(out_v);   // (may alias ins[0]: not __restrict)
   const int64 kBlock = 4096;
   for (int64 b = begin; b < end; b += kBlock) {
     const int64 e = std::min(end, b + kBlock);
@@ -149,6 +149,9 @@ void InProcessRendezvous::FailAll(Entry* e, const Status& s) {
 void InProcessRendezvous::Arrive(const string& key, int size, int timeout_seconds,
                                  const string& what, Arrival arrival, Complete complete) {
   std::vector<Arrival> ready;
+  Entry failed;
+  Status failed_status;
+  Arrival failed_arrival;
   {
     std::lock_guard<std::mutex> lock(mu_);
     Entry& e = entries_[key];
@@ -174,17 +177,23 @@ void InProcessRendezvous::Arrive(const string& key, int size, int timeout_second
                             " arrived twice; two ops claim the same rank.");
     }
     if (!bad.ok()) {
-      FailAll(&e, bad);
+      failed = std::move(e);   // completed below, outside the lock
       entries_.erase(key);
-      arrival.ctx->SetStatus(bad);
-      arrival.done();
-      return;
+      failed_status = bad;
+      failed_arrival = std::move(arrival);
+    } else {
+      e.seen[arrival.rank] = true;
+      e.by_rank[arrival.rank] = std::move(arrival);
+      if (++e.arrived < e.size) return;
+      ready = std::move(e.by_rank);
+      entries_.erase(key);
     }
-    e.seen[arrival.rank] = true;
-    e.by_rank[arrival.rank] = std::move(arrival);
-    if (++e.arrived < e.size) return;
-    ready = std::move(e.by_rank);
-    entries_.erase(key);
+  }
+  if (!failed_status.ok()) {   // completion callbacks never run under the lock
+    FailAll(&failed, failed_status);
+    failed_arrival.ctx->SetStatus(failed_status);
+    failed_arrival.done();
+    return;
   }
   complete(&ready);
 }

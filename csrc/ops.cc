@@ -2,14 +2,14 @@
 //
 // Every op has attrs group (shared by the ranks of one collective), rank,
 // size, timeout_seconds and transport: "inprocess" (ranks are devices of this
-// process: rendezvous, zero-copy outputs) or "shm" (ranks are processes of
-// one host: see shm.cc).
+// process: rendezvous, zero-copy outputs), "shm" (ranks are processes of one
+// host: shm.cc) or "tcp" (processes of several hosts: tcp.cc).  The two
+// cross-process transports share one body per op (crossproc.cc).
 #include <algorithm>
 #include <cstring>
 
 #include "collectives.h"
-#include "shm.h"
-#include "tcp.h"
+#include "crossproc.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -190,15 +190,14 @@ class CollectiveKernel : public AsyncOpKernel {
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    if (transport_ != "inprocess") {
+      // Runs of a group are ordered by the group's queue in this process, so a second
+      // session (new kernels) continues where the first one stopped.
+      RunCross(transport_, Args(), ctx, std::move(done),
+               [this, ctx](Link* link) { return CrossBody(link, ctx); });
+      return;
+    }
     const int64 gen = generation_.fetch_add(1);
-    if (transport_ == "shm") {
-      RunShm(ctx, gen, std::move(done));
-      return;
-    }
-    if (transport_ == "tcp") {
-      RunTcp(ctx, gen, std::move(done));
-      return;
-    }
     Arrival a;
     a.rank = rank_;
     a.ctx = ctx;
@@ -213,15 +212,11 @@ class CollectiveKernel : public AsyncOpKernel {
   virtual string Describe() const = 0;
   // Called once per run, by the last rank to arrive; (*all)[r] is rank r.
   virtual void Complete(std::vector<Arrival>* all) = 0;
-  virtual void RunShm(OpKernelContext* ctx, int64 gen, DoneCallback done) {
-    ctx->SetStatus(tensorflow::errors::Unimplemented(Describe(), " has no shm transport"));
-    done();
-  }
-  virtual void RunTcp(OpKernelContext* ctx, int64 gen, DoneCallback done) = 0;
-  ShmArgs MakeShmArgs(int64 gen) const {
-    ShmArgs a;
+  // One run between processes, over the group's link (crossproc.h).
+  virtual Status CrossBody(Link* link, OpKernelContext* ctx) = 0;
+  CrossArgs Args() const {
+    CrossArgs a;
     a.group = group_;
-    a.generation = gen;
     a.rank = rank_;
     a.size = size_;
     a.timeout_seconds = timeout_;
@@ -272,11 +267,8 @@ class AllReduceOp : public ReducingKernel {
     }
     FinishAll(all, s);
   }
-  void RunShm(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
-    ShmAllReduce(MakeShmArgs(gen), op_, ctx, std::move(done));
-  }
-  void RunTcp(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
-    TcpAllReduce(MakeShmArgs(gen), op_, ctx, std::move(done));
+  Status CrossBody(Link* link, OpKernelContext* ctx) override {
+    return CrossAllReduce(link, Args(), op_, ctx);
   }
 };
 
@@ -331,11 +323,8 @@ class AllReduceNOp : public ReducingKernel {
     }
     FinishAll(all, s);
   }
-  void RunShm(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
-    ShmAllReduceN(MakeShmArgs(gen), op_, ctx, std::move(done));
-  }
-  void RunTcp(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
-    TcpAllReduceN(MakeShmArgs(gen), op_, ctx, std::move(done));
+  Status CrossBody(Link* link, OpKernelContext* ctx) override {
+    return CrossAllReduceN(link, Args(), op_, ctx);
   }
 
  private:
@@ -377,11 +366,8 @@ class AllGatherOp : public CollectiveKernel {
     }
     FinishAll(all, s);
   }
-  void RunShm(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
-    ShmAllGather(MakeShmArgs(gen), ctx, std::move(done));
-  }
-  void RunTcp(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
-    TcpAllGather(MakeShmArgs(gen), ctx, std::move(done));
+  Status CrossBody(Link* link, OpKernelContext* ctx) override {
+    return CrossAllGather(link, Args(), ctx);
   }
 };
 
@@ -417,11 +403,8 @@ class ReduceScatterOp : public ReducingKernel {
     }
     FinishAll(all, s);
   }
-  void RunShm(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
-    ShmReduceScatter(MakeShmArgs(gen), op_, ctx, std::move(done));
-  }
-  void RunTcp(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
-    TcpReduceScatter(MakeShmArgs(gen), op_, ctx, std::move(done));
+  Status CrossBody(Link* link, OpKernelContext* ctx) override {
+    return CrossReduceScatter(link, Args(), op_, ctx);
   }
 };
 
@@ -442,11 +425,8 @@ class BroadcastOp : public CollectiveKernel {
       for (auto& a : *all) a.ctx->set_output(0, (*all)[root_].inputs[0]);
     FinishAll(all, s);
   }
-  void RunShm(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
-    ShmBroadcast(MakeShmArgs(gen), root_, ctx, std::move(done));
-  }
-  void RunTcp(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
-    TcpBroadcast(MakeShmArgs(gen), root_, ctx, std::move(done));
+  Status CrossBody(Link* link, OpKernelContext* ctx) override {
+    return CrossBroadcast(link, Args(), root_, ctx);
   }
 
  private:
@@ -483,11 +463,8 @@ class ReduceOpKernel : public ReducingKernel {
     }
     FinishAll(all, s);
   }
-  void RunShm(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
-    ShmReduce(MakeShmArgs(gen), root_, op_, ctx, std::move(done));
-  }
-  void RunTcp(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
-    TcpReduce(MakeShmArgs(gen), root_, op_, ctx, std::move(done));
+  Status CrossBody(Link* link, OpKernelContext* ctx) override {
+    return CrossReduce(link, Args(), root_, op_, ctx);
   }
 
  private:
@@ -560,11 +537,8 @@ class AllToAllOp : public CollectiveKernel {
     }
     FinishAll(all, s);
   }
-  void RunShm(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
-    ShmAllToAll(MakeShmArgs(gen), ctx, std::move(done));
-  }
-  void RunTcp(OpKernelContext* ctx, int64 gen, DoneCallback done) override {
-    TcpAllToAll(MakeShmArgs(gen), ctx, std::move(done));
+  Status CrossBody(Link* link, OpKernelContext* ctx) override {
+    return CrossAllToAll(link, Args(), ctx);
   }
 };
 

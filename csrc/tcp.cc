@@ -1,7 +1,23 @@
-// Ring collectives over TCP (see tcp.h).
-#include "tcp.h"
-
+// Collectives between hosts over TCP: ring algorithms over one authenticated
+// connection per pair of processes of a job, shared by all of the job's groups.
+//
+// Every process listens on its own address in EPL_COMM_ADDRESSES ("host:port" per
+// rank, rank = worker index; set by epl-launch) -- that host only, not every
+// interface.  The lower rank of a pair connects to the higher.  Before any byte of a
+// collective is trusted, both sides prove they know the job's secret (EPL_JOB_SECRET,
+// set by epl-launch or the scheduler): the listener sends a random nonce, the client
+// answers with its own nonce and HMAC-SHA256(secret, client | job | rank | nonces),
+// the listener answers with HMAC-SHA256(secret, server | ...).  The secret never
+// crosses the network.  A connection that fails the handshake is closed and logged
+// with its address; at most kMaxPending handshakes run at once.  (Tensors are not
+// encrypted: see docs/cluster.md for what this protects against.)
+//
+// On a connection, frames carry (type, group, length) and a payload; a reader thread
+// per connection files data frames into per-(peer, group) mailboxes, so any number
+// of groups share the connection.  A peer that disconnects, or an abort frame,
+// fails every pending and later collective of the job.
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -10,25 +26,45 @@
 #include <unistd.h>
 
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <thread>
 
+#include "crossproc.h"
+#include "sha256.h"
 #include "tensorflow/core/lib/core/errors.h"
 #include "tensorflow/core/lib/strings/strcat.h"
+#include "tensorflow/core/platform/logging.h"
 
 namespace epl {
 
+using tensorflow::errors::Aborted;
 using tensorflow::errors::DeadlineExceeded;
 using tensorflow::errors::Internal;
 using tensorflow::errors::InvalidArgument;
+using tensorflow::errors::Unavailable;
 using tensorflow::strings::StrCat;
 using Clock = std::chrono::steady_clock;
 
 namespace {
+
+constexpr uint32_t kFrameMagic = 0x45504c46;   // "EPLF"
+constexpr uint32_t kData = 1, kAbort = 2;
+constexpr int64 kMaxFrame = 16 << 20;           // larger messages travel as several frames
+constexpr int kMaxPending = 8;                   // handshakes in progress at once
+constexpr int kHandshakeSeconds = 5;
+
+struct FrameHeader {
+  uint32_t magic;
+  uint32_t type;
+  uint64_t group;
+  uint64_t len;
+};
 
 std::vector<std::pair<string, int>> Addresses() {
   std::vector<std::pair<string, int>> out;
@@ -39,79 +75,295 @@ std::vector<std::pair<string, int>> Addresses() {
     size_t comma = s.find(',', pos);
     string item = s.substr(pos, comma == string::npos ? string::npos : comma - pos);
     size_t colon = item.rfind(':');
-    if (colon != string::npos) out.emplace_back(item.substr(0, colon), std::atoi(item.c_str() + colon + 1));
+    if (colon != string::npos)
+      out.emplace_back(item.substr(0, colon), std::atoi(item.c_str() + colon + 1));
     if (comma == string::npos) break;
     pos = comma + 1;
   }
   return out;
 }
 
+string Secret(const string& job) {
+  const char* env = std::getenv("EPL_JOB_SECRET");
+  if (env != nullptr && *env) return env;
+  static bool warned = false;
+  if (!warned) {
+    warned = true;
+    LOG(WARNING) << "EPL tcp: EPL_JOB_SECRET is not set, so the job's secret is derived from "
+                    "its id: a process that knows the job id can join its collectives. "
+                    "epl-launch sets a random one; with another launcher export the same "
+                    "random EPL_JOB_SECRET to every worker (docs/cluster.md).";
+  }
+  return Sha256("epl-job-without-a-secret:" + job);
+}
+
+string Nonce() {
+  string n(16, '\0');
+  FILE* f = fopen("/dev/urandom", "rb");
+  if (f) {
+    if (fread(&n[0], 1, n.size(), f) != n.size()) n = Sha256(StrCat(getpid(), Clock::now().time_since_epoch().count())).substr(0, 16);
+    fclose(f);
+  }
+  return n;
+}
+
 Status SendAll(int fd, const void* p, int64 n) {
   const char* c = static_cast<const char*>(p);
   while (n > 0) {
     ssize_t k = ::send(fd, c, std::min<int64>(n, 1 << 20), MSG_NOSIGNAL);
-    if (k <= 0) return Internal("EPL tcp: send failed: ", strerror(errno));
+    if (k <= 0) return Unavailable("send failed: ", strerror(errno));
     c += k;
     n -= k;
   }
   return Status::OK();
 }
 
-Status RecvAll(int fd, void* p, int64 n, Clock::time_point deadline, const string& what) {
+// Reads exactly n bytes; fails at the deadline (none: wait forever) or when closed.
+Status RecvAll(int fd, void* p, int64 n, bool has_deadline, Clock::time_point deadline) {
   char* c = static_cast<char*>(p);
   while (n > 0) {
     struct pollfd pfd = {fd, POLLIN, 0};
-    int ms = static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(
-                                  deadline - Clock::now()).count());
-    if (ms <= 0 || ::poll(&pfd, 1, std::min(ms, 1000)) < 0)
-      return DeadlineExceeded(what);
+    int ms = 1000;
+    if (has_deadline) {
+      ms = static_cast<int>(
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count());
+      if (ms <= 0) return DeadlineExceeded("timed out");
+      ms = std::min(ms, 1000);
+    }
+    if (::poll(&pfd, 1, ms) < 0) return Unavailable("poll failed: ", strerror(errno));
     if (!(pfd.revents & (POLLIN | POLLHUP | POLLERR))) continue;
     ssize_t k = ::recv(fd, c, std::min<int64>(n, 1 << 20), 0);
-    if (k <= 0) return Internal("EPL tcp: the peer closed the connection (", what, ")");
+    if (k <= 0) return Unavailable(k == 0 ? "the connection was closed" : strerror(errno));
     c += k;
     n -= k;
   }
   return Status::OK();
 }
 
-// Accepts connections for every group of this process and hands them out.
+string PeerAddress(int fd) {
+  sockaddr_in sa;
+  socklen_t len = sizeof(sa);
+  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) return "?";
+  char buf[64];
+  inet_ntop(AF_INET, &sa.sin_addr, buf, sizeof(buf));
+  return StrCat(buf, ":", ntohs(sa.sin_port));
+}
+
+string U64(uint64_t v) { return string(reinterpret_cast<const char*>(&v), 8); }
+
+string ClientProof(const string& secret, const string& job, int rank, const string& server_nonce,
+                   const string& client_nonce) {
+  return HmacSha256(secret, StrCat("epl-client|", job, "|", rank, "|") + server_nonce +
+                                client_nonce);
+}
+
+string ServerProof(const string& secret, const string& job, int rank, const string& server_nonce,
+                   const string& client_nonce) {
+  return HmacSha256(secret, StrCat("epl-server|", job, "|", rank, "|") + client_nonce +
+                                server_nonce);
+}
+
+// ---- one job's connections ----------------------------------------------------------------
+
+class Mesh {
+ public:
+  Mesh(const string& job, int rank, int size)
+      : job_(job), rank_(rank), size_(size), secret_(Secret(job)), peers_(size) {}
+
+  const string& job() const { return job_; }
+  const string& secret() const { return secret_; }
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+
+  // The connection to `peer`, made (or waited for) until the deadline.
+  Status Ensure(int peer, Clock::time_point deadline, const CrossArgs& a);
+  // Connects to a higher rank and proves the job's secret (the client's side).
+  Status Connect(int peer, Clock::time_point deadline, const CrossArgs& a);
+
+  // Adopts an authenticated connection from `peer` (the listener side).
+  bool Adopt(int peer, int fd) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (peer < 0 || peer >= size_ || peers_[peer].fd >= 0 || peers_[peer].dead) return false;
+    Start(peer, fd);
+    cv_.notify_all();
+    return true;
+  }
+
+  Status Send(int peer, uint64_t group, const char* p, int64 n, const CrossArgs& a) {
+    do {
+      const int64 len = std::min(n, kMaxFrame);
+      Status s = SendFrame(peer, kData, group, p, len);
+      if (!s.ok()) return Lost(peer, a, s);
+      p += len;
+      n -= len;
+    } while (n > 0);
+    return Status::OK();
+  }
+
+  // The next `n` bytes `peer` sent for `group`.
+  Status Recv(int peer, uint64_t group, char* out, int64 n, const CrossArgs& a) {
+    const auto deadline = Clock::now() + std::chrono::seconds(a.timeout_seconds);
+    auto key = std::make_pair(peer, group);
+    do {
+      std::string frame;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        while (mail_[key].empty()) {
+          Status st = JobState::Get(job_)->Aborted();
+          if (!st.ok()) return st;
+          if (peers_[peer].dead)
+            return Aborted("EPL ", a.what, " (group '", a.group, "'): rank ", peer,
+                           " disconnected while rank ", rank_, " waited for its data (",
+                           peers_[peer].why, "): a worker died or left the job before its "
+                           "collectives were done.");
+          if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && mail_[key].empty())
+            return DeadlineExceeded("EPL ", a.what, " (group '", a.group, "'): rank ", peer,
+                                    " sent nothing within ", a.timeout_seconds,
+                                    " s (communication.timeout_seconds): a worker ran a "
+                                    "different step, or is stuck.");
+        }
+        frame = std::move(mail_[key].front());
+        mail_[key].pop_front();
+      }
+      if (static_cast<int64>(frame.size()) > n)
+        return Internal("EPL ", a.what, " (group '", a.group, "'): rank ", peer, " sent ",
+                        frame.size(), " bytes where ", n, " were expected");
+      std::memcpy(out, frame.data(), frame.size());
+      out += frame.size();
+      n -= frame.size();
+    } while (n > 0);
+    return Status::OK();
+  }
+
+  // Tells every connected peer that the job failed.
+  void SendAbort(const Status& s) {
+    const string msg = StrCat(static_cast<int>(s.code()), ":", s.error_message());
+    for (int p = 0; p < size_; ++p) SendFrame(p, kAbort, 0, msg.data(), msg.size());
+  }
+
+ private:
+  struct Peer {
+    int fd = -1;
+    bool connecting = false;
+    bool dead = false;
+    string why;
+    std::shared_ptr<std::mutex> send_mu = std::make_shared<std::mutex>();
+  };
+
+  Status SendFrame(int peer, uint32_t type, uint64_t group, const char* p, int64 n) {
+    int fd;
+    std::shared_ptr<std::mutex> send_mu;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (peer == rank_ || peers_[peer].fd < 0) return Unavailable("not connected");
+      fd = peers_[peer].fd;
+      send_mu = peers_[peer].send_mu;
+    }
+    FrameHeader h = {kFrameMagic, type, group, static_cast<uint64_t>(n)};
+    std::lock_guard<std::mutex> lock(*send_mu);
+    TF_RETURN_IF_ERROR(SendAll(fd, &h, sizeof(h)));
+    return SendAll(fd, p, n);
+  }
+
+  Status Lost(int peer, const CrossArgs& a, const Status& s) {
+    return Aborted("EPL ", a.what, " (group '", a.group, "'): cannot send to rank ", peer, " (",
+                   s.error_message(), "): a worker died or left the job.");
+  }
+
+  // Called with mu_ held.
+  void Start(int peer, int fd) {
+    peers_[peer].fd = fd;
+    std::thread([this, peer, fd] { Read(peer, fd); }).detach();
+  }
+
+  void Read(int peer, int fd) {
+    Status s;
+    while (true) {
+      FrameHeader h;
+      s = RecvAll(fd, &h, sizeof(h), false, Clock::now());
+      if (!s.ok()) break;
+      if (h.magic != kFrameMagic || h.len > static_cast<uint64_t>(kMaxFrame)) {
+        s = Internal("a malformed frame");
+        break;
+      }
+      string payload(h.len, '\0');
+      s = RecvAll(fd, &payload[0], h.len, false, Clock::now());
+      if (!s.ok()) break;
+      if (h.type == kAbort) {
+        const size_t colon = payload.find(':');
+        const int code = std::atoi(payload.substr(0, colon).c_str());
+        Status why(static_cast<tensorflow::error::Code>(code ? code : tensorflow::error::ABORTED),
+                   payload.substr(colon == string::npos ? 0 : colon + 1));
+        JobState::Get(job_)->Forward(why);   // (adopts, and tells the other peers)
+        std::lock_guard<std::mutex> lock(mu_);
+        cv_.notify_all();
+        continue;
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      mail_[std::make_pair(peer, h.group)].push_back(std::move(payload));
+      cv_.notify_all();
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    peers_[peer].dead = true;
+    peers_[peer].why = s.error_message();
+    cv_.notify_all();
+  }
+
+  string job_;
+  int rank_, size_;
+  string secret_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<Peer> peers_;
+  std::map<std::pair<int, uint64_t>, std::deque<string>> mail_;
+};
+
+// ---- the process's listener ------------------------------------------------------------
+
 class Hub {
  public:
   static Hub* Get() {
     static Hub* hub = new Hub();
     return hub;
   }
-  Status Start(int rank) {
+
+  Status Listen(int rank) {
     std::lock_guard<std::mutex> lock(mu_);
     if (listening_) return Status::OK();
     auto addrs = Addresses();
     if (rank >= static_cast<int>(addrs.size()))
       return InvalidArgument("EPL tcp transport: EPL_COMM_ADDRESSES has ", addrs.size(),
                              " addresses, rank ", rank, " needs its own (set by epl-launch)");
+    addrinfo hints, *res = nullptr;
+    std::memset(&hints, 0, sizeof(hints));
+    hints.ai_family = AF_INET;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE;
+    if (::getaddrinfo(addrs[rank].first.c_str(), std::to_string(addrs[rank].second).c_str(),
+                      &hints, &res) != 0 || res == nullptr)
+      return InvalidArgument("EPL tcp: cannot resolve this worker's address ",
+                             addrs[rank].first, ":", addrs[rank].second);
     int fd = ::socket(AF_INET, SOCK_STREAM, 0);
     int one = 1;
     ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    sockaddr_in sa;
-    std::memset(&sa, 0, sizeof(sa));
-    sa.sin_family = AF_INET;
-    sa.sin_port = htons(addrs[rank].second);
-    sa.sin_addr.s_addr = htonl(INADDR_ANY);
-    if (::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0 || ::listen(fd, 64) != 0)
-      return Internal("EPL tcp: cannot listen on port ", addrs[rank].second, ": ",
-                      strerror(errno));
+    // Only this task's own address (not INADDR_ANY): other interfaces stay closed.
+    const bool ok = ::bind(fd, res->ai_addr, res->ai_addrlen) == 0 && ::listen(fd, 64) == 0;
+    ::freeaddrinfo(res);
+    if (!ok) {
+      const string err = strerror(errno);
+      ::close(fd);
+      return Internal("EPL tcp: cannot listen on ", addrs[rank].first, ":", addrs[rank].second,
+                      ": ", err);
+    }
     listening_ = true;
     std::thread([this, fd] { Accept(fd); }).detach();
     return Status::OK();
   }
-  // The connection `src` opened for `group`, waiting until the deadline.
-  Status Take(const string& group, int src, Clock::time_point deadline, int* fd) {
-    std::unique_lock<std::mutex> lock(mu_);
-    auto key = std::make_pair(group, src);
-    if (!cv_.wait_until(lock, deadline, [&] { return conns_.count(key) > 0; }))
-      return DeadlineExceeded("EPL tcp: rank ", src, " never connected for group '", group, "'");
-    *fd = conns_[key];
-    conns_.erase(key);
-    return Status::OK();
+
+  void Register(Mesh* mesh) {
+    std::lock_guard<std::mutex> lock(mu_);
+    meshes_[Fnv1a(mesh->job())] = mesh;
+    cv_.notify_all();
   }
 
  private:
@@ -119,107 +371,241 @@ class Hub {
     while (true) {
       int fd = ::accept(lfd, nullptr, nullptr);
       if (fd < 0) continue;
-      int one = 1;
-      ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-      std::thread([this, fd] {
-        int32_t len = 0, src = 0;
-        auto dl = Clock::now() + std::chrono::seconds(30);
-        if (!RecvAll(fd, &len, 4, dl, "header").ok() || len <= 0 || len > 4096) return;
-        string group(len, '\0');
-        if (!RecvAll(fd, &group[0], len, dl, "header").ok()) return;
-        if (!RecvAll(fd, &src, 4, dl, "header").ok()) return;
+      {
         std::lock_guard<std::mutex> lock(mu_);
-        conns_[std::make_pair(group, src)] = fd;
-        cv_.notify_all();
+        if (pending_ >= kMaxPending) {
+          LOG(WARNING) << "EPL tcp: refused a connection from " << PeerAddress(fd) << ": "
+                       << kMaxPending << " handshakes are already in progress";
+          ::close(fd);
+          continue;
+        }
+        ++pending_;
+      }
+      std::thread([this, fd] {
+        const string who = PeerAddress(fd);
+        string why;
+        if (!Handshake(fd, &why)) {
+          LOG(WARNING) << "EPL tcp: refused a connection from " << who << ": " << why;
+          ::close(fd);
+        }
+        std::lock_guard<std::mutex> lock(mu_);
+        --pending_;
       }).detach();
     }
   }
+
+  // The listener's side; on success the connection belongs to a job's mesh.
+  bool Handshake(int fd, string* why) {
+    const auto deadline = Clock::now() + std::chrono::seconds(kHandshakeSeconds);
+    const string server_nonce = Nonce();
+    const string hello = string("EPLH") + server_nonce;
+    if (!SendAll(fd, hello.data(), hello.size()).ok()) return (*why = "it went away", false);
+    char msg[4 + 8 + 4 + 16 + 32];
+    if (!RecvAll(fd, msg, sizeof(msg), true, deadline).ok())
+      return (*why = "no handshake within 5 s", false);
+    if (std::memcmp(msg, "EPLC", 4) != 0) return (*why = "not an EPL handshake", false);
+    uint64_t job_hash;
+    int32_t peer;
+    std::memcpy(&job_hash, msg + 4, 8);
+    std::memcpy(&peer, msg + 12, 4);
+    const string client_nonce(msg + 16, 16), proof(msg + 32, 32);
+    Mesh* mesh = nullptr;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait_until(lock, deadline, [&] { return meshes_.count(job_hash) > 0; });
+      if (meshes_.count(job_hash)) mesh = meshes_[job_hash];
+    }
+    if (mesh == nullptr) return (*why = "it names a job this process does not run", false);
+    if (!SameDigest(proof, ClientProof(mesh->secret(), mesh->job(), peer, server_nonce,
+                                       client_nonce)))
+      return (*why = "the handshake does not prove the job's secret (EPL_JOB_SECRET)", false);
+    if (peer < 0 || peer >= mesh->rank())
+      return (*why = StrCat("it claims rank ", peer, ", which does not connect to rank ",
+                            mesh->rank()), false);
+    const string reply = string("EPLS") + ServerProof(mesh->secret(), mesh->job(), mesh->rank(),
+                                                      server_nonce, client_nonce);
+    if (!SendAll(fd, reply.data(), reply.size()).ok()) return (*why = "it went away", false);
+    if (!mesh->Adopt(peer, fd)) return (*why = StrCat("rank ", peer, " is already connected"), false);
+    return true;
+  }
+
   std::mutex mu_;
   std::condition_variable cv_;
-  std::map<std::pair<string, int>, int> conns_;
   bool listening_ = false;
+  int pending_ = 0;
+  std::map<uint64_t, Mesh*> meshes_;
 };
 
-class Ring {
- public:
-  Ring(const string& group, int rank, int size) : group_(group), rank_(rank), size_(size) {}
+Status Mesh::Ensure(int peer, Clock::time_point deadline, const CrossArgs& a) {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    if (peers_[peer].fd >= 0) return Status::OK();
+    if (peers_[peer].dead)
+      return Aborted("EPL ", a.what, " (group '", a.group, "'): rank ", peer, " disconnected (",
+                     peers_[peer].why, ")");
+    if (peer > rank_ && !peers_[peer].connecting) break;   // this process connects
+    // The lower rank connects to us, or another of this job's groups is connecting.
+    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && peers_[peer].fd < 0)
+      return DeadlineExceeded("EPL ", a.what, " (group '", a.group, "'): rank ", peer,
+                              " never connected to rank ", rank_, " within ", a.timeout_seconds,
+                              " s (communication.timeout_seconds)");
+  }
+  peers_[peer].connecting = true;   // one connection per pair: the others wait for it
+  lock.unlock();
+  Status result = Connect(peer, deadline, a);
+  lock.lock();
+  peers_[peer].connecting = false;
+  cv_.notify_all();
+  return result;
+}
 
-  Status Connect(const ShmArgs& a) {
-    if (next_ >= 0 || size_ == 1) return Status::OK();
-    TF_RETURN_IF_ERROR(Hub::Get()->Start(rank_));
-    auto addrs = Addresses();
-    const int peer = (rank_ + 1) % size_;
-    if (peer >= static_cast<int>(addrs.size()))
-      return InvalidArgument("EPL tcp transport: no address for rank ", peer,
-                             " in EPL_COMM_ADDRESSES");
-    const auto deadline = Clock::now() + std::chrono::seconds(a.timeout_seconds);
-    while (true) {
-      addrinfo hints, *res = nullptr;
-      std::memset(&hints, 0, sizeof(hints));
-      hints.ai_family = AF_INET;
-      hints.ai_socktype = SOCK_STREAM;
-      if (::getaddrinfo(addrs[peer].first.c_str(), std::to_string(addrs[peer].second).c_str(),
-                        &hints, &res) == 0) {
-        int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-        if (::connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
-          ::freeaddrinfo(res);
-          int one = 1;
-          ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-          int32_t len = static_cast<int32_t>(group_.size()), me = rank_;
-          TF_RETURN_IF_ERROR(SendAll(fd, &len, 4));
-          TF_RETURN_IF_ERROR(SendAll(fd, group_.data(), len));
-          TF_RETURN_IF_ERROR(SendAll(fd, &me, 4));
-          next_ = fd;
-          break;
+Status Mesh::Connect(int peer, Clock::time_point deadline, const CrossArgs& a) {
+  auto addrs = Addresses();
+  if (peer >= static_cast<int>(addrs.size()))
+    return InvalidArgument("EPL tcp transport: no address for rank ", peer,
+                           " in EPL_COMM_ADDRESSES");
+  string last = "refused";
+  while (true) {
+    addrinfo hints, *res = nullptr;
+    std::memset(&hints, 0, sizeof(hints));
+    hints.ai_family = AF_INET;
+    hints.ai_socktype = SOCK_STREAM;
+    if (::getaddrinfo(addrs[peer].first.c_str(), std::to_string(addrs[peer].second).c_str(),
+                      &hints, &res) == 0) {
+      int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+      const bool connected = ::connect(fd, res->ai_addr, res->ai_addrlen) == 0;
+      ::freeaddrinfo(res);
+      if (connected) {
+        int one = 1;
+        ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        const auto hs = Clock::now() + std::chrono::seconds(kHandshakeSeconds);
+        char hello[4 + 16];
+        Status s = RecvAll(fd, hello, sizeof(hello), true, hs);
+        if (s.ok() && std::memcmp(hello, "EPLH", 4) != 0) s = Internal("not an EPL listener");
+        if (s.ok()) {
+          const string server_nonce(hello + 4, 16), client_nonce = Nonce();
+          const uint64_t job_hash = Fnv1a(job_);
+          const int32_t me = rank_;
+          const string msg = string("EPLC") + U64(job_hash) +
+                             string(reinterpret_cast<const char*>(&me), 4) + client_nonce +
+                             ClientProof(secret_, job_, rank_, server_nonce, client_nonce);
+          s = SendAll(fd, msg.data(), msg.size());
+          char reply[4 + 32];
+          if (s.ok()) s = RecvAll(fd, reply, sizeof(reply), true, hs);
+          if (s.ok() && (std::memcmp(reply, "EPLS", 4) != 0 ||
+                         !SameDigest(string(reply + 4, 32),
+                                     ServerProof(secret_, job_, peer, server_nonce,
+                                                 client_nonce))))
+            s = Internal("rank ", peer, " at ", addrs[peer].first, ":", addrs[peer].second,
+                         " does not prove the job's secret (EPL_JOB_SECRET differs?)");
         }
-        ::close(fd);
-        ::freeaddrinfo(res);
+        if (s.ok()) {
+          std::lock_guard<std::mutex> lock(mu_);
+          Start(peer, fd);
+          return Status::OK();
+        }
+        last = s.error_message();
       }
-      if (Clock::now() > deadline)
-        return DeadlineExceeded("EPL ", a.what, " (group '", group_, "'): rank ", peer, " at ",
-                                addrs[peer].first, ":", addrs[peer].second,
-                                " did not accept within ", a.timeout_seconds, " s");
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      ::close(fd);
     }
-    return Hub::Get()->Take(group_, (rank_ - 1 + size_) % size_, deadline, &prev_);
+    if (Clock::now() > deadline)
+      return DeadlineExceeded("EPL ", a.what, " (group '", a.group, "'): rank ", peer, " at ",
+                              addrs[peer].first, ":", addrs[peer].second,
+                              " did not accept within ", a.timeout_seconds, " s (", last, ")");
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+Mesh* MeshFor(const CrossArgs& a, Status* s) {
+  static std::mutex mu;
+  static auto* meshes = new std::map<string, std::unique_ptr<Mesh>>();
+  const string job = JobOf(a.group);
+  std::lock_guard<std::mutex> lock(mu);
+  auto& m = (*meshes)[job];
+  if (!m) {
+    *s = Hub::Get()->Listen(a.rank);
+    if (!s->ok()) return nullptr;
+    m.reset(new Mesh(job, a.rank, a.size));
+    Mesh* mesh = m.get();
+    JobState::Get(job)->AddPropagator([mesh](const Status& st) { mesh->SendAbort(st); });
+    Hub::Get()->Register(mesh);
+  }
+  if (m->rank() != a.rank || m->size() != a.size) {
+    *s = InvalidArgument("EPL tcp group '", a.group, "' runs as rank ", a.rank, "/", a.size,
+                         " but the job's other groups as ", m->rank(), "/", m->size());
+    return nullptr;
+  }
+  return m.get();
+}
+
+// ---- a group's link: ring algorithms over the mesh -----------------------------------------
+
+class TcpLink : public Link {
+ public:
+  TcpLink(Mesh* mesh, const string& group)
+      : mesh_(mesh), group_(Fnv1a(group)), rank_(mesh->rank()), size_(mesh->size()) {}
+
+  Status Connect(const CrossArgs& a) {
+    if (size_ == 1) return Status::OK();
+    const auto deadline = Clock::now() + std::chrono::seconds(a.timeout_seconds);
+    TF_RETURN_IF_ERROR(mesh_->Ensure(Next(), deadline, a));
+    return mesh_->Ensure(Prev(), deadline, a);
   }
 
-  // Sends `out` to the next rank while receiving `in_len` bytes from the previous one.
-  Status Exchange(const char* out, int64 out_len, char* in, int64 in_len, const ShmArgs& a) {
-    Status send_status;
-    std::thread sender([&] { send_status = SendAll(next_, out, out_len); });
-    Status s = RecvAll(prev_, in, in_len,
-                       Clock::now() + std::chrono::seconds(a.timeout_seconds),
-                       StrCat("EPL ", a.what, " (group '", group_, "'): rank ",
-                              (rank_ - 1 + size_) % size_, " sent nothing within ",
-                              a.timeout_seconds, " s"));
-    sender.join();
-    return s.ok() ? send_status : s;
+  Status ExchangeMeta(const CrossArgs& a, const std::vector<int64>& mine,
+                      std::vector<std::vector<int64>>* all) override {
+    std::vector<int64> block = {static_cast<int64>(Fnv1a(a.what)),
+                                static_cast<int64>(mine.size())};
+    block.insert(block.end(), mine.begin(), mine.end());
+    std::vector<string> blocks(size_);
+    blocks[rank_] = string(reinterpret_cast<const char*>(block.data()), block.size() * 8);
+    // Ring all-gather of variable-length blocks: frame lengths carry the sizes.
+    for (int s = 0; s < size_ - 1; ++s) {
+      const int send = Mod(rank_ - s), recv = Mod(rank_ - s - 1);
+      const int64 out_len = blocks[send].size();
+      TF_RETURN_IF_ERROR(mesh_->Send(Next(), group_, reinterpret_cast<const char*>(&out_len), 8, a));
+      TF_RETURN_IF_ERROR(mesh_->Send(Next(), group_, blocks[send].data(), out_len, a));
+      int64 len = 0;
+      TF_RETURN_IF_ERROR(mesh_->Recv(Prev(), group_, reinterpret_cast<char*>(&len), 8, a));
+      blocks[recv].resize(len);
+      if (len) TF_RETURN_IF_ERROR(mesh_->Recv(Prev(), group_, &blocks[recv][0], len, a));
+    }
+    all->assign(size_, {});
+    Status st;
+    for (int k = 0; k < size_; ++k) {
+      const int64* m = reinterpret_cast<const int64*>(blocks[k].data());
+      const size_t words = blocks[k].size() / 8;
+      if (words < 2 || m[0] != block[0]) {
+        st = InvalidArgument("EPL ", a.what, " (group '", a.group, "'): rank ", k,
+                             " runs a different collective; every process must build the same "
+                             "collectives in the same order.");
+        continue;
+      }
+      (*all)[k].assign(m + 2, m + std::min<size_t>(words, 2 + m[1]));
+    }
+    return st;
   }
 
-  // Ring all-reduce: reduce-scatter, then all-gather, over `size` segments.
-  Status AllReduce(const ShmArgs& a, DataType dtype, ReduceOp op, const char* in, char* out,
-                   int64 count) {
+  Status AllReduce(const CrossArgs& a, DataType dtype, ReduceOp op, const char* in, char* out,
+                   int64 count) override {
     const int64 es = tensorflow::DataTypeSize(dtype);
     if (in != out) std::memcpy(out, in, count * es);
     if (size_ == 1) return Status::OK();
     auto lo = [&](int k) { return count * k / size_; };
     std::vector<char> buf((count / size_ + 1) * es);
-    for (int s = 0; s < size_ - 1; ++s) {
-      const int send = ((rank_ - s) % size_ + size_) % size_;
-      const int recv = ((rank_ - s - 1) % size_ + size_) % size_;
+    for (int s = 0; s < size_ - 1; ++s) {   // reduce-scatter
+      const int send = Mod(rank_ - s), recv = Mod(rank_ - s - 1);
       const int64 rn = lo(recv + 1) - lo(recv);
-      TF_RETURN_IF_ERROR(Exchange(out + lo(send) * es, (lo(send + 1) - lo(send)) * es,
-                                  buf.data(), rn * es, a));
+      TF_RETURN_IF_ERROR(Step(out + lo(send) * es, (lo(send + 1) - lo(send)) * es, buf.data(),
+                              rn * es, a));
       std::vector<const void*> ins = {out + lo(recv) * es, buf.data()};
-      ReduceRange(dtype, op == ReduceOp::kMean ? ReduceOp::kSum : op, ins,
-                  out + lo(recv) * es, 0, rn);
+      ReduceRange(dtype, op == ReduceOp::kMean ? ReduceOp::kSum : op, ins, out + lo(recv) * es,
+                  0, rn);
     }
-    for (int s = 0; s < size_ - 1; ++s) {
-      const int send = ((rank_ + 1 - s) % size_ + size_) % size_;
-      const int recv = ((rank_ - s) % size_ + size_) % size_;
-      TF_RETURN_IF_ERROR(Exchange(out + lo(send) * es, (lo(send + 1) - lo(send)) * es,
-                                  out + lo(recv) * es, (lo(recv + 1) - lo(recv)) * es, a));
+    for (int s = 0; s < size_ - 1; ++s) {   // all-gather
+      const int send = Mod(rank_ + 1 - s), recv = Mod(rank_ - s);
+      TF_RETURN_IF_ERROR(Step(out + lo(send) * es, (lo(send + 1) - lo(send)) * es,
+                              out + lo(recv) * es, (lo(recv + 1) - lo(recv)) * es, a));
     }
     if (op == ReduceOp::kMean) {
       for (int64 i = 0; i < count; ++i) {
@@ -238,281 +624,63 @@ class Ring {
     return Status::OK();
   }
 
-  // Ring all-gather of per-rank byte blocks of lengths `lens` into `out` (concatenated).
-  Status AllGather(const ShmArgs& a, const std::vector<int64>& lens, char* out) {
+  Status Exchange(const CrossArgs& a, const char* mine, const std::vector<int64>& lens,
+                  const Consumer& consume) override {
     std::vector<int64> off(size_ + 1, 0);
     for (int k = 0; k < size_; ++k) off[k + 1] = off[k] + lens[k];
-    for (int s = 0; s < size_ - 1; ++s) {
-      const int send = ((rank_ - s) % size_ + size_) % size_;
-      const int recv = ((rank_ - s - 1) % size_ + size_) % size_;
-      TF_RETURN_IF_ERROR(Exchange(out + off[send], lens[send], out + off[recv], lens[recv], a));
+    std::vector<char> all(off[size_]);
+    if (lens[rank_]) std::memcpy(all.data() + off[rank_], mine, lens[rank_]);
+    for (int s = 0; s < size_ - 1; ++s) {   // ring all-gather of the blocks
+      const int send = Mod(rank_ - s), recv = Mod(rank_ - s - 1);
+      TF_RETURN_IF_ERROR(Step(all.data() + off[send], lens[send], all.data() + off[recv],
+                              lens[recv], a));
     }
+    for (int k = 0; k < size_; ++k)
+      if (lens[k] > 0) consume(k, 0, k == rank_ ? mine : all.data() + off[k], lens[k]);
     return Status::OK();
-  }
-
-  void Schedule(int64 gen, std::function<void()> task) {
-    std::lock_guard<std::mutex> lock(mu_);
-    tasks_[gen] = std::move(task);
-    if (!started_) {
-      started_ = true;
-      std::thread([this] {
-        while (true) {
-          std::function<void()> t;
-          {
-            std::unique_lock<std::mutex> l(mu_);
-            cv_.wait(l, [this] { return tasks_.count(next_gen_) > 0; });
-            t = std::move(tasks_[next_gen_]);
-            tasks_.erase(next_gen_++);
-          }
-          t();
-        }
-      }).detach();
-    }
-    cv_.notify_one();
   }
 
  private:
-  string group_;
-  int rank_, size_;
-  int next_ = -1, prev_ = -1;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::map<int64, std::function<void()>> tasks_;
-  int64 next_gen_ = 0;
-  bool started_ = false;
-};
+  int Mod(int k) const { return ((k % size_) + size_) % size_; }
+  int Next() const { return Mod(rank_ + 1); }
+  int Prev() const { return Mod(rank_ - 1); }
 
-void Run(const ShmArgs& a, OpKernelContext* ctx, AsyncOpKernel::DoneCallback done,
-         std::function<Status(Ring*)> body) {
-  static std::mutex mu;
-  static auto* rings = new std::map<string, std::unique_ptr<Ring>>();
-  Ring* ring;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    auto& r = (*rings)[a.group];
-    if (!r) r.reset(new Ring(a.group, a.rank, a.size));
-    ring = r.get();
+  // Sends to the next rank, then receives from the previous one (the peers' reader
+  // threads drain every connection, so a send never waits for the peer's receive).
+  Status Step(const char* out, int64 out_len, char* in, int64 in_len, const CrossArgs& a) {
+    int64 n = out_len;
+    TF_RETURN_IF_ERROR(mesh_->Send(Next(), group_, reinterpret_cast<const char*>(&n), 8, a));
+    if (out_len) TF_RETURN_IF_ERROR(mesh_->Send(Next(), group_, out, out_len, a));
+    int64 got = 0;
+    TF_RETURN_IF_ERROR(mesh_->Recv(Prev(), group_, reinterpret_cast<char*>(&got), 8, a));
+    if (got != in_len)
+      return InvalidArgument("EPL ", a.what, " (group '", a.group, "'): rank ", Prev(),
+                             " sent ", got, " bytes where ", in_len, " were expected");
+    if (in_len) TF_RETURN_IF_ERROR(mesh_->Recv(Prev(), group_, in, in_len, a));
+    return Status::OK();
   }
-  ring->Schedule(a.generation, [a, ring, ctx, done, body] {
-    Status s = ring->Connect(a);
-    if (s.ok()) s = body(ring);
-    if (!s.ok()) ctx->SetStatus(s);
-    done();
-  });
-}
 
-// Every rank learns every rank's int64 metadata (and checks they run the same op).
-Status Meta(Ring* ring, const ShmArgs& a, std::vector<int64> mine, int width,
-            std::vector<int64>* all) {
-  mine.resize(width + 1);
-  mine[width] = static_cast<int64>(std::hash<string>()(a.what));
-  all->assign((width + 1) * a.size, 0);
-  std::copy(mine.begin(), mine.end(), all->begin() + a.rank * (width + 1));
-  std::vector<int64> lens(a.size, (width + 1) * 8);
-  TF_RETURN_IF_ERROR(ring->AllGather(a, lens, reinterpret_cast<char*>(all->data())));
-  for (int k = 0; k < a.size; ++k)
-    if ((*all)[k * (width + 1) + width] != mine[width])
-      return InvalidArgument("EPL ", a.what, " (group '", a.group, "'): rank ", k,
-                             " runs a different collective");
-  return Status::OK();
-}
-
-// Every rank checks that all ranks run this collective on as many elements.
-Status SameCount(Ring* ring, const ShmArgs& a, int64 count) {
-  std::vector<int64> meta;
-  TF_RETURN_IF_ERROR(Meta(ring, a, {count}, 1, &meta));
-  for (int k = 0; k < a.size; ++k)
-    if (meta[k * 2] != count)
-      return InvalidArgument("EPL ", a.what, " (group '", a.group, "'): rank ", k, " has ",
-                             meta[k * 2], " elements, rank ", a.rank, " has ", count);
-  return Status::OK();
-}
+  Mesh* mesh_;
+  uint64_t group_;
+  int rank_, size_;
+};
 
 }  // namespace
 
-void TcpAllReduce(const ShmArgs& a, ReduceOp op, OpKernelContext* ctx,
-                  AsyncOpKernel::DoneCallback done) {
-  Run(a, ctx, std::move(done), [a, op, ctx](Ring* ring) -> Status {
-    const Tensor& in = ctx->input(0);
-    TF_RETURN_IF_ERROR(SameCount(ring, a, in.NumElements()));
-    Tensor* out = nullptr;
-    TF_RETURN_IF_ERROR(ctx->allocate_output(0, in.shape(), &out));
-    return ring->AllReduce(a, in.dtype(), op, in.tensor_data().data(),
-                           const_cast<char*>(out->tensor_data().data()), in.NumElements());
-  });
-}
-
-void TcpAllReduceN(const ShmArgs& a, ReduceOp op, OpKernelContext* ctx,
-                   AsyncOpKernel::DoneCallback done) {
-  Run(a, ctx, std::move(done), [a, op, ctx](Ring* ring) -> Status {
-    const int n = ctx->num_inputs();
-    const DataType dtype = ctx->input(0).dtype();
-    const int64 es = tensorflow::DataTypeSize(dtype);
-    int64 total = 0;
-    for (int i = 0; i < n; ++i) total += ctx->input(i).NumElements();
-    TF_RETURN_IF_ERROR(SameCount(ring, a, total));
-    Tensor packed;
-    TF_RETURN_IF_ERROR(ctx->allocate_temp(dtype, TensorShape({total}), &packed));
-    char* p = const_cast<char*>(packed.tensor_data().data());
-    for (int i = 0, o = 0; i < n; ++i) {
-      std::memcpy(p + o, ctx->input(i).tensor_data().data(), ctx->input(i).TotalBytes());
-      o += ctx->input(i).TotalBytes();
-    }
-    TF_RETURN_IF_ERROR(ring->AllReduce(a, dtype, op, p, p, total));
-    for (int i = 0; i < n; ++i) {
-      Tensor* out = nullptr;
-      TF_RETURN_IF_ERROR(ctx->allocate_output(i, ctx->input(i).shape(), &out));
-      std::memcpy(const_cast<char*>(out->tensor_data().data()), p, out->TotalBytes());
-      p += out->NumElements() * es;
-    }
-    return Status::OK();
-  });
-}
-
-// Reduce-scatter and reduce: a ring all-reduce, then this rank keeps its part.
-void TcpReduceScatter(const ShmArgs& a, ReduceOp op, OpKernelContext* ctx,
-                      AsyncOpKernel::DoneCallback done) {
-  Run(a, ctx, std::move(done), [a, op, ctx](Ring* ring) -> Status {
-    const Tensor& in = ctx->input(0);
-    if (in.dims() == 0) return InvalidArgument("reduce_scatter needs rank >= 1");
-    TF_RETURN_IF_ERROR(SameCount(ring, a, in.NumElements()));
-    Tensor full;
-    TF_RETURN_IF_ERROR(ctx->allocate_temp(in.dtype(), in.shape(), &full));
-    char* f = const_cast<char*>(full.tensor_data().data());
-    TF_RETURN_IF_ERROR(ring->AllReduce(a, in.dtype(), op, in.tensor_data().data(), f,
-                                       in.NumElements()));
-    const int64 rows = in.dim_size(0), base = rows / a.size, extra = rows % a.size;
-    const int64 count = base + (a.rank < extra ? 1 : 0);
-    const int64 start = a.rank * base + std::min<int64>(a.rank, extra);
-    const int64 row_bytes = rows ? in.TotalBytes() / rows : 0;
-    TensorShape shape = in.shape();
-    shape.set_dim(0, count);
-    Tensor* out = nullptr;
-    TF_RETURN_IF_ERROR(ctx->allocate_output(0, shape, &out));
-    std::memcpy(const_cast<char*>(out->tensor_data().data()), f + start * row_bytes,
-                count * row_bytes);
-    return Status::OK();
-  });
-}
-
-void TcpReduce(const ShmArgs& a, int root, ReduceOp op, OpKernelContext* ctx,
-               AsyncOpKernel::DoneCallback done) {
-  Run(a, ctx, std::move(done), [a, root, op, ctx](Ring* ring) -> Status {
-    const Tensor& in = ctx->input(0);
-    TF_RETURN_IF_ERROR(SameCount(ring, a, in.NumElements()));
-    Tensor* out = nullptr;
-    TF_RETURN_IF_ERROR(ctx->allocate_output(0, in.shape(), &out));
-    char* dst = const_cast<char*>(out->tensor_data().data());
-    TF_RETURN_IF_ERROR(ring->AllReduce(a, in.dtype(), op, in.tensor_data().data(), dst,
-                                       in.NumElements()));
-    if (a.rank != root) std::memset(dst, 0, out->TotalBytes());
-    return Status::OK();
-  });
-}
-
-// All-to-all: every rank's input and split sizes travel around the ring (all-gather);
-// each rank keeps the rows addressed to it.  Simple, and fine for the sizes MoE sends.
-void TcpAllToAll(const ShmArgs& a, OpKernelContext* ctx, AsyncOpKernel::DoneCallback done) {
-  Run(a, ctx, std::move(done), [a, ctx](Ring* ring) -> Status {
-    const Tensor& in = ctx->input(0);
-    const Tensor& splits = ctx->input(1);
-    if (in.dims() == 0) return InvalidArgument("all_to_all needs rank >= 1");
-    const int n = a.size;
-    const int64 rows = in.dim_size(0);
-    std::vector<int64> counts(n);
-    if (splits.NumElements() == 0) {
-      if (rows % n)
-        return InvalidArgument("EPL all_to_all: rank ", a.rank, " has ", rows,
-                               " rows, which do not split evenly over ", n,
-                               " ranks; pass explicit split sizes.");
-      for (auto& c : counts) c = rows / n;
-    } else {
-      if (splits.NumElements() != n)
-        return InvalidArgument("EPL all_to_all: ", splits.NumElements(), " split sizes for ",
-                               n, " ranks");
-      int64 total = 0;
-      for (int k = 0; k < n; ++k) total += (counts[k] = splits.vec<int64>()(k));
-      if (total != rows)
-        return InvalidArgument("EPL all_to_all: split sizes add up to ", total,
-                               " but the input has ", rows, " rows");
-    }
-    std::vector<int64> meta;
-    TF_RETURN_IF_ERROR(Meta(ring, a, counts, n, &meta));
-    int64 inner = tensorflow::DataTypeSize(in.dtype());
-    for (int d = 1; d < in.dims(); ++d) inner *= in.dim_size(d);
-    std::vector<int64> lens(n, 0), offs(n + 1, 0);
-    for (int k = 0; k < n; ++k) {
-      for (int j = 0; j < n; ++j) lens[k] += meta[k * (n + 1) + j] * inner;
-      offs[k + 1] = offs[k] + lens[k];
-    }
-    std::vector<char> everything(offs[n]);
-    std::memcpy(everything.data() + offs[a.rank], in.tensor_data().data(), lens[a.rank]);
-    TF_RETURN_IF_ERROR(ring->AllGather(a, lens, everything.data()));
-    int64 out_rows = 0;
-    for (int k = 0; k < n; ++k) out_rows += meta[k * (n + 1) + a.rank];
-    TensorShape shape = in.shape();
-    shape.set_dim(0, out_rows);
-    Tensor* out = nullptr;
-    Tensor* recv = nullptr;
-    TF_RETURN_IF_ERROR(ctx->allocate_output(0, shape, &out));
-    TF_RETURN_IF_ERROR(ctx->allocate_output(1, TensorShape({n}), &recv));
-    char* dst = const_cast<char*>(out->tensor_data().data());
-    for (int k = 0; k < n; ++k) {
-      int64 skip = 0;
-      for (int j = 0; j < a.rank; ++j) skip += meta[k * (n + 1) + j];
-      const int64 take = meta[k * (n + 1) + a.rank];
-      std::memcpy(dst, everything.data() + offs[k] + skip * inner, take * inner);
-      dst += take * inner;
-      recv->vec<int64>()(k) = take;
-    }
-    return Status::OK();
-  });
-}
-
-void TcpAllGather(const ShmArgs& a, OpKernelContext* ctx, AsyncOpKernel::DoneCallback done) {
-  Run(a, ctx, std::move(done), [a, ctx](Ring* ring) -> Status {
-    const Tensor& in = ctx->input(0);
-    if (in.dims() == 0) return InvalidArgument("all_gather needs rank >= 1");
-    std::vector<int64> meta;
-    TF_RETURN_IF_ERROR(Meta(ring, a, {in.dim_size(0)}, 1, &meta));
-    int64 rows = 0;
-    std::vector<int64> lens(a.size);
-    for (int k = 0; k < a.size; ++k) rows += meta[k * 2];
-    int64 inner = tensorflow::DataTypeSize(in.dtype());
-    for (int d = 1; d < in.dims(); ++d) inner *= in.dim_size(d);
-    for (int k = 0; k < a.size; ++k) lens[k] = meta[k * 2] * inner;
-    TensorShape shape = in.shape();
-    shape.set_dim(0, rows);
-    Tensor* out = nullptr;
-    Tensor* sizes = nullptr;
-    TF_RETURN_IF_ERROR(ctx->allocate_output(0, shape, &out));
-    TF_RETURN_IF_ERROR(ctx->allocate_output(1, TensorShape({a.size}), &sizes));
-    int64 off = 0;
-    for (int k = 0; k < a.size; ++k) {
-      sizes->vec<int64>()(k) = meta[k * 2];
-      if (k < a.rank) off += lens[k];
-    }
-    char* dst = const_cast<char*>(out->tensor_data().data());
-    std::memcpy(dst + off, in.tensor_data().data(), lens[a.rank]);
-    return ring->AllGather(a, lens, dst);
-  });
-}
-
-void TcpBroadcast(const ShmArgs& a, int root, OpKernelContext* ctx,
-                  AsyncOpKernel::DoneCallback done) {
-  Run(a, ctx, std::move(done), [a, root, ctx](Ring* ring) -> Status {
-    const Tensor& in = ctx->input(0);
-    std::vector<int64> meta;
-    TF_RETURN_IF_ERROR(Meta(ring, a, {in.NumElements()}, 1, &meta));
-    Tensor* out = nullptr;
-    TF_RETURN_IF_ERROR(ctx->allocate_output(0, in.shape(), &out));
-    // All-gather with only the root contributing bytes.
-    std::vector<int64> lens(a.size, 0);
-    lens[root] = in.TotalBytes();
-    char* dst = const_cast<char*>(out->tensor_data().data());
-    if (a.rank == root) std::memcpy(dst, in.tensor_data().data(), in.TotalBytes());
-    return ring->AllGather(a, lens, dst);
-  });
+Link* TcpLinkFor(const CrossArgs& a, Status* s) {
+  static std::mutex mu;
+  static auto* links = new std::map<string, std::unique_ptr<TcpLink>>();
+  Mesh* mesh = MeshFor(a, s);
+  if (mesh == nullptr) return nullptr;
+  TcpLink* link;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto& l = (*links)[a.group];
+    if (!l) l.reset(new TcpLink(mesh, a.group));
+    link = l.get();
+  }
+  *s = link->Connect(a);   // (on the group's queue: one run at a time)
+  return s->ok() ? link : nullptr;
 }
 
 }  // namespace epl
