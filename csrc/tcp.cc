@@ -39,7 +39,6 @@
 #include "sha256.h"
 #include "tensorflow/core/lib/core/errors.h"
 #include "tensorflow/core/lib/strings/strcat.h"
-#include "tensorflow/core/platform/logging.h"
 
 namespace epl {
 
@@ -83,16 +82,23 @@ std::vector<std::pair<string, int>> Addresses() {
   return out;
 }
 
+// Security events and the missing-secret warning always reach stderr (TensorFlow's
+// log level, often 2 in production, would hide a LOG(WARNING)).
+void Report(const string& message) {
+  fprintf(stderr, "%s\n", message.c_str());
+  fflush(stderr);
+}
+
 string Secret(const string& job) {
   const char* env = std::getenv("EPL_JOB_SECRET");
   if (env != nullptr && *env) return env;
   static bool warned = false;
   if (!warned) {
     warned = true;
-    LOG(WARNING) << "EPL tcp: EPL_JOB_SECRET is not set, so the job's secret is derived from "
-                    "its id: a process that knows the job id can join its collectives. "
-                    "epl-launch sets a random one; with another launcher export the same "
-                    "random EPL_JOB_SECRET to every worker (docs/cluster.md).";
+    Report("EPL tcp: EPL_JOB_SECRET is not set, so the job's secret is derived from its id: "
+           "a process that knows the job id can join its collectives. epl-launch sets a random "
+           "one; with another launcher export the same random EPL_JOB_SECRET to every worker "
+           "(docs/cluster.md).");
   }
   return Sha256("epl-job-without-a-secret:" + job);
 }
@@ -374,8 +380,8 @@ class Hub {
       {
         std::lock_guard<std::mutex> lock(mu_);
         if (pending_ >= kMaxPending) {
-          LOG(WARNING) << "EPL tcp: refused a connection from " << PeerAddress(fd) << ": "
-                       << kMaxPending << " handshakes are already in progress";
+          Report(StrCat("EPL tcp: refused a connection from ", PeerAddress(fd), ": ",
+                        kMaxPending, " handshakes are already in progress"));
           ::close(fd);
           continue;
         }
@@ -385,7 +391,7 @@ class Hub {
         const string who = PeerAddress(fd);
         string why;
         if (!Handshake(fd, &why)) {
-          LOG(WARNING) << "EPL tcp: refused a connection from " << who << ": " << why;
+          Report(StrCat("EPL tcp: refused a connection from ", who, ": ", why));
           ::close(fd);
         }
         std::lock_guard<std::mutex> lock(mu_);

@@ -4,14 +4,24 @@
 
 Every worker's output goes to its own log file and, prefixed by its rank, to the
 console.  When a worker exits non-zero (or on Ctrl-C, or after --timeout) the
-launcher stops the others by PID (SIGTERM, then SIGKILL), names the worker and
-shows the tail of its log, and exits non-zero.  On a machine without GPUs each
-worker gets --gpu_per_worker virtual CPU devices.
+launcher stops the others by PID (SIGTERM, then SIGKILL), names the worker whose
+failure came first -- the root cause, not the peers that failed because of it --
+with its exception line and the tail of its log, and exits non-zero.  On a machine
+without GPUs each worker gets --gpu_per_worker virtual CPU devices.
+
+Every launch is a new run (EPL_RUN_ID): its shared-memory segments are its own, and
+the launcher removes them when the job ends, however it ends.  The workers' TCP
+collectives authenticate each other with the job's secret (EPL_JOB_SECRET): a random
+one per launch on one machine; with --machine_list, export the same random value on
+every machine before launching.
 """
 import argparse
+import glob
 import hashlib
 import json
 import os
+import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -57,6 +67,27 @@ def free_ports(n, host="127.0.0.1"):
     return ports
 
 
+def free_port_block(n, host="127.0.0.1", tries=200):
+    """The first of ``n`` consecutive free ports (a --machine_list entry uses port .. port +
+    2 * workers - 1: TensorFlow's and EPL's collectives')."""
+    import random
+    for _ in range(tries):
+        first = random.randint(20000, 60000 - n)
+        socks = []
+        try:
+            for p in range(first, first + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind((host, p))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no %d consecutive free ports on %s" % (n, host))
+
+
 def worker_addresses(a):
     """(TF addresses of all workers, EPL communication addresses, indices of the workers
     this machine starts)."""
@@ -93,11 +124,16 @@ def _have_gpus():
         return False
 
 
-def worker_env(a, addrs, comm, index, job_id, gpus):
+def worker_env(a, addrs, comm, index, job_id, gpus, local_index=None, run_id="",
+               secret=""):
+    """The environment of worker ``index``, the ``local_index``-th this machine starts."""
     env = dict(os.environ)
     env["TF_CONFIG"] = json.dumps({"cluster": {"worker": addrs},
                                    "task": {"type": "worker", "index": index}})
     env["EPL_JOB_ID"] = job_id
+    env["EPL_RUN_ID"] = run_id
+    if secret:
+        env["EPL_JOB_SECRET"] = secret
     env["EPL_COMM_ADDRESSES"] = ",".join(comm)
     env["EPL_WORKER_INDEX"] = str(index)
     env["EPL_CLUSTER_DEVICES_PER_WORKER"] = str(a.gpu_per_worker)
@@ -105,10 +141,37 @@ def worker_env(a, addrs, comm, index, job_id, gpus):
     # `python` in a worker's shell script is the interpreter epl-launch runs in.
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     if gpus:
-        local = index % max(1, len(addrs))
-        first = (local * a.gpu_per_worker)
+        # GPUs are numbered per machine: this machine's k-th worker gets GPUs k*n .. k*n+n-1.
+        local = index if local_index is None else local_index
+        first = local * a.gpu_per_worker
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + g) for g in range(a.gpu_per_worker))
     return env
+
+
+def job_secret(a):
+    """The secret the workers' TCP collectives prove to each other."""
+    given = os.environ.get("EPL_JOB_SECRET", "")
+    if given:
+        return given
+    if a.machine_list:
+        raise SystemExit(
+            "epl-launch --machine_list: the workers on different machines authenticate each "
+            "other with a shared secret; export the same random EPL_JOB_SECRET on every "
+            "machine first, e.g.  export EPL_JOB_SECRET=$(python -c 'import secrets; "
+            "print(secrets.token_hex(16))')")
+    return secrets.token_hex(16)
+
+
+def remove_segments(run_id):
+    """Remove the shared memory a run left (a killed worker cannot unlink its own)."""
+    removed = 0
+    for path in glob.glob("/dev/shm/epl-%s-*" % run_id):
+        try:
+            os.unlink(path)
+            removed += 1
+        except OSError:
+            pass
+    return removed
 
 
 def command(a):
@@ -144,6 +207,44 @@ def tail(path, lines=20):
         return ""
 
 
+_EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)): ")
+# What a worker reports when it fails because another worker did (not a root cause).
+_CASCADE = ("reported:", "exited while rank", "disconnected while rank", "the job stopped")
+
+
+def exception_line(path):
+    """The last exception line in a worker's log ('SomeError: message'), or ''."""
+    try:
+        with open(path, errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return ""
+    found = [l.strip() for l in lines if _EXCEPTION.match(l.strip())]
+    return found[-1] if found else ""
+
+
+def root_cause(failed):
+    """The failure that came first: a worker killed by a signal, or whose error is its own
+    (not a report of another worker's failure); else the first one seen."""
+    def own(w):
+        line = exception_line(w.log_path)
+        return line and not any(c in line for c in _CASCADE)
+    for pick in (lambda w: w.proc.returncode is not None and w.proc.returncode < 0, own):
+        chosen = [w for w in failed if pick(w)]
+        if chosen:
+            return chosen[0]
+    return failed[0]
+
+
+def describe_exit(code):
+    if code is not None and code < 0:
+        try:
+            return "was killed by %s" % signal.Signals(-code).name
+        except ValueError:
+            return "was killed by signal %d" % -code
+    return "exited with status %s" % code
+
+
 def stop(workers):
     """SIGTERM every running worker's process group, then SIGKILL after a grace period."""
     running = [w for w in workers if w.proc.poll() is None]
@@ -169,15 +270,23 @@ def main(argv=None):
     addrs, comm, mine = worker_addresses(a)
     job_id = os.environ.get("EPL_JOB_ID") or hashlib.sha1(
         (",".join(addrs) + str(time.time() if not a.machine_list else "")).encode()).hexdigest()[:12]
+    secret = job_secret(a)
+    # This launch's id (shared memory is named from it).  The launchers of several
+    # machines derive the same one from what they share (workers on one host meet in
+    # shared memory); a reused secret gives reused names, which is safe: a segment whose
+    # owner died is never used.
+    run_id = (hashlib.sha256((job_id + secret).encode()).hexdigest()[:12] if a.machine_list
+              else secrets.token_hex(6))
     os.makedirs(a.log_dir, exist_ok=True)
     gpus = _have_gpus()
     print("epl-launch: %d worker(s) x %d %s device(s), job %s, this machine starts %s"
           % (a.num_workers, a.gpu_per_worker, "GPU" if gpus else "virtual CPU", job_id, mine),
           flush=True)
     workers = []
-    for i in mine:
+    for local, i in enumerate(mine):
         log_path = os.path.join(a.log_dir, "worker_%d.log" % i)
-        proc = subprocess.Popen(command(a), env=worker_env(a, addrs, comm, i, job_id, gpus),
+        env = worker_env(a, addrs, comm, i, job_id, gpus, local, run_id, secret)
+        proc = subprocess.Popen(command(a), env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         w = Worker(i, proc, log_path)
@@ -191,7 +300,10 @@ def main(argv=None):
             codes = [w.proc.poll() for w in workers]
             bad = [w for w, c in zip(workers, codes) if c not in (None, 0)]
             if bad:
-                failed, reason = bad[0], "exited with status %d" % bad[0].proc.returncode
+                time.sleep(0.3)   # the peers of a failed worker fail within moments:
+                bad = [w for w in workers if w.proc.poll() not in (None, 0)]   # see them all
+                failed = root_cause(bad)
+                reason = describe_exit(failed.proc.returncode)
                 break
             if all(c == 0 for c in codes):
                 break
@@ -199,21 +311,26 @@ def main(argv=None):
                 failed = next(w for w, c in zip(workers, codes) if c is None)
                 reason = "still running after --timeout %gs" % a.timeout
                 break
-            time.sleep(0.2)
+            time.sleep(0.1)
     except KeyboardInterrupt:
         reason = "interrupted (Ctrl-C)"
-    if reason:
-        stop(workers)
-    for w in workers:
-        w.pump.join(5)
+    try:
+        if reason:
+            stop(workers)
+        for w in workers:
+            w.pump.join(5)
+    finally:
+        remove_segments(run_id)
     print("\nepl-launch summary:")
     for w in workers:
         code = w.proc.returncode
         print("  worker %d: %s  log %s" % (w.index, "exit %s" % code, w.log_path))
     if reason:
         if failed is not None:
-            print("\nepl-launch: worker %d %s; stopped the others. Last lines of %s:\n%s"
-                  % (failed.index, reason, failed.log_path, tail(failed.log_path)))
+            cause = exception_line(failed.log_path)
+            print("\nepl-launch: worker %d %s; stopped the others.%s\nLast lines of %s:\n%s"
+                  % (failed.index, reason, "\n  " + cause if cause else "", failed.log_path,
+                     tail(failed.log_path)))
         else:
             print("\nepl-launch: %s; stopped all workers." % reason)
         return 1

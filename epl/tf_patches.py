@@ -558,11 +558,14 @@ def _optional_patches():
     return out
 
 
+_active = []   # the patches install() applied (the fixed list and the optional ones)
+
+
 def install():
     if _originals:
         return
-    _PATCHES.extend(_optional_patches())
-    for key, owner, attr, replacement in _PATCHES:
+    _active[:] = list(_PATCHES) + _optional_patches()
+    for key, owner, attr, replacement in _active:
         _originals[key] = getattr(owner, attr)
         setattr(owner, attr, replacement)
     from tensorflow.python.ops import math_ops, nn_ops
@@ -574,9 +577,10 @@ def install():
 
 
 def uninstall():
-    for key, owner, attr, _ in _PATCHES:
+    for key, owner, attr, _ in _active:
         if key in _originals:
             setattr(owner, attr, _originals.pop(key))
+    del _active[:]
     while _rebound:
         module, attr, original = _rebound.pop()
         setattr(module, attr, original)

@@ -56,10 +56,57 @@ def train_and_evaluate(out_dir, cluster, wx, wy):
     print("worker %d done (evaluated: %s)" % (cluster.worker_index, metrics is not None))
 
 
+def estimator_twice(out_dir, cluster, wx, wy):
+    """An unchanged Estimator script that calls train() twice: each call makes a new
+    graph and session in every worker."""
+    def input_fn():
+        return tf.data.Dataset.from_tensor_slices((wx, wy)).batch(BATCH)
+
+    def model_fn(features, labels, mode):
+        _, loss = models.forward(features, labels)
+        op = models.train_op(loss, "momentum", tf.compat.v1.train.get_global_step())
+        return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=op)
+
+    est = tf.estimator.Estimator(model_fn, model_dir=os.path.join(out_dir, "est"))
+    est.train(input_fn, steps=3)
+    est.train(input_fn, steps=3)
+    if cluster.is_chief:
+        np.savez(os.path.join(out_dir, "chief.npz"),
+                 steps=np.array([est.get_variable_value("global_step")]),
+                 **{n: est.get_variable_value(n) for n in models.initial_weights()})
+    print("worker %d trained twice" % cluster.worker_index)
+
+
+def two_losses(bx, by):
+    """Two losses, two tf.gradients calls, hand-written updates (two reductions a step)."""
+    from tests import test_update_paths as tup
+    h, v1 = tup._layer(bx, "a", 3)
+    o, v2 = tup._layer(tf.one_hot(by, models.CLASSES), "b", 3)
+    loss1 = tf.reduce_mean(tf.square(h - 1.0))
+    loss2 = tf.reduce_mean(tf.abs(o - tf.reduce_mean(bx, axis=1, keepdims=True)))
+    grads = tup._gradients(loss1, v1) + tup._gradients(loss2, v2)
+    return tf.group(*[tf.compat.v1.assign_sub(v, 0.1 * g) for g, v in zip(grads, v1 + v2)]), \
+        v1 + v2
+
+
+def two_gradients(out_dir, cluster, wx, wy):
+    bx, by = models.input_batch(wx, wy, BATCH)
+    op, tvars = two_losses(bx, by)
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        for _ in range(STEPS):
+            sess.run(op)
+        values = sess.run(tvars)
+    np.savez(os.path.join(out_dir, "two_%d.npz" % cluster.worker_index),
+             **{v.op.name: val for v, val in zip(tvars, values)})
+
+
 def main():
     mode, out_dir = sys.argv[1], sys.argv[2]
     cluster, (wx, wy) = start_worker()
-    {"merge": merge, "train_and_evaluate": train_and_evaluate}[mode](out_dir, cluster, wx, wy)
+    {"merge": merge, "train_and_evaluate": train_and_evaluate,
+     "estimator_twice": estimator_twice, "two_gradients": two_gradients}[mode](
+         out_dir, cluster, wx, wy)
 
 
 if __name__ == "__main__":

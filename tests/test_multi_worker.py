@@ -115,10 +115,12 @@ def test_multi_host_loopback(tmp_path, transport):
     """Two 'hosts' on 127.0.0.2 and 127.0.0.3, one launcher each (machine_rank 0 and 1);
     once with the transport EPL picks (shared memory: both are this machine) and once
     through the TCP ring that hosts on different machines use."""
-    from epl.launcher import free_ports
-    p2, p3 = free_ports(1, "127.0.0.2")[0], free_ports(1, "127.0.0.3")[0]
+    from epl.launcher import free_port_block
+    # Each machine uses port .. port + 1 (TensorFlow's and EPL's): reserve both.
+    p2, p3 = free_port_block(2, "127.0.0.2"), free_port_block(2, "127.0.0.3")
     machines = "127.0.0.2:%d,127.0.0.3:%d" % (p2, p3)
-    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2",
+               EPL_JOB_SECRET="a-secret-both-machines-share")
     env.pop("EPL_JOB_ID", None)
     if transport == "tcp":
         env["EPL_COMM_TRANSPORT"] = "tcp"
