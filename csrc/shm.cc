@@ -73,7 +73,8 @@ struct Header {
 
 struct JobControl {
   Owner owner;
-  std::atomic<int64> aborted;   // 0, or 1 + the rank that reported the job's first error
+  std::atomic<int64> claim;     // the first rank to report an error writes the message
+  std::atomic<int64> aborted;   // 1 once the message is written
   std::atomic<int64> code;
   char message[2048];
   struct {
@@ -253,7 +254,8 @@ class ShmJob {
     ctl_->ranks[a.rank].pid.store(me.pid, std::memory_order_release);
     JobControl* ctl = ctl_;
     JobState::Get(job_)->AddPropagator([ctl](const Status& s) {
-      if (ctl->aborted.load() != 0) return;
+      int64 unclaimed = 0;
+      if (!ctl->claim.compare_exchange_strong(unclaimed, 1)) return;   // (another rank's)
       const string msg = s.error_message();
       const size_t n = std::min(msg.size(), sizeof(ctl->message) - 1);
       std::memcpy(ctl->message, msg.data(), n);

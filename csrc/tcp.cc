@@ -241,10 +241,12 @@ class Mesh {
     return Status::OK();
   }
 
-  // Tells every connected peer that the job failed.
+  // Tells every connected peer that the job failed, and wakes this process's waiters.
   void SendAbort(const Status& s) {
     const string msg = StrCat(static_cast<int>(s.code()), ":", s.error_message());
     for (int p = 0; p < size_; ++p) SendFrame(p, kAbort, 0, msg.data(), msg.size());
+    std::lock_guard<std::mutex> lock(mu_);
+    cv_.notify_all();
   }
 
  private:

@@ -55,6 +55,18 @@ def main():
             run(C.all_to_all(x, "%s/a2a" % JOB, RANK, SIZE, splits, timeout_seconds=TIMEOUT,
                              transport=TRANSPORT))
         result["error"], result["seconds"] = timed_error(go)
+    elif SCENARIO == "abort_wakes":   # rank 0: a failing collective and another one in one
+        def go():                      # step; rank 1 never runs the other: it must not wait
+            x = tf.ones([4, 2])
+            splits = tf.constant([5, 5] if RANK == 0 else [2, 2], tf.int64)
+            a2a = C.all_to_all(x, "%s/a2a" % JOB, RANK, SIZE, splits, timeout_seconds=TIMEOUT,
+                               transport=TRANSPORT)
+            fetches = [a2a]
+            if RANK == 0:
+                fetches.append(C.all_reduce(tf.ones([3]), "%s/other" % JOB, RANK, SIZE, "sum",
+                                            timeout_seconds=TIMEOUT, transport=TRANSPORT))
+            run(fetches)
+        result["error"], result["seconds"] = timed_error(go)
     elif SCENARIO == "exit_early":   # rank 1 leaves (status 0) after the first collective
         result["warm"] = all_reduce(1, "warm")
         if RANK == 1:

@@ -90,6 +90,16 @@ def test_a_rank_failing_in_a_collective_fails_its_peers_at_once(transport):
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_an_abort_also_fails_the_other_pending_collectives_of_the_job(transport):
+    """Rank 0 runs a failing collective and, in the same step, one rank 1 never joins: the
+    first failure ends both at once (a collective kernel cannot be cancelled otherwise)."""
+    codes, outs, _ = finish(start_ranks(2, "abort_wakes", transport), timeout=90)
+    assert codes == [0, 0], "\n".join(outs)
+    for r in results(outs):
+        assert "split sizes" in r["error"] and r["seconds"] < 5, r
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_a_worker_leaving_early_fails_the_others_naming_it(transport):
     """Rank 1 exits with status 0 while rank 0 waits for it in a collective."""
     codes, outs, _ = finish(start_ranks(2, "exit_early", transport), timeout=60)
