@@ -52,6 +52,9 @@ def inputs_for(graph, taskgraph, inputs, phase=ir.FORWARD):
         src = t.op
         if src.name in epl_graph.relaxed:
             continue
+        if getattr(src, "_control_flow_context", None) is not None \
+                or graph._get_control_flow_context() is not None:  # pylint: disable=protected-access
+            continue   # inside a loop or condition: a view there would leave its frame
         enters = (epl_graph.taskgraph_of(src) is not taskgraph or src.type in ir.SOURCE_OPS)
         if not enters or not epl_graph.is_batch(src):
             continue

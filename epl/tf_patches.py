@@ -131,6 +131,15 @@ def _classify(graph, op):
             tg = c.grad_default[-1]
         # A shard's backward runs on the shard's device.
         return tg, ir.BACKWARD, (epl_graph.shard_of(fwd) if fwd is not None else None)
+    if len(graph._colocation_stack):  # pylint: disable=protected-access
+        # State kept beside a variable (an ExponentialMovingAverage's shadow, its
+        # initializer) belongs to the variable's scope when no scope is current, and
+        # to its shard of a split scope, whatever scope is current.
+        from epl.strategies import current_strategy
+        tg, shard = _colocated(epl_graph, op)
+        if tg is not None and ((tg.kind == "split" and shard is not None)
+                               or current_strategy() is None):
+            return tg, ir.FORWARD, shard
     tg = _forward_taskgraph(epl_graph, op.inputs)
     shard = current_shard() if tg is not None and tg.kind == "split" else None
     if shard is None and tg is not None and tg.kind == "split":

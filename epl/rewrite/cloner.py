@@ -1,34 +1,40 @@
-"""Copy one op inside its graph with new inputs and a device.
+"""Copy ops inside their graph with new inputs and devices.
 
-We copy NodeDefs through ``Graph._create_op_internal`` rather than import a
-GraphDef: shapes are inferred as usual and the copy is an ordinary op the
-later passes can edit.  Ops inside TF1 control flow (tf.cond, tf.while_loop)
-carry a control-flow context that a plain copy would lose, so they are refused.
+Two ways, one per need:
+
+* ``clone_op``: one op, through ``Graph._create_op_internal`` (an input pull, a
+  mirrored write): shapes are inferred as usual.
+* ``CopyPlan``: the bulk of a replica, every clone at once, as one GraphDef
+  imported through TensorFlow's C++ importer.  Building NodeDefs and importing
+  them costs a fraction of creating the same ops one by one from Python, which
+  matters at BERT scale (tens of thousands of ops per clone).  Ops inside TF1
+  control flow keep their meaning: every clone's loops get their own frame
+  names and control-flow contexts (``control_flow.py``).
 """
 import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
+from tensorflow.python import pywrap_tensorflow as c_api
+from tensorflow.python.framework import c_api_util
 
 from epl import tf_patches
 
 _SEED_ATTRS = ("seed2",)
-
-
-def check_clonable(op):
-    if getattr(op, "_control_flow_context", None) is not None:
-        raise NotImplementedError(
-            "EPL cannot replicate op %r (%s): it is inside a TF1 control-flow construct "
-            "(tf.cond / tf.while_loop / dynamic_rnn), which the replica cloner does not "
-            "support yet. Build that part with static ops (e.g. tf.nn.static_rnn) or keep it "
-            "outside the epl.replicate scope." % (op.name, op.type))
+_SEED_STEP = 7919     # clone c's seed2 = seed2 + c * _SEED_STEP
 
 
 def clone_op(op, inputs, name, device, control_inputs=(), seed_offset=0, attr_overrides=None):
     """A copy of ``op`` named ``name`` on ``device`` reading ``inputs``."""
-    check_clonable(op)
+    from epl.rewrite.control_flow import context_of
+    if context_of(op) is not None:
+        raise NotImplementedError(
+            "EPL cannot copy op %r (%s) on its own: it is inside a TF1 control-flow construct "
+            "(tf.cond / tf.while_loop). Create it outside the loop or condition."
+            % (op.name, op.type))
     g = op.graph
     attrs = {k: v for k, v in op.node_def.attr.items() if k != "_class"}
     if seed_offset and any(k in attrs for k in _SEED_ATTRS) and attrs.get("seed2").i:
         # Stateful random ops with a fixed seed would repeat replica 0's stream.
-        attrs["seed2"] = tf.compat.v1.AttrValue(i=attrs["seed2"].i + 7919 * seed_offset)
+        attrs["seed2"] = tf.compat.v1.AttrValue(i=attrs["seed2"].i + _SEED_STEP * seed_offset)
     for k, v in (attr_overrides or {}).items():
         attrs[k] = v
     with g.name_scope(None), g.control_dependencies(None), \
@@ -41,6 +47,86 @@ def clone_op(op, inputs, name, device, control_inputs=(), seed_offset=0, attr_ov
     if control_inputs:
         new._add_control_inputs(list(control_inputs))  # pylint: disable=protected-access
     return new
+
+
+class CopyPlan(object):
+    """Nodes to add to ``graph`` in one import.  A node reads a node of the plan by
+    its name, and an existing tensor or op through the key ``input_key`` /
+    ``control_key`` gives it (the importer maps the keys)."""
+
+    def __init__(self, graph):
+        self.graph = graph
+        self.gdef = graph_pb2.GraphDef()
+        self.gdef.versions.CopyFrom(graph.graph_def_versions)
+        self.names = []          # node names in order
+        self._inputs = {}        # existing tensor -> key name in the GraphDef
+        self._controls = {}      # existing op -> key name
+
+    def input_key(self, tensor):
+        key = self._inputs.get(tensor)
+        if key is None:
+            key = "EPL_IMPORT_INPUT_%d" % len(self._inputs)
+            self._inputs[tensor] = key
+        return key
+
+    def control_key(self, op):
+        key = self._controls.get(op)
+        if key is None:
+            key = "EPL_IMPORT_CONTROL_%d" % len(self._controls)
+            self._controls[op] = key
+        return key
+
+    def add(self, template, name, device, inputs, controls, attrs):
+        """A node like ``template`` (a NodeDef) named ``name``: ``inputs`` and
+        ``controls`` are NodeDef input strings, ``attrs`` {name: AttrValue} overrides."""
+        nd = self.gdef.node.add()
+        nd.op = template.op
+        nd.name = name
+        nd.device = device
+        nd.input.extend(inputs)
+        nd.input.extend("^" + c for c in controls)
+        for k, v in template.attr.items():
+            if k != "_class":
+                nd.attr[k].CopyFrom(attrs[k] if k in attrs else v)
+        for k, v in attrs.items():
+            if k not in template.attr:
+                nd.attr[k].CopyFrom(v)
+        if template.HasField("experimental_debug_info"):
+            nd.experimental_debug_info.CopyFrom(template.experimental_debug_info)
+        self.names.append(name)
+
+    def run(self):
+        """Import the nodes; returns {planned name: Operation}."""
+        g = self.graph
+        if not self.names:
+            return {}
+        scoped = c_api_util.ScopedTFImportGraphDefOptions()
+        options = scoped.options
+        c_api.TF_ImportGraphDefOptionsSetPrefix(options, "")
+        # TensorFlow's importer refuses an op named like an existing name scope
+        # ("opt" after "opt/learning_rate", which Python allows): such a copy gets a
+        # suffix, as in Python.
+        c_api.TF_ImportGraphDefOptionsSetUniquifyNames(options, True)
+        c_api.TF_ImportGraphDefOptionsSetValidateColocationConstraints(options, False)
+        for t, key in self._inputs.items():
+            c_api.TF_ImportGraphDefOptionsAddInputMapping(options, key, 0, t._as_tf_output())  # pylint: disable=protected-access
+        for op, key in self._controls.items():
+            c_api.TF_ImportGraphDefOptionsRemapControlDependency(options, key, op._c_op)  # pylint: disable=protected-access
+        for name in self.names:
+            c_api.TF_ImportGraphDefOptionsAddReturnOperation(options, name)
+        with g._mutation_lock():  # pylint: disable=protected-access
+            with c_api_util.tf_buffer(self.gdef.SerializeToString()) as serialized:
+                try:
+                    results = c_api.TF_GraphImportGraphDefWithResults(
+                        g._c_graph, serialized, options)  # pylint: disable=protected-access
+                except tf.errors.InvalidArgumentError as e:
+                    raise ValueError("EPL could not copy the replica's ops: %s" % e.message)
+                results = c_api_util.ScopedTFImportGraphDefResults(results)
+            c_ops = c_api.TF_ImportGraphDefResultsReturnOperations(results.results)
+            with tf_patches.rewriting():
+                made = [g._create_op_from_tf_operation(c_op, compute_device=False)  # pylint: disable=protected-access
+                        for c_op in c_ops]
+        return dict(zip(self.names, made))
 
 
 def new_ops(graph):

@@ -1,14 +1,18 @@
 """ReplicaClonePass: one copy of the replica's ops per clone, on its device.
 
-Ops are copied in creation order (a topological order of the user's graph).
-Just before the first op that reads the gradients of a reduction site (see
-``updates.py``) is copied, those gradients are reduced across clones
-(``gradients.py``), so every clone's update reads the reduced gradient.
+The replica's ops (in creation order, a topological order of the user's graph)
+are cut into segments at the reduction sites (``updates.py``): just before the
+first op that reads a site's gradients, those gradients are reduced across
+clones (``gradients.py``), so every clone's update reads the reduced gradient.
+Each segment is copied for every clone at once, as one GraphDef import
+(``cloner.CopyPlan``); loops and conditions get per-clone frames and contexts
+(``control_flow.py``).
 """
 import tensorflow as tf
 
 from epl import ir
-from epl.rewrite.cloner import check_clonable, clone_op
+from epl.rewrite import control_flow
+from epl.rewrite.cloner import CopyPlan, _SEED_STEP
 from epl.rewrite.gradients import reduce_gradients
 from epl.rewrite.selection import VARIABLE_OPS
 
@@ -18,8 +22,8 @@ def place_originals(state, sel):
     single update too, when a worker shares one copy of its variables).  A write to
     a variable runs where the variable lives."""
     ops = sorted(list(sel.ops) + list(sel.shared), key=lambda o: o._id)  # pylint: disable=protected-access
+    control_flow.check_stages(state, ops)
     for op in ops:
-        check_clonable(op)
         # Our placement replaces TF's colocation hints: tf.gradients colocates a
         # gradient sum with its first input, which may live on another stage.
         if "_class" in op.node_def.attr:
@@ -47,30 +51,101 @@ def clone_replicas(state, sel):
     # A site whose readers are not copied (shared variables) is reduced last.
     pending = sorted(((_first_id(sel, site), site) for site in sel.updates.sites),
                      key=lambda x: (x[0], x[1].index))
+    segment = []
     for op in sel.ops:
         while pending and op._id >= pending[0][0]:  # pylint: disable=protected-access
+            _copy_segment(state, segment)
+            segment = []
             reduce_gradients(state, pending.pop(0)[1])
-        mine = owned(state, op)
-        for c in range(1, state.num_clones):
-            if mine and not state.is_rep(c):
-                # Micro-batches of a replica share its variables and its one update.
-                rep = state.reps[c]
-                state.op_map[c][op] = state.op(rep, op)
-                for t in op.outputs:
-                    state.tensor_map[c][t] = state.tensor(rep, t)
+        segment.append(op)
+    _copy_segment(state, segment)
+    for _, rec in pending:
+        reduce_gradients(state, rec)
+    if not hasattr(state, "copied_contexts"):
+        state.copied_contexts = set()
+    control_flow.copy_contexts(state, sel.ops, state.copied_contexts)
+
+
+def _copy_segment(state, ops):
+    """Every clone's copy of ``ops`` (made in one import).  Micro-batches of a
+    replica share its variables and its one update (``owned``)."""
+    n = state.num_clones
+    if n == 1 or not ops:
+        return
+    members = set(ops)
+    own = set(op for op in ops if owned(state, op))
+    plan = CopyPlan(state.graph)
+    devices = {}    # (clone, variable op of this segment) -> device of its copy
+
+    def source(c, op):
+        """(clone whose copy of ``op`` clone c reads, or None: an existing op)."""
+        if op in members:
+            cc = c if op not in own or state.is_rep(c) else state.reps[c]
+            if cc != 0:
+                return cc, None
+            return None, op
+        return None, state.op(c, op)
+
+    def ref(c, t):
+        cc, existing = source(c, t.op)
+        if cc is not None:
+            name = state.clone_name(cc, t.op.name)
+            return name if t.value_index == 0 else "%s:%d" % (name, t.value_index)
+        return plan.input_key(t if t.op in members else state.tensor(c, t))
+
+    def ctl(c, op):
+        cc, existing = source(c, op)
+        return state.clone_name(cc, op.name) if cc is not None else plan.control_key(existing)
+
+    def device(c, op, inputs):
+        """The variable's device for ops that take a variable itself (a resource read,
+        an update), else the clone's device of the op's stage."""
+        for t in inputs:
+            if ir.is_state_handle(t) and t.op.type in VARIABLE_OPS:
+                cc, existing = source(c, t.op)
+                dev = devices.get((cc, t.op)) if cc is not None else existing.device
+                if dev:
+                    return dev
+        return state.device_for(c, op)
+
+    templates = [(op, op.node_def, list(op.inputs), list(op.control_inputs)) for op in ops]
+    for c in range(1, n):
+        for op, nd, inputs, controls in templates:
+            if op in own and not state.is_rep(c):
                 continue
-            inputs = [state.tensor(c, t) for t in op.inputs]
-            controls = [state.op(c, ci) for ci in op.control_inputs]
-            attr = None
-            if op.type == "VarHandleOp":
-                attr = {"shared_name": tf.compat.v1.AttrValue(s=state.clone_name(c, op.name).encode())}
-            new = clone_op(op, inputs, state.clone_name(c, op.name), _device_for(state, c, inputs, op),
-                           controls, seed_offset=c, attr_overrides=attr)
+            dev = device(c, op, inputs)
+            if op.type in VARIABLE_OPS:
+                devices[(c, op)] = dev
+            plan.add(nd, state.clone_name(c, op.name), dev, [ref(c, t) for t in inputs],
+                     [ctl(c, ci) for ci in controls], _attrs(state, c, op, nd))
+    made = plan.run()
+    for c in sorted(range(1, n), key=lambda c: not state.is_rep(c)):
+        for op, _, _, _ in templates:
+            if op in own and not state.is_rep(c):
+                new = state.op(state.reps[c], op)
+            else:
+                new = made[state.clone_name(c, op.name)]
             state.op_map[c][op] = new
             for old_t, new_t in zip(op.outputs, new.outputs):
                 state.tensor_map[c][old_t] = new_t
-    for _, rec in pending:
-        reduce_gradients(state, rec)
+
+
+def _attrs(state, c, op, nd):
+    """Clone c's attribute changes: its own seed stream, variable names and loop
+    frames."""
+    attrs = {}
+    a = nd.attr
+    if "seed2" in a and a["seed2"].i:
+        # Stateful random ops with a fixed seed would repeat replica 0's stream.
+        attrs["seed2"] = tf.compat.v1.AttrValue(i=a["seed2"].i + _SEED_STEP * c)
+    if op.type == "VarHandleOp":
+        attrs["shared_name"] = tf.compat.v1.AttrValue(s=state.clone_name(c, op.name).encode())
+    elif "shared_name" in a and a["shared_name"].s:
+        attrs["shared_name"] = tf.compat.v1.AttrValue(
+            s=state.clone_name(c, a["shared_name"].s.decode()).encode())
+    if op.type in ("Enter", "RefEnter"):
+        attrs["frame_name"] = control_flow.frame_attr(c, state, a["frame_name"])
+    return attrs
 
 
 def _first_id(sel, site):

@@ -15,6 +15,7 @@ phase of every op), not from op names.
 import tensorflow as tf
 
 from epl import ir
+from epl.rewrite import control_flow
 from epl.rewrite.cloner import new_ops
 from epl.rewrite.selection import VARIABLE_OPS
 
@@ -49,7 +50,9 @@ def _training_path(state):
 
 
 def task_ops(state, clone, stage, phase, path):
-    """The ops of one task in one clone."""
+    """The ops of one task in one clone that schedule edges may touch (``path``):
+    loops and conditions are ordered through the ops around them
+    (``control_flow.edge_safe``)."""
     out = []
     for op in state.selection.ops:
         if op.type in _SKIP or op not in path or state.stage_of(op) != stage:
@@ -68,7 +71,7 @@ def schedule_pipeline(state):
     if layout.num_stages == 1 and layout.num_micro_batch == 1:
         return
     strategy = state.config.get("pipeline.strategy")
-    path = _training_path(state)
+    path = _training_path(state) & control_flow.edge_safe(state.selection.ops)
     state.schedule = {}
     replicas = {}
     for c, (r, m, _) in enumerate(state.clones):

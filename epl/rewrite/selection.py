@@ -49,9 +49,16 @@ class Selection(object):
         return op in self.op_set
 
 
+# Resources that live for one step of one computation (a loop's TensorArrays, the
+# stacks of a loop's gradient): every clone makes its own.
+STEP_RESOURCE_OPS = frozenset(["TensorArrayV3", "TensorArrayV2", "TensorArray", "StackV2",
+                               "Stack", "TemporaryVariable"])
+
+
 def _is_shared_resource(op):
-    """An op that creates state other than a variable (iterator, queue, table)."""
-    if op.type in VARIABLE_OPS:
+    """An op that creates state other than a variable (iterator, queue, table) that
+    lives across steps."""
+    if op.type in VARIABLE_OPS or op.type in STEP_RESOURCE_OPS:
         return False
     return (any(ir.is_state_handle(o) for o in op.outputs)
             and not any(ir.is_state_handle(i) for i in op.inputs))
@@ -75,6 +82,7 @@ def select(ir_graph, taskgraphs, share_variables=False, clip_after_allreduce=Fal
     from_step = _step_only_ops(graph, step_op)
 
     mine = set(tg.index for tg in taskgraphs)
+    on_batch = downstream_of_batch(graph)
 
     def excluded(op):
         tg = ir_graph.taskgraph_of(op)
@@ -82,6 +90,8 @@ def select(ir_graph, taskgraphs, share_variables=False, clip_after_allreduce=Fal
             return True   # another TaskGraph's (a split scope's shards)
         if op.type in SOURCE_OPS or op.type == "Placeholder" or op.type in _CHECKPOINT_OPS:
             return True
+        if op.type == "PlaceholderWithDefault" and op not in on_batch:
+            return True   # a flag (is_training): every replica reads the one the user feeds
         if op in initializers or op in from_step or _is_shared_resource(op):
             return True
         if any(ci in initializers for ci in op.control_inputs):
@@ -100,7 +110,6 @@ def select(ir_graph, taskgraphs, share_variables=False, clip_after_allreduce=Fal
 
     # Ops outside the TaskGraph that compute on the batch before it enters
     # (e.g. preprocessing built before set_default_strategy) are per-replica too.
-    on_batch = downstream_of_batch(graph)
     frontier = list(wanted)
     while frontier:
         op = frontier.pop()

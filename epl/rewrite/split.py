@@ -29,6 +29,7 @@ from tensorflow.python.ops import gen_array_ops
 
 from epl import ir
 from epl.rewrite.cloner import clone_op, new_ops
+from epl.rewrite.selection import VARIABLE_OPS
 
 log = logging.getLogger("epl")
 
@@ -84,6 +85,46 @@ def _is_variable_value(t):
             and ir.is_state_handle(t.op.inputs[0]))
 
 
+def _stateless_value(t):
+    """``t`` reads no variable (a split variable's initial value, read by the
+    ``initialized_value`` of an ExponentialMovingAverage): every clone reads this one
+    tensor, and no gradient flows through it."""
+    stack, seen = [t.op], set()
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        if op.type in VARIABLE_OPS or any(ir.is_state_handle(i) for i in op.inputs):
+            return False
+        stack.extend(i.op for i in op.inputs)
+    return True
+
+
+def _initializes_only(state, op):
+    """Nothing computed from ``op`` reaches a gradient or an update, other than
+    variable initializers (the ``initialized_value`` condition of an
+    ExponentialMovingAverage's shadow of a split variable)."""
+    inits = set(v.initializer for key in (tf.compat.v1.GraphKeys.GLOBAL_VARIABLES,
+                                          tf.compat.v1.GraphKeys.LOCAL_VARIABLES)
+                for v in state.graph.get_collection(key))
+    stack, seen = [op], set()
+    while stack:
+        o = stack.pop()
+        if o in seen or o in inits:
+            continue
+        seen.add(o)
+        if state.ir_graph.phase_of(o) in (ir.BACKWARD, ir.APPLY) or o.type in _WRITES:
+            return False
+        stack.extend(c for out in o.outputs for c in out.consumers())
+        stack.extend(o._control_outputs)  # pylint: disable=protected-access
+    return True
+
+
+_WRITES = frozenset(["Assign", "AssignAdd", "AssignSub", "AssignVariableOp",
+                     "AssignAddVariableOp", "AssignSubVariableOp"])
+
+
 def _batch_ops(state):
     """Ops computed from an input batch (computed once per rewrite)."""
     if state.batch_ops is None:
@@ -132,7 +173,8 @@ def bridge(state):
         for op in sel.ops:
             mine = state.op(c, op)
             for i, t in enumerate(mine.inputs):
-                if t.op not in split_ops or _is_variable_value(t) or t in weight_grads:
+                if t.op not in split_ops or _is_variable_value(t) or t in weight_grads \
+                        or _stateless_value(t) or _initializes_only(state, op):
                     continue
                 if t.op not in on_batch:
                     raise NotImplementedError(

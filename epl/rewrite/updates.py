@@ -261,18 +261,28 @@ def _walk_up(tensors, reduced, grad_owner, batch_ops, is_source):
 def _variant_ops(ordered, candidates, reduced, batch_ops, is_source):
     """Replica ops whose value differs between replicas: computed from the batch, other
     than through reduced gradients.  Batch values made outside the replica (the input
-    pipeline's pulls, a split scope's rows) differ per replica too.  (Creation order
-    is topological outside control flow.)"""
+    pipeline's pulls, a split scope's rows) differ per replica too.  Creation order is
+    topological except along a loop's back edges (a ``Merge`` is made before its
+    ``NextIteration``): with loops, passes repeat until nothing changes."""
     variant = set()
-    for op in ordered:
-        if is_source(op):
-            variant.add(op)
-            continue
-        for t in op.inputs:
-            if t in reduced:
+    loops = any(op.type in ("NextIteration", "RefNextIteration") for op in ordered)
+    changed = True
+    while changed:
+        changed = False
+        for op in ordered:
+            if op in variant:
                 continue
-            up = t.op
-            if up in variant or (up not in candidates and up in batch_ops):
+            if is_source(op):
                 variant.add(op)
-                break
+                changed = True
+                continue
+            for t in op.inputs:
+                if t in reduced:
+                    continue
+                up = t.op
+                if up in variant or (up not in candidates and up in batch_ops):
+                    variant.add(op)
+                    changed = True
+                    break
+        changed = changed and loops
     return variant
