@@ -86,3 +86,109 @@ def cf_initial(name):
     with tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         return {v.op.name: sess.run(v) for v in tf.compat.v1.global_variables()}
+
+
+def test_fed_flag_reaches_every_replica(tmpdir):
+    """A flag fed by the user (``is_training``, a placeholder with a default) is read by
+    every replica: feeding False trains every replica with the false branch."""
+    def run(layout):
+        models.reset()
+        if layout:
+            models.init_data_parallel(2)
+        x, y = _batches(B * (1 if layout else 2), STEPS * 2 * B)
+        loss = cf.model("cond", x, y)
+        op = cf.train_op("cond", loss)
+        flag = tf.compat.v1.get_default_graph().get_tensor_by_name("is_training:0")
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for _ in range(STEPS):
+                sess.run(op, {flag: False})
+            return {v.op.name: sess.run(v) for v in tf.compat.v1.trainable_variables()}
+    want, got = run(None), run("dp2")
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def _loop_across_stages(boundary_inside):
+    """A tf.while_loop built outside the stages' scopes whose body runs its first half
+    on stage 0 and its second on stage 1 (``boundary_inside``), or a loop built inside
+    stage 0 followed by a stage 1 head."""
+    models.reset()
+    epl.init(epl.Config({"cluster.devices_per_worker": 2, "pipeline.num_micro_batch": 2}))
+    stages = [epl.replicate(1, name="stage_0"), epl.replicate(1, name="stage_1")]
+    x, y = _batches(B)
+    with stages[0]:
+        h = tf.reshape(x, [-1, cf.T, cf.F])[:, 0, :]
+        w = tf.compat.v1.get_variable("w", [cf.F, cf.F])
+
+    def body(t, s):
+        if boundary_inside:
+            with stages[0]:
+                a = tf.matmul(s, w)
+            with stages[1]:
+                return t + 1, tf.tanh(a)
+        return t + 1, tf.tanh(tf.matmul(s, w))
+    if boundary_inside:
+        _, s = tf.while_loop(lambda t, s: t < 3, body, [0, h], name="mixed_loop")
+    else:
+        with stages[0]:
+            _, s = tf.while_loop(lambda t, s: t < 3, body, [0, h], name="mixed_loop")
+    with stages[1]:
+        logits = tf.compat.v1.layers.dense(s, cf.CLASSES)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=logits))
+    return tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+
+
+def test_stage_boundary_inside_a_loop_is_refused():
+    op = _loop_across_stages(boundary_inside=True)
+    with tf.compat.v1.Session() as sess:
+        with pytest.raises(ValueError, match=r"tf.while_loop 'mixed_loop' spans pipeline stages .*stage_0.*stage_1"):
+            sess.run(tf.compat.v1.global_variables_initializer())
+    assert op is not None
+
+
+def test_loop_inside_one_stage_is_accepted():
+    op = _loop_across_stages(boundary_inside=False)
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        sess.run(op)
+
+
+def test_rewritten_graph_exports_and_reimports(tmpdir):
+    """export_meta_graph of a rewritten graph with loops (every clone's contexts in the
+    collections) re-imports, and the imported graph trains like the original."""
+    models.reset()
+    models.init_data_parallel(2)
+    px = tf.compat.v1.placeholder(tf.float32, [None, cf.T, cf.F], name="px")
+    py = tf.compat.v1.placeholder(tf.int64, [None], name="py")
+    loss = cf.model("lstm", px, py)
+    op = cf.train_op("lstm", loss)
+    x, y = cf.data(2 * B)
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        sess.run(op, {px: x, py: y})      # rewrites
+        g = tf.compat.v1.get_default_graph()
+        contexts = g.get_collection(tf.compat.v1.GraphKeys.WHILE_CONTEXT)
+        assert sorted(c.name for c in contexts) == [
+            "EPL_REPLICA_1/rnn/while/while_context", "rnn/while/while_context"]
+        frames = set(o.get_attr("frame_name") for o in g.get_operations() if o.type == "Enter")
+        assert b"EPL_REPLICA_1/rnn/while/while_context" in frames
+        path = os.path.join(str(tmpdir), "model")
+        tf.compat.v1.train.Saver().save(sess, path)
+        meta = tf.compat.v1.train.export_meta_graph(os.path.join(str(tmpdir), "rewritten.meta"))
+        want_loss = sess.run(loss, {px: x, py: y})
+        sess.run(op, {px: x, py: y})
+        want_after = sess.run(loss, {px: x, py: y})
+    models.reset()    # a plain graph, EPL not initialized: the imported graph runs as is
+    with tf.Graph().as_default() as g2:
+        saver = tf.compat.v1.train.import_meta_graph(meta)
+        contexts = g2.get_collection(tf.compat.v1.GraphKeys.WHILE_CONTEXT)
+        assert len(contexts) == 2
+        cfg = tf.compat.v1.ConfigProto(device_count={"CPU": 2})
+        with tf.compat.v1.Session(config=cfg) as sess:
+            saver.restore(sess, path)
+            feed = {"px:0": x, "py:0": y}
+            np.testing.assert_allclose(sess.run(loss.name, feed), want_loss, rtol=1e-6)
+            sess.run(op.name, feed)
+            np.testing.assert_allclose(sess.run(loss.name, feed), want_after, rtol=1e-5)

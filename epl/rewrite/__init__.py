@@ -75,10 +75,11 @@ def rewrite_if_needed(graph):
 
 def _rewrite(epl_graph, env):
     from epl import plan as planner
-    from epl.rewrite import selection, split
+    from epl.rewrite import control_flow, selection, split
     from epl.rewrite.state import ReplicaState, share_variables
     layout = planner.plan(env.cluster, epl_graph.taskgraphs, env.config)
     replicated = [tg for tg in epl_graph.taskgraphs if tg.kind != "split"]
+    control_flow.check_stages(epl_graph, replicated, layout.num_stages)
     sel = selection.select(epl_graph, replicated, share_variables(env.cluster, env.config),
                            env.config.get("communication.clip_after_allreduce"))
     state = ReplicaState(epl_graph, replicated, sel, layout, env.cluster, env.config)

@@ -17,6 +17,8 @@ import tensorflow as tf
 from tensorflow.core.protobuf import control_flow_pb2
 from tensorflow.python.ops import control_flow_ops
 
+from epl import ir
+
 _COLLECTIONS = (tf.compat.v1.GraphKeys.WHILE_CONTEXT, tf.compat.v1.GraphKeys.COND_CONTEXT)
 
 
@@ -44,26 +46,31 @@ def describe(ctx):
     return "the %s %r" % (kind, name)
 
 
-def check_stages(state, ops):
-    """Every loop and condition of the pipeline's ops runs on one stage."""
-    if state.layout.num_stages <= 1:
+def check_stages(ir_graph, taskgraphs, num_stages):
+    """Every loop and condition of a pipeline's forward ops is built in one stage's
+    scope.  (Their gradients follow: ops that tf.gradients adds to a forward loop, like
+    its iteration counter, may be attributed to the stage whose gradient was being
+    built.)  Checked before the stages are ordered: a loop across stages reads in
+    both directions."""
+    if num_stages <= 1:
         return
     stages = {}
-    for op in ops:
-        ctx = context_of(op)
-        if ctx is None or state.ir_graph.taskgraph_of(op) is None:
-            continue
-        stages.setdefault(root_of(ctx), {}).setdefault(state.stage_of(op), op)
+    for tg in taskgraphs:
+        for op in tg.ops:
+            ctx = context_of(op)
+            if ctx is None or ir_graph.phase_of(op) != ir.FORWARD:
+                continue
+            stages.setdefault(root_of(ctx), {}).setdefault(tg.index, (tg, op))
     for root, where in stages.items():
         if len(where) > 1:
-            examples = ", ".join("%r on stage %d" % (op.name, s)
-                                 for s, op in sorted(where.items()))
+            examples = ", ".join("%r in %s" % (op.name, tg.strategy)
+                                 for _, (tg, op) in sorted(where.items()))
+            what = "loop" if isinstance(root, control_flow_ops.WhileContext) else "condition"
             raise ValueError(
                 "EPL: %s spans pipeline stages (%s). A loop or condition, with its body, "
-                "must run on one stage: open the stage's scope (epl.replicate) around the "
-                "whole %s, not inside its body." % (describe(root), examples,
-                                                     "loop" if "while" in describe(root)
-                                                     else "condition"))
+                "must run on one stage: build the whole %s inside one stage's scope "
+                "(epl.replicate), not a stage boundary inside its body."
+                % (describe(root), examples, what))
 
 
 def roots_of(ops):

@@ -22,7 +22,6 @@ def place_originals(state, sel):
     single update too, when a worker shares one copy of its variables).  A write to
     a variable runs where the variable lives."""
     ops = sorted(list(sel.ops) + list(sel.shared), key=lambda o: o._id)  # pylint: disable=protected-access
-    control_flow.check_stages(state, ops)
     for op in ops:
         # Our placement replaces TF's colocation hints: tf.gradients colocates a
         # gradient sum with its first input, which may live on another stage.
