@@ -51,6 +51,11 @@ Patch points (all installed by :func:`install`, idempotent):
     another number of rows than it is built for (``replicate(k > 1)``, ``split``)
     is created, its fixed-batch inputs entering the scope are replaced by relaxed
     views with an unknown batch dimension (``epl.rebatch``).
+16. ``ops.Graph._get_operation_by_name_unsafe`` (so also ``_get_operation_by_tf_operation``:
+    an op's inputs, consumers and control edges), ``_as_graph_element_locked`` (names,
+    fetches), ``get_operations``, ``_add_new_tf_operations`` and ``_as_graph_def``: the
+    replicas' copies get their Python ``Operation`` on first use
+    (``epl.rewrite.deferred``).
 
 Everything else reads and edits graphs through :mod:`epl.ir` and the rewriter.
 """
@@ -500,7 +505,48 @@ def _make_callable_from_options(self, callable_options):
                                                                        callable_options))
 
 
+def _get_operation_by_name_unsafe(self, name):
+    try:
+        return _originals["get_op_by_name"](self, name)
+    except KeyError:
+        from epl.rewrite import deferred
+        op = deferred.materialize(self, name)
+        if op is None:
+            raise
+        return op
+
+
+def _as_graph_element_locked(self, obj, allow_tensor, allow_operation):
+    if isinstance(obj, str) and "_epl_deferred" in self.__dict__:
+        from epl.rewrite import deferred
+        deferred.materialize(self, obj.split(":")[0] if ":" in obj else obj)
+    return _originals["as_graph_element_locked"](self, obj, allow_tensor, allow_operation)
+
+
+def _deferred_first(key):
+    def patched(self, *args, **kwargs):
+        if "_epl_deferred" in self.__dict__:
+            from epl.rewrite import deferred
+            deferred.materialize_all(self)
+        return _originals[key](self, *args, **kwargs)
+    return patched
+
+
+def _as_graph_def(self, from_version=None, add_shapes=False):
+    """Shapes come from the Python ops (export_meta_graph asks for them)."""
+    if add_shapes and "_epl_deferred" in self.__dict__:
+        from epl.rewrite import deferred
+        deferred.materialize_all(self)
+    return _originals["as_graph_def_internal"](self, from_version, add_shapes)
+
+
 _PATCHES = [
+    ("get_op_by_name", ops.Graph, "_get_operation_by_name_unsafe", _get_operation_by_name_unsafe),
+    ("as_graph_element_locked", ops.Graph, "_as_graph_element_locked", _as_graph_element_locked),
+    ("get_operations", ops.Graph, "get_operations", _deferred_first("get_operations")),
+    ("add_new_tf_operations", ops.Graph, "_add_new_tf_operations",
+     _deferred_first("add_new_tf_operations")),
+    ("as_graph_def_internal", ops.Graph, "_as_graph_def", _as_graph_def),
     ("create_op_helper", ops.Graph, "_create_op_helper", _create_op_helper),
     ("create_op_internal", ops.Graph, "_create_op_internal", _create_op_internal),
     ("maybe_colocate_with", gradients_util, "_maybe_colocate_with", _maybe_colocate_with),

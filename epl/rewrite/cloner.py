@@ -12,11 +12,12 @@ Two ways, one per need:
   names and control-flow contexts (``control_flow.py``).
 """
 import tensorflow as tf
-from tensorflow.core.framework import graph_pb2
+from tensorflow.core.framework import node_def_pb2
 from tensorflow.python import pywrap_tensorflow as c_api
 from tensorflow.python.framework import c_api_util
 
 from epl import tf_patches
+from epl.rewrite import deferred
 
 _SEED_ATTRS = ("seed2",)
 _SEED_STEP = 7919     # clone c's seed2 = seed2 + c * _SEED_STEP
@@ -56,8 +57,8 @@ class CopyPlan(object):
 
     def __init__(self, graph):
         self.graph = graph
-        self.gdef = graph_pb2.GraphDef()
-        self.gdef.versions.CopyFrom(graph.graph_def_versions)
+        self.versions = graph.graph_def_versions.SerializeToString()
+        self.nodes = []          # serialized NodeDefs
         self.names = []          # node names in order
         self._inputs = {}        # existing tensor -> key name in the GraphDef
         self._controls = {}      # existing op -> key name
@@ -76,27 +77,42 @@ class CopyPlan(object):
             self._controls[op] = key
         return key
 
-    def add(self, template, name, device, inputs, controls, attrs):
-        """A node like ``template`` (a NodeDef) named ``name``: ``inputs`` and
-        ``controls`` are NodeDef input strings, ``attrs`` {name: AttrValue} overrides."""
-        nd = self.gdef.node.add()
-        nd.op = template.op
-        nd.name = name
-        nd.device = device
-        nd.input.extend(inputs)
-        nd.input.extend("^" + c for c in controls)
-        for k, v in template.attr.items():
-            if k != "_class":
-                nd.attr[k].CopyFrom(attrs[k] if k in attrs else v)
-        for k, v in attrs.items():
-            if k not in template.attr:
-                nd.attr[k].CopyFrom(v)
-        if template.HasField("experimental_debug_info"):
-            nd.experimental_debug_info.CopyFrom(template.experimental_debug_info)
+    @staticmethod
+    def template(node_def, skip=()):
+        """The serialized part of ``node_def`` every copy shares: its type and
+        attributes (not ``_class`` colocation, nor the ``skip``ped ones each copy sets)."""
+        base = node_def_pb2.NodeDef()
+        base.op = node_def.op
+        for k, v in node_def.attr.items():
+            if k != "_class" and k not in skip:
+                base.attr[k].CopyFrom(v)
+        if node_def.HasField("experimental_debug_info"):
+            base.experimental_debug_info.CopyFrom(node_def.experimental_debug_info)
+        return base.SerializeToString()
+
+    def add(self, template, name, device, inputs, controls, attrs=None):
+        """A node of ``template`` (from ``template()``) named ``name`` on ``device``:
+        ``inputs`` and ``controls`` are NodeDef input strings, ``attrs`` {name:
+        AttrValue} the attributes it sets itself.  Serialized directly: building
+        NodeDef messages field by field from Python costs more than the import."""
+        parts = [_field(b"\x0a", name.encode()), template]
+        parts.extend(_field(b"\x1a", i.encode()) for i in inputs)
+        parts.extend(_field(b"\x1a", ("^" + c).encode()) for c in controls)
+        parts.append(_field(b"\x22", device.encode()))
+        for k, v in (attrs or {}).items():
+            entry = _field(b"\x0a", k.encode()) + _field(b"\x12", v.SerializeToString())
+            parts.append(_field(b"\x2a", entry))
+        self.nodes.append(_field(b"\x0a", b"".join(parts)))
         self.names.append(name)
 
+    def serialized(self):
+        """The GraphDef (field 1: nodes, field 4: versions)."""
+        return b"".join(self.nodes) + _field(b"\x22", self.versions)
+
     def run(self):
-        """Import the nodes; returns {planned name: Operation}."""
+        """Import the nodes; returns {planned name: name} (the importer renames a node
+        named like an existing name scope).  Their Python ops are made on first use
+        (``deferred.py``)."""
         g = self.graph
         if not self.names:
             return {}
@@ -115,7 +131,7 @@ class CopyPlan(object):
         for name in self.names:
             c_api.TF_ImportGraphDefOptionsAddReturnOperation(options, name)
         with g._mutation_lock():  # pylint: disable=protected-access
-            with c_api_util.tf_buffer(self.gdef.SerializeToString()) as serialized:
+            with c_api_util.tf_buffer(self.serialized()) as serialized:
                 try:
                     results = c_api.TF_GraphImportGraphDefWithResults(
                         g._c_graph, serialized, options)  # pylint: disable=protected-access
@@ -123,10 +139,27 @@ class CopyPlan(object):
                     raise ValueError("EPL could not copy the replica's ops: %s" % e.message)
                 results = c_api_util.ScopedTFImportGraphDefResults(results)
             c_ops = c_api.TF_ImportGraphDefResultsReturnOperations(results.results)
-            with tf_patches.rewriting():
-                made = [g._create_op_from_tf_operation(c_op, compute_device=False)  # pylint: disable=protected-access
-                        for c_op in c_ops]
-        return dict(zip(self.names, made))
+            names = [c_api.TF_OperationName(c_op) for c_op in c_ops]
+            deferred.register(g, names, c_ops)
+        return dict(zip(self.names, names))
+
+
+def _varint(n):
+    out = bytearray()
+    while n > 0x7f:
+        out.append((n & 0x7f) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+_SMALL = [bytes((n,)) for n in range(128)]
+
+
+def _field(tag, payload):
+    """A length-delimited protobuf field: tag, length, bytes."""
+    n = len(payload)
+    return tag + (_SMALL[n] if n < 128 else _varint(n)) + payload
 
 
 def new_ops(graph):

@@ -133,7 +133,7 @@ class _Renamer(object):
         op = self.nodes.get(name)
         if op is None:
             return name
-        return self.state.op(self.c, op).name
+        return self.state.op_name(self.c, op)
 
     def own(self, name):
         """Clone c has its own copy of this tensor's op (micro-batches share their

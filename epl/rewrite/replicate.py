@@ -74,59 +74,90 @@ def _copy_segment(state, ops):
     members = set(ops)
     own = set(op for op in ops if owned(state, op))
     plan = CopyPlan(state.graph)
-    devices = {}    # (clone, variable op of this segment) -> device of its copy
+    prefix = [state.clone_name(c, "") for c in range(n)]
+    devices = {}    # (clone, variable op) -> device of the copy clone c's ops use
 
-    def source(c, op):
-        """(clone whose copy of ``op`` clone c reads, or None: an existing op)."""
-        if op in members:
-            cc = c if op not in own or state.is_rep(c) else state.reps[c]
-            if cc != 0:
-                return cc, None
-            return None, op
-        return None, state.op(c, op)
+    def var_device(c, var):
+        key = (c, var)
+        if key not in devices:
+            devices[key] = state.op(c, var).device
+        return devices[key]
 
-    def ref(c, t):
-        cc, existing = source(c, t.op)
-        if cc is not None:
-            name = state.clone_name(cc, t.op.name)
-            return name if t.value_index == 0 else "%s:%d" % (name, t.value_index)
-        return plan.input_key(t if t.op in members else state.tensor(c, t))
+    # What every clone's copy of an op needs, computed once per op.
+    templates = []
+    for op in ops:
+        nd = op.node_def
+        own_attrs = _own_attrs(op, nd)
+        inputs = []
+        var = None      # the variable the op takes itself (a resource read, an update)
+        for t in op.inputs:
+            name = t.op.name if t.value_index == 0 else "%s:%d" % (t.op.name, t.value_index)
+            inputs.append((t, name, t.op in members, t.op in own))
+            if var is None and ir.is_state_handle(t) and t.op.type in VARIABLE_OPS:
+                var = (t.op, t.op in members, t.op in own)
+        controls = [(ci, ci.name, ci in members, ci in own) for ci in op.control_inputs]
+        templates.append((op, op.name, nd, CopyPlan.template(nd, own_attrs), own_attrs, inputs,
+                          controls, var, state.stage_of(op), op.type in VARIABLE_OPS,
+                          op in own))
 
-    def ctl(c, op):
-        cc, existing = source(c, op)
-        return state.clone_name(cc, op.name) if cc is not None else plan.control_key(existing)
-
-    def device(c, op, inputs):
-        """The variable's device for ops that take a variable itself (a resource read,
-        an update), else the clone's device of the op's stage."""
-        for t in inputs:
-            if ir.is_state_handle(t) and t.op.type in VARIABLE_OPS:
-                cc, existing = source(c, t.op)
-                dev = devices.get((cc, t.op)) if cc is not None else existing.device
-                if dev:
-                    return dev
-        return state.device_for(c, op)
-
-    templates = [(op, op.node_def, list(op.inputs), list(op.control_inputs)) for op in ops]
     for c in range(1, n):
-        for op, nd, inputs, controls in templates:
-            if op in own and not state.is_rep(c):
+        rep_c, rep = state.is_rep(c), state.reps[c]
+        pre, stage_dev = prefix[c], state.stage_devices[c]
+
+        def source(member, owned_op):
+            """The clone whose copy clone c reads (0: the user's op)."""
+            return c if not owned_op or rep_c else rep
+
+        for op, name, nd, base, own_attrs, inputs, controls, var, stage, is_var, mine \
+                in templates:
+            if mine and not rep_c:
                 continue
-            dev = device(c, op, inputs)
-            if op.type in VARIABLE_OPS:
+            refs = []
+            for t, tname, member, owned_t in inputs:
+                if member:
+                    cc = source(member, owned_t)
+                    refs.append(prefix[cc] + tname if cc else plan.input_key(t))
+                else:
+                    refs.append(plan.input_key(state.tensor(c, t)))
+            ctls = []
+            for ci, cname, member, owned_ci in controls:
+                if member:
+                    cc = source(member, owned_ci)
+                    ctls.append(prefix[cc] + cname if cc else plan.control_key(ci))
+                else:
+                    ctls.append(plan.control_key(state.op(c, ci)))
+            dev = None
+            if var is not None:
+                v, member, owned_v = var
+                cc = source(member, owned_v) if member else c
+                dev = devices.get((cc, v)) if member and cc else var_device(cc, v)
+            dev = dev or stage_dev[stage]
+            if is_var:
                 devices[(c, op)] = dev
-            plan.add(nd, state.clone_name(c, op.name), dev, [ref(c, t) for t in inputs],
-                     [ctl(c, ci) for ci in controls], _attrs(state, c, op, nd))
+            plan.add(base, pre + name, dev, refs, ctls,
+                     _attrs(state, c, op, nd) if own_attrs else None)
     made = plan.run()
     for c in sorted(range(1, n), key=lambda c: not state.is_rep(c)):
-        for op, _, _, _ in templates:
-            if op in own and not state.is_rep(c):
-                new = state.op(state.reps[c], op)
+        rep_c, rep, pre, op_map = state.is_rep(c), state.reps[c], prefix[c], state.op_map[c]
+        for t in templates:
+            op, name, mine = t[0], t[1], t[10]
+            if mine and not rep_c:
+                op_map[op] = state.op_map[rep][op] if rep else op
             else:
-                new = made[state.clone_name(c, op.name)]
-            state.op_map[c][op] = new
-            for old_t, new_t in zip(op.outputs, new.outputs):
-                state.tensor_map[c][old_t] = new_t
+                op_map[op] = made[pre + name]
+
+
+def _own_attrs(op, nd):
+    """The attributes every clone sets itself (see ``_attrs``)."""
+    a = nd.attr
+    keys = []
+    if "seed2" in a and a["seed2"].i:
+        keys.append("seed2")
+    if op.type == "VarHandleOp" or ("shared_name" in a and a["shared_name"].s):
+        keys.append("shared_name")
+    if op.type in ("Enter", "RefEnter"):
+        keys.append("frame_name")
+    return keys
 
 
 def _attrs(state, c, op, nd):

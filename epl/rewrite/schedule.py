@@ -15,7 +15,7 @@ phase of every op), not from op names.
 import tensorflow as tf
 
 from epl import ir
-from epl.rewrite import control_flow
+from epl.rewrite import control_flow, deferred
 from epl.rewrite.cloner import new_ops
 from epl.rewrite.selection import VARIABLE_OPS
 
@@ -49,21 +49,48 @@ def _training_path(state):
     return seen
 
 
-def task_ops(state, clone, stage, phase, path):
-    """The ops of one task in one clone that schedule edges may touch (``path``):
-    loops and conditions are ordered through the ops around them
-    (``control_flow.edge_safe``)."""
-    out = []
+def _task_originals(state, path):
+    """{(stage, phase): the user's ops of that task, creation order}."""
+    out = {}
     for op in state.selection.ops:
-        if op.type in _SKIP or op not in path or state.stage_of(op) != stage:
+        if op.type in _SKIP or op not in path:
             continue
-        if state.ir_graph.phase_of(op) != phase:
-            continue
+        phase = state.ir_graph.phase_of(op)
+        if phase in (ir.FORWARD, ir.BACKWARD):
+            out.setdefault((state.stage_of(op), phase), []).append(op)
+    return out
+
+
+def task_ops(state, clone, stage, phase, path):
+    """Every op of one task in one clone (for inspection: makes their Python ops)."""
+    originals = _task_originals(state, path).get((stage, phase), [])
+    out = []
+    for op in originals:
         copy = state.op(clone, op)
         if clone != 0 and copy is op:
-            continue  # shared with micro-batch 0 (not copied)
+            continue
         out.append(copy)
     return out
+
+
+def task_ends(state, clone, originals):
+    """(entry op names, exit op names) of one task in one clone: the task's ops with
+    no data input from the task, and those whose outputs no op of the task reads.
+    Found on the user's ops (every clone's copy has their structure); the copies'
+    edges are added in C (``deferred.add_control_edges``)."""
+    members = []
+    for op in originals:
+        if clone != 0:
+            copy = state.op_map[clone].get(op)
+            if copy is None or copy is op:
+                continue  # shared with micro-batch 0 (not copied)
+        members.append(op)
+    inside = set(members)
+    fed = set(t.op for op in members for t in op.inputs if t.op in inside)
+    entries = [op for op in members if not any(t.op in inside for t in op.inputs)]
+    exits = [op for op in members if op not in fed]
+    return ([state.op_name(clone, op) for op in entries],
+            [state.op_name(clone, op) for op in exits])
 
 
 def schedule_pipeline(state):
@@ -72,6 +99,7 @@ def schedule_pipeline(state):
         return
     strategy = state.config.get("pipeline.strategy")
     path = _training_path(state) & control_flow.edge_safe(state.selection.ops)
+    tasks = _task_originals(state, path)
     state.schedule = {}
     replicas = {}
     for c, (r, m, _) in enumerate(state.clones):
@@ -83,17 +111,12 @@ def schedule_pipeline(state):
             previous_end = None
             for k, (kind, m) in enumerate(order):
                 phase = ir.FORWARD if kind == "F" else ir.BACKWARD
-                ops = task_ops(state, by_micro[m], s, phase, path)
-                if not ops:
+                entries, exits = task_ends(state, by_micro[m], tasks.get((s, phase), []))
+                if not exits:
                     continue
-                members = set(ops)
                 if previous_end is not None:
-                    for op in ops:
-                        if not any(t.op in members for t in op.inputs):
-                            op._add_control_inputs([previous_end])  # pylint: disable=protected-access
-                exits = [op for op in ops
-                         if not any(cons in members for out in op.outputs
-                                    for cons in out.consumers())]
+                    deferred.add_control_edges(state.graph, [previous_end.name], entries)
                 with new_ops(state.graph), tf.device(state.stage_devices[by_micro[m]][s]):
-                    previous_end = tf.group(*exits, name="EPL_SCHEDULE/r%d_s%d_%s%d_end"
+                    previous_end = tf.no_op(name="EPL_SCHEDULE/r%d_s%d_%s%d_end"
                                             % (r, s, kind, m))
+                deferred.add_control_edges(state.graph, exits, [previous_end.name])

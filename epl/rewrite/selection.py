@@ -94,12 +94,15 @@ def select(ir_graph, taskgraphs, share_variables=False, clip_after_allreduce=Fal
             return True   # a flag (is_training): every replica reads the one the user feeds
         if op in initializers or op in from_step or _is_shared_resource(op):
             return True
+        if op in initial_values:
+            return True   # read only by initializers: the copies take worker 0's values
         if any(ci in initializers for ci in op.control_inputs):
             return True   # tf.global_variables_initializer()'s group
         if known is not None and (op in known or op in known_shared):
             return True   # an earlier rewrite's
         return ir_graph.phase_of(op) in (ir.SAVE, ir.REWRITE)
 
+    initial_values = _initial_values_only(initializers)
     known_shared = set(known.shared) if known is not None else set()
     sel = Selection()
     wanted = [op for tg in taskgraphs for op in tg.ops
@@ -147,6 +150,24 @@ def select(ir_graph, taskgraphs, share_variables=False, clip_after_allreduce=Fal
                 sel.placeholders.append(up)
                 seen.add(up)
     return sel
+
+
+def _initial_values_only(initializers):
+    """Ops computed only for variable initializers (a random initial value, a
+    ``initialized_value()`` condition).  The replicas' variable copies start from
+    worker 0's values (``mirror.py``), so these are never copied."""
+    only = set()
+    frontier = [t.op for init in initializers for t in init.inputs]
+    while frontier:
+        op = frontier.pop()
+        if op in only or op in initializers or op.type in VARIABLE_OPS:
+            continue
+        users = [c for out in op.outputs for c in out.consumers()] + list(op._control_outputs)  # pylint: disable=protected-access
+        if users and all(u in only or u in initializers for u in users):
+            only.add(op)
+            frontier.extend(t.op for t in op.inputs)
+            frontier.extend(op.control_inputs)
+    return only
 
 
 def downstream_of_batch(graph):

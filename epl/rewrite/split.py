@@ -139,7 +139,7 @@ def _crosses(state, t):
     values not computed from the batch are the same in every clone (replica 0's)."""
     if _is_variable_value(t) or t.op not in _batch_ops(state):
         return False
-    return t.op in state.selection or any(t in m for m in state.tensor_map[1:])
+    return t.op in state.selection or state.mapped(t)
 
 
 def bridge(state):

@@ -72,10 +72,35 @@ class ReplicaState(object):
         return len(self.devices)
 
     def tensor(self, c, t):
-        return self.tensor_map[c].get(t, t)
+        x = self.tensor_map[c].get(t)
+        if x is not None:
+            return x
+        if t.op not in self.op_map[c]:
+            return t
+        x = self.op(c, t.op).outputs[t.value_index]
+        self.tensor_map[c][t] = x
+        return x
 
     def op(self, c, op):
-        return self.op_map[c].get(op, op)
+        """Clone c's copy of ``op`` (``op_map`` may hold a copy's name: its Python
+        ``Operation`` is made on first use, see ``deferred.py``)."""
+        x = self.op_map[c].get(op)
+        if x is None:
+            return op
+        if isinstance(x, str):
+            from epl.rewrite import deferred
+            x = deferred.get(self.graph, x)
+            self.op_map[c][op] = x
+        return x
+
+    def op_name(self, c, op):
+        """The name of clone c's copy of ``op`` (without making its Python op)."""
+        x = self.op_map[c].get(op)
+        return op.name if x is None else (x if isinstance(x, str) else x.name)
+
+    def mapped(self, t):
+        """``t`` has a copy (or replacement) in some clone."""
+        return any(t in tm or t.op in om for tm, om in zip(self.tensor_map[1:], self.op_map[1:]))
 
     def copies(self, t):
         """``t`` in every clone (a list indexed by clone)."""

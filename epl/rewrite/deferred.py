@@ -1,0 +1,89 @@
+"""Python wrappers of imported copies, made on first use.
+
+TensorFlow runs the C graph; a Python ``Operation`` is only a view of one node
+for Python code.  Making that view costs more than importing the node (about
+20 us against 5), and most of a replica's copies are never looked at from
+Python: the session runs them by being in the graph.  So ``CopyPlan`` imports
+the copies and registers their names here; a copy gets its ``Operation`` the
+first time anything asks for it -- by name, as an input, consumer or control
+edge of another op, through ``get_operations()``, or before TensorFlow wraps
+new C nodes itself (the hooks are in ``tf_patches``, patch point 16).
+
+Wrappers made late are rewrite ops (phase REWRITE), outside any control-flow
+context (the copies inside loops and conditions get theirs when the rewrite
+rebuilds the clone's contexts).
+"""
+from epl import tf_patches
+
+
+def register(graph, names, c_ops):
+    """The imported nodes ``c_ops`` (named ``names``) get their wrappers on demand."""
+    table = graph.__dict__.setdefault("_epl_deferred", {})
+    in_use = graph._names_in_use  # pylint: disable=protected-access
+    for name, c_op in zip(names, c_ops):
+        table[name] = c_op
+        in_use[name.lower()] = 1
+
+
+def waiting(graph):
+    return bool(graph.__dict__.get("_epl_deferred"))
+
+
+def materialize(graph, name):
+    """The wrapper of the deferred node ``name``, or None if there is none."""
+    table = graph.__dict__.get("_epl_deferred")
+    if not table:
+        return None
+    c_op = table.pop(name, None)
+    if c_op is None:
+        return None
+    return _wrap(graph, [c_op])[0]
+
+
+def materialize_all(graph):
+    table = graph.__dict__.get("_epl_deferred")
+    if not table:
+        return
+    c_ops = list(table.values())
+    table.clear()
+    _wrap(graph, c_ops)
+
+
+def _wrap(graph, c_ops):
+    finalized = graph._finalized  # pylint: disable=protected-access
+    graph._finalized = False      # (a view of existing nodes changes no graph)
+    try:
+        with tf_patches.rewriting():
+            ops = [graph._create_op_from_tf_operation(c_op, compute_device=False)  # pylint: disable=protected-access
+                   for c_op in c_ops]
+    finally:
+        graph._finalized = finalized
+    for op in ops:
+        op._control_flow_context = None  # pylint: disable=protected-access
+    return ops
+
+
+def get(graph, name):
+    """The op named ``name`` (made now if deferred)."""
+    op = materialize(graph, name)
+    return op if op is not None else graph._get_operation_by_name_unsafe(name)  # pylint: disable=protected-access
+
+
+def c_op(graph, name):
+    """The C node named ``name`` (of a deferred copy or an existing op), without
+    making its Python op: control edges between copies are added in C."""
+    table = graph.__dict__.get("_epl_deferred")
+    node = table.get(name) if table else None
+    if node is not None:
+        return node
+    return graph._get_operation_by_name_unsafe(name)._c_op  # pylint: disable=protected-access
+
+
+def add_control_edges(graph, sources, targets):
+    """Every node named in ``targets`` waits for every node named in ``sources``."""
+    from tensorflow.python import pywrap_tensorflow as c_api
+    src = [c_op(graph, n) for n in sources]
+    for name in targets:
+        dst = c_op(graph, name)
+        for s in src:
+            c_api.AddControlInput(graph._c_graph, dst, s)  # pylint: disable=protected-access
