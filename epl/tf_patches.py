@@ -114,6 +114,13 @@ def rewriting():
         c.rewriting -= 1
 
 
+# A variable and the writes of it (not computations colocated with a shard, like
+# an embedding lookup's gathers, which belong to the scope that reads them).
+_STATE_OPS = frozenset(["VariableV2", "Variable", "VarHandleOp", "Assign", "AssignAdd",
+                        "AssignSub", "AssignVariableOp", "AssignAddVariableOp",
+                        "AssignSubVariableOp"])
+
+
 def _classify(graph, op):
     """(TaskGraph, phase, shard) of a new op from the capture context."""
     from epl.tensor_parallel.sharding import current_shard
@@ -142,7 +149,8 @@ def _classify(graph, op):
         # to its shard of a split scope, whatever scope is current.
         from epl.strategies import current_strategy
         tg, shard = _colocated(epl_graph, op)
-        if tg is not None and ((tg.kind == "split" and shard is not None)
+        if tg is not None and ((tg.kind == "split" and shard is not None
+                                and op.type in _STATE_OPS)
                                or current_strategy() is None):
             return tg, ir.FORWARD, shard
     tg = _forward_taskgraph(epl_graph, op.inputs)
