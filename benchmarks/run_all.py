@@ -10,6 +10,7 @@ BENCHES = [
     ["pipeline_bubble.py"],
     ["split_memory.py"],
     ["collectives.py", "--sizes-mib", "1,16,64,256"],
+    ["rewrite_time.py"],
 ]
 
 

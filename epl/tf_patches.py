@@ -149,9 +149,8 @@ def _classify(graph, op):
         # to its shard of a split scope, whatever scope is current.
         from epl.strategies import current_strategy
         tg, shard = _colocated(epl_graph, op)
-        if tg is not None and ((tg.kind == "split" and shard is not None
-                                and op.type in _STATE_OPS)
-                               or current_strategy() is None):
+        if tg is not None and op.type in _STATE_OPS and (
+                (tg.kind == "split" and shard is not None) or current_strategy() is None):
             return tg, ir.FORWARD, shard
     tg = _forward_taskgraph(epl_graph, op.inputs)
     shard = current_shard() if tg is not None and tg.kind == "split" else None

@@ -157,6 +157,8 @@ def _initial_values_only(initializers):
     ``initialized_value()`` condition).  The replicas' variable copies start from
     worker 0's values (``mirror.py``), so these are never copied."""
     only = set()
+    # (a warm-started variable's initializer is a tensor: init_from_checkpoint)
+    initializers = set(i if isinstance(i, tf.Operation) else i.op for i in initializers)
     frontier = [t.op for init in initializers for t in init.inputs]
     while frontier:
         op = frontier.pop()
