@@ -104,37 +104,36 @@ def _copy_segment(state, ops):
         rep_c, rep = state.is_rep(c), state.reps[c]
         pre, stage_dev = prefix[c], state.stage_devices[c]
 
-        def source(member, owned_op):
+        def source(owned_op):
             """The clone whose copy clone c reads (0: the user's op)."""
             return c if not owned_op or rep_c else rep
+
+        def refs(items, key, existing):
+            """NodeDef input strings: a copy made in this plan by name, anything else
+            through ``key`` (the importer maps it)."""
+            out = []
+            for x, xname, member, owned_x in items:
+                cc = source(owned_x) if member else None
+                if cc:
+                    out.append(prefix[cc] + xname)
+                else:
+                    out.append(key(x if member else existing(c, x)))
+            return out
 
         for op, name, nd, base, own_attrs, inputs, controls, var, stage, is_var, mine \
                 in templates:
             if mine and not rep_c:
                 continue
-            refs = []
-            for t, tname, member, owned_t in inputs:
-                if member:
-                    cc = source(member, owned_t)
-                    refs.append(prefix[cc] + tname if cc else plan.input_key(t))
-                else:
-                    refs.append(plan.input_key(state.tensor(c, t)))
-            ctls = []
-            for ci, cname, member, owned_ci in controls:
-                if member:
-                    cc = source(member, owned_ci)
-                    ctls.append(prefix[cc] + cname if cc else plan.control_key(ci))
-                else:
-                    ctls.append(plan.control_key(state.op(c, ci)))
             dev = None
             if var is not None:
                 v, member, owned_v = var
-                cc = source(member, owned_v) if member else c
+                cc = source(owned_v) if member else c
                 dev = devices.get((cc, v)) if member and cc else var_device(cc, v)
             dev = dev or stage_dev[stage]
             if is_var:
                 devices[(c, op)] = dev
-            plan.add(base, pre + name, dev, refs, ctls,
+            plan.add(base, pre + name, dev, refs(inputs, plan.input_key, state.tensor),
+                     refs(controls, plan.control_key, state.op),
                      _attrs(state, c, op, nd) if own_attrs else None)
     made = plan.run()
     for c in sorted(range(1, n), key=lambda c: not state.is_rep(c)):
