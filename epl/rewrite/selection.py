@@ -132,6 +132,8 @@ def select(ir_graph, taskgraphs, share_variables=False, clip_after_allreduce=Fal
     if share_variables:
         shared = set(op for op in chosen if op.type in VARIABLE_OPS
                      and op not in sel.updates.local_variables) | sel.updates.run_once
+        # One read of a shared variable serves every clone (as in hand-written towers).
+        shared |= set(op for op in chosen if _plain_read(op, shared))
         chosen = chosen - shared
         sel.shared = sorted(shared, key=lambda o: o._id)  # pylint: disable=protected-access
     sel.ops = sorted(chosen, key=lambda o: o._id)  # pylint: disable=protected-access
@@ -150,6 +152,13 @@ def select(ir_graph, taskgraphs, share_variables=False, clip_after_allreduce=Fal
                 sel.placeholders.append(up)
                 seen.add(up)
     return sel
+
+
+def _plain_read(op, variables):
+    """``v/read`` / ``ReadVariableOp`` of one of ``variables``, outside control flow."""
+    return (op.type in ("Identity", "ReadVariableOp") and len(op.inputs) == 1
+            and op.inputs[0].op in variables and not op.control_inputs
+            and getattr(op, "_control_flow_context", None) is None)
 
 
 def _initial_values_only(initializers):
