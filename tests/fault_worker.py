@@ -56,6 +56,11 @@ def main():
                              transport=TRANSPORT))
         result["error"], result["seconds"] = timed_error(go)
     elif SCENARIO == "abort_wakes":   # rank 0: a failing collective and another one in one
+        # Both ranks join the job first: a rank 0 that failed and exited before rank 1
+        # had started would leave rank 1 nothing to read the abort from (epl-launch
+        # stops the other workers then; this test is about the abort message).
+        result["warm"] = all_reduce(1, "warm")
+
         def go():                      # step; rank 1 never runs the other: it must not wait
             x = tf.ones([4, 2])
             splits = tf.constant([5, 5] if RANK == 0 else [2, 2], tf.int64)
