@@ -20,7 +20,7 @@ from epl import tf_patches
 from epl.rewrite import deferred
 
 _SEED_ATTRS = ("seed2",)
-_SEED_STEP = 7919     # clone c's seed2 = seed2 + c * _SEED_STEP
+SEED_STEP = 7919     # clone c's seed2 = seed2 + c * SEED_STEP
 
 
 def clone_op(op, inputs, name, device, control_inputs=(), seed_offset=0, attr_overrides=None):
@@ -35,7 +35,7 @@ def clone_op(op, inputs, name, device, control_inputs=(), seed_offset=0, attr_ov
     attrs = {k: v for k, v in op.node_def.attr.items() if k != "_class"}
     if seed_offset and any(k in attrs for k in _SEED_ATTRS) and attrs.get("seed2").i:
         # Stateful random ops with a fixed seed would repeat replica 0's stream.
-        attrs["seed2"] = tf.compat.v1.AttrValue(i=attrs["seed2"].i + _SEED_STEP * seed_offset)
+        attrs["seed2"] = tf.compat.v1.AttrValue(i=attrs["seed2"].i + SEED_STEP * seed_offset)
     for k, v in (attr_overrides or {}).items():
         attrs[k] = v
     with g.name_scope(None), g.control_dependencies(None), \

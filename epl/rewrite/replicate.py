@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from epl import ir
 from epl.rewrite import control_flow
-from epl.rewrite.cloner import CopyPlan, _SEED_STEP
+from epl.rewrite.cloner import CopyPlan, SEED_STEP
 from epl.rewrite.gradients import reduce_gradients
 from epl.rewrite.selection import VARIABLE_OPS
 
@@ -166,7 +166,7 @@ def _attrs(state, c, op, nd):
     a = nd.attr
     if "seed2" in a and a["seed2"].i:
         # Stateful random ops with a fixed seed would repeat replica 0's stream.
-        attrs["seed2"] = tf.compat.v1.AttrValue(i=a["seed2"].i + _SEED_STEP * c)
+        attrs["seed2"] = tf.compat.v1.AttrValue(i=a["seed2"].i + SEED_STEP * c)
     if op.type == "VarHandleOp":
         attrs["shared_name"] = tf.compat.v1.AttrValue(s=state.clone_name(c, op.name).encode())
     elif "shared_name" in a and a["shared_name"].s:
