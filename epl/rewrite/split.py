@@ -169,14 +169,19 @@ def bridge(state):
     # e.g. read by the user's global-norm clipping: every clone reads the same).
     weight_grads = _variable_gradients(state)
     sliced = {}
-    for c in range(n):
-        for op in sel.ops:
+    for op in sel.ops:
+        # (a clone reads the user's split tensors where the user's op does: split ops
+        # are not copied; only those clones' ops are looked at)
+        if not any(t.op in split_ops for t in op.inputs):
+            continue
+        for c in range(n):
             mine = state.op(c, op)
             for i, t in enumerate(mine.inputs):
-                if t.op not in split_ops or _is_variable_value(t) or t in weight_grads \
-                        or _stateless_value(t) or _initializes_only(state, op):
+                if t.op not in split_ops or _is_variable_value(t) or t in weight_grads:
                     continue
                 if t.op not in on_batch:
+                    if _stateless_value(t) or _initializes_only(state, op):
+                        continue   # an initial value: no gradient flows through it
                     raise NotImplementedError(
                         "EPL split: replicated op %r reads %r, a value of the split scope "
                         "that does not depend on the batch (e.g. computed from its variables "
