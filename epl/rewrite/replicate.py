@@ -60,8 +60,6 @@ def clone_replicas(state, sel):
     _copy_segment(state, segment)
     for _, rec in pending:
         reduce_gradients(state, rec)
-    if not hasattr(state, "copied_contexts"):
-        state.copied_contexts = set()
     control_flow.copy_contexts(state, sel.ops, state.copied_contexts)
 
 

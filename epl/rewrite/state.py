@@ -66,6 +66,7 @@ class ReplicaState(object):
         self.installed = {}       # original tensor -> per-clone replacement (substitute)
         self.sharded_inputs = set()  # sources and placeholders given to the clones
         self.batch_ops = None      # ops computed from an input batch (split.py)
+        self.copied_contexts = set()  # loops / conditions the clones have copies of
 
     @property
     def num_clones(self):
