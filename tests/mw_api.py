@@ -92,11 +92,7 @@ def two_losses(bx, by):
 def two_gradients(out_dir, cluster, wx, wy):
     bx, by = models.input_batch(wx, wy, BATCH)
     op, tvars = two_losses(bx, by)
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
-        for _ in range(STEPS):
-            sess.run(op)
-        values = sess.run(tvars)
+    values = models.run_steps(op, STEPS, tvars)
     np.savez(os.path.join(out_dir, "two_%d.npz" % cluster.worker_index),
              **{v.op.name: val for v, val in zip(tvars, values)})
 

@@ -101,11 +101,7 @@ def _run(build, x, y, batch, n=None, cfg=None, steps=STEPS):
         epl.set_default_strategy(epl.replicate(1))
     bx, by = models.input_batch(x, y, batch)
     op, fetches = build(bx, by)
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
-        for _ in range(steps):
-            sess.run(op)
-        return sess.run(fetches)
+    return models.run_steps(op, steps, fetches)
 
 
 def _assert_close(got, want, rtol=1e-5, atol=1e-6):
