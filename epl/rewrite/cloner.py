@@ -50,32 +50,32 @@ def clone_op(op, inputs, name, device, control_inputs=(), seed_offset=0, attr_ov
     return new
 
 
+class Hole(str):
+    """A named gap in a ``CopyPlan`` node (the clone's name prefix, a device...) that
+    every copy fills with its own value."""
+
+
+PREFIX = Hole("p")
+
+
 class CopyPlan(object):
-    """Nodes to add to ``graph`` in one import.  A node reads a node of the plan by
-    its name, and an existing tensor or op through the key ``input_key`` /
-    ``control_key`` gives it (the importer maps the keys)."""
+    """Every clone's copy of the same nodes, added to ``graph`` in one import.
 
-    def __init__(self, graph):
-        self.graph = graph
-        self.versions = graph.graph_def_versions.SerializeToString()
-        self.nodes = []          # serialized NodeDefs
-        self.names = []          # node names in order
-        self._inputs = {}        # existing tensor -> key name in the GraphDef
-        self._controls = {}      # existing op -> key name
+    A node is described once, as pieces: literal text and ``Hole``s.  A copy fills
+    the holes (``copy``): the nodes' serialized bytes become a pattern per set of
+    hole lengths (protobuf fields carry their lengths), and a copy is one C-level
+    ``bytes %`` formatting of it, not a NodeDef per op per clone built in Python.
+    References to existing tensors and ops go through keys each copy maps;
+    ``import_copies`` adds the copies of several plans to the graph."""
 
-    def input_key(self, tensor):
-        key = self._inputs.get(tensor)
-        if key is None:
-            key = "EPL_IMPORT_INPUT_%d" % len(self._inputs)
-            self._inputs[tensor] = key
-        return key
-
-    def control_key(self, op):
-        key = self._controls.get(op)
-        if key is None:
-            key = "EPL_IMPORT_CONTROL_%d" % len(self._controls)
-            self._controls[op] = key
-        return key
+    def __init__(self):
+        self.nodes = []          # per node: its fields, see ``node``
+        self.holes = set()
+        self._patterns = {}      # hole lengths -> pattern
+        self.chunks = []         # every copy's serialized nodes
+        self.names = []          # every copy's node names, in order
+        self.inputs = {}         # key -> existing tensor
+        self.controls = {}       # key -> existing op (or C node)
 
     @staticmethod
     def template(node_def, skip=()):
@@ -90,58 +90,122 @@ class CopyPlan(object):
             base.experimental_debug_info.CopyFrom(node_def.experimental_debug_info)
         return base.SerializeToString()
 
-    def add(self, template, name, device, inputs, controls, attrs=None):
-        """A node of ``template`` (from ``template()``) named ``name`` on ``device``:
-        ``inputs`` and ``controls`` are NodeDef input strings, ``attrs`` {name:
-        AttrValue} the attributes it sets itself.  Serialized directly: building
-        NodeDef messages field by field from Python costs more than the import."""
-        parts = [_field(b"\x0a", name.encode()), template]
-        parts.extend(_field(b"\x1a", i.encode()) for i in inputs)
-        parts.extend(_field(b"\x1a", ("^" + c).encode()) for c in controls)
-        parts.append(_field(b"\x22", device.encode()))
-        for k, v in (attrs or {}).items():
-            entry = _field(b"\x0a", k.encode()) + _field(b"\x12", v.SerializeToString())
-            parts.append(_field(b"\x2a", entry))
-        self.nodes.append(_field(b"\x0a", b"".join(parts)))
-        self.names.append(name)
+    def node(self, name, template, inputs, controls, device, attrs=()):
+        """A node of ``template`` (from ``template()``) named ``name`` after the
+        copy's prefix (the hole ``PREFIX``); every one of ``inputs`` / ``controls``
+        (NodeDef input strings, without the ``^``) and ``device`` is a sequence of
+        pieces: ``str`` literals and ``Hole``s.  ``attrs``: holes each copy fills
+        with one attribute of its own (``attr_entry``)."""
+        fields = [_pieces(b"\x0a", (PREFIX, name))]
+        fields += [_pieces(b"\x1a", i) for i in inputs]
+        fields += [_pieces(b"\x1a", ("^",) + tuple(c)) for c in controls]
+        fields.append(_pieces(b"\x22", device))
+        fields += [_pieces(b"\x2a", (h,)) for h in attrs]
+        for f in fields:
+            self.holes.update(f[2])
+        self.nodes.append((name, fields, template.replace(b"%", b"%%"), len(template)))
 
-    def serialized(self):
-        """The GraphDef (field 1: nodes, field 4: versions)."""
-        return b"".join(self.nodes) + _field(b"\x22", self.versions)
+    def copy(self, values, inputs=None, controls=None):
+        """Add one copy: ``values`` {hole: str or bytes} fills the holes, ``inputs`` {key:
+        tf.Tensor} and ``controls`` {key: tf.Operation or C node} map the keys its
+        nodes read.  Returns the copy's node names (as planned)."""
+        raw = {h: values[h] if isinstance(values[h], bytes) else values[h].encode()
+               for h in self.holes}
+        lengths = tuple(sorted((h, len(v)) for h, v in raw.items()))
+        pattern = self._patterns.get(lengths)
+        if pattern is None:
+            pattern = self._patterns[lengths] = self._pattern(dict(lengths))
+        self.chunks.append(pattern % {h.encode(): v for h, v in raw.items()})
+        prefix = values[PREFIX]
+        names = [prefix + node[0] for node in self.nodes]
+        self.names.extend(names)
+        self.inputs.update(inputs or {})
+        self.controls.update(controls or {})
+        return names
 
-    def run(self):
-        """Import the nodes; returns {planned name: name} (the importer renames a node
-        named like an existing name scope).  Their Python ops are made on first use
-        (``deferred.py``)."""
-        g = self.graph
-        if not self.names:
-            return {}
-        scoped = c_api_util.ScopedTFImportGraphDefOptions()
-        options = scoped.options
-        c_api.TF_ImportGraphDefOptionsSetPrefix(options, "")
-        # TensorFlow's importer refuses an op named like an existing name scope
-        # ("opt" after "opt/learning_rate", which Python allows): such a copy gets a
-        # suffix, as in Python.
-        c_api.TF_ImportGraphDefOptionsSetUniquifyNames(options, True)
-        c_api.TF_ImportGraphDefOptionsSetValidateColocationConstraints(options, False)
-        for t, key in self._inputs.items():
+    def _pattern(self, lengths):
+        """The serialized nodes with holes of ``lengths`` {hole: length}, as a
+        ``bytes %`` pattern (a literal ``%``, even in a length, is doubled)."""
+        out = []
+        for _, fields, template, template_len in self.nodes:
+            body = []
+            size = template_len
+            for tag, fixed, holes, text in fields:
+                n = fixed + sum(lengths[h] for h in holes)
+                head = tag + (_SMALL[n] if n < 128 else _varint(n))
+                body.append(head.replace(b"%", b"%%") + text)
+                size += len(head) + n
+            out.append((b"\x0a" + (_SMALL[size] if size < 128 else _varint(size))).replace(
+                b"%", b"%%"))
+            out.append(body[0])
+            out.append(template)
+            out.extend(body[1:])
+        return b"".join(out)
+
+def import_copies(graph, plans):
+    """Import every copy of every plan in ``plans`` at once (one import: each one
+    walks the whole graph first); returns each plan's node names in the order of
+    its ``names`` (the importer renames a node named like an existing node or name
+    scope).  Their Python ops are made on first use (``deferred.py``)."""
+    if not any(p.names for p in plans):
+        return [[] for _ in plans]
+    scoped = c_api_util.ScopedTFImportGraphDefOptions()
+    options = scoped.options
+    c_api.TF_ImportGraphDefOptionsSetPrefix(options, "")
+    # TensorFlow's importer refuses an op named like an existing name scope ("opt"
+    # after "opt/learning_rate", which Python allows) or node (an input pull of the
+    # same name): such a copy gets a suffix, as in Python.
+    c_api.TF_ImportGraphDefOptionsSetUniquifyNames(options, True)
+    c_api.TF_ImportGraphDefOptionsSetValidateColocationConstraints(options, False)
+    for plan in plans:
+        for key, t in plan.inputs.items():
             c_api.TF_ImportGraphDefOptionsAddInputMapping(options, key, 0, t._as_tf_output())  # pylint: disable=protected-access
-        for op, key in self._controls.items():
-            c_api.TF_ImportGraphDefOptionsRemapControlDependency(options, key, op._c_op)  # pylint: disable=protected-access
-        for name in self.names:
+        for key, op in plan.controls.items():
+            c_api.TF_ImportGraphDefOptionsRemapControlDependency(
+                options, key, getattr(op, "_c_op", op))
+        for name in plan.names:
             c_api.TF_ImportGraphDefOptionsAddReturnOperation(options, name)
-        with g._mutation_lock():  # pylint: disable=protected-access
-            with c_api_util.tf_buffer(self.serialized()) as serialized:
-                try:
-                    results = c_api.TF_GraphImportGraphDefWithResults(
-                        g._c_graph, serialized, options)  # pylint: disable=protected-access
-                except tf.errors.InvalidArgumentError as e:
-                    raise ValueError("EPL could not copy the replica's ops: %s" % e.message)
-                results = c_api_util.ScopedTFImportGraphDefResults(results)
-            c_ops = c_api.TF_ImportGraphDefResultsReturnOperations(results.results)
-            names = [c_api.TF_OperationName(c_op) for c_op in c_ops]
-            deferred.register(g, names, c_ops)
-        return dict(zip(self.names, names))
+    serialized = b"".join(b"".join(p.chunks) for p in plans)
+    serialized += _field(b"\x22", graph.graph_def_versions.SerializeToString())
+    with graph._mutation_lock():  # pylint: disable=protected-access
+        with c_api_util.tf_buffer(serialized) as buf:
+            try:
+                results = c_api.TF_GraphImportGraphDefWithResults(
+                    graph._c_graph, buf, options)  # pylint: disable=protected-access
+            except tf.errors.InvalidArgumentError as e:
+                raise ValueError("EPL could not copy the replica's ops: %s" % e.message)
+            results = c_api_util.ScopedTFImportGraphDefResults(results)
+        c_ops = c_api.TF_ImportGraphDefResultsReturnOperations(results.results)
+        names = [c_api.TF_OperationName(c_op) for c_op in c_ops]
+        deferred.register(graph, names, c_ops)
+    out = []
+    start = 0
+    for plan in plans:
+        end = start + len(plan.names)
+        out.append(names[start:end])
+        start = end
+    return out
+
+
+def _pieces(tag, pieces):
+    """(tag, length of the literal text, holes, pattern text) of one field."""
+    fixed = 0
+    holes = []
+    text = []
+    for x in pieces:
+        if isinstance(x, Hole):
+            holes.append(x)
+            text.append(b"%%(%s)b" % x.encode())
+        else:
+            b = x.encode()
+            fixed += len(b)
+            text.append(b.replace(b"%", b"%%"))
+    return tag, fixed, tuple(holes), b"".join(text)
+
+
+def attr_entry(name, value):
+    """A NodeDef attribute (map entry: key, ``AttrValue``) serialized, to fill a hole."""
+    return _field(b"\x0a", name.encode()) + _field(b"\x12", value.SerializeToString())
 
 
 def _varint(n):

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from epl import ir
 from epl.rewrite import control_flow
-from epl.rewrite.cloner import CopyPlan, SEED_STEP
+from epl.rewrite.cloner import PREFIX, SEED_STEP, CopyPlan, Hole, attr_entry, import_copies
 from epl.rewrite.gradients import reduce_gradients
 from epl.rewrite.selection import VARIABLE_OPS
 
@@ -65,83 +65,152 @@ def clone_replicas(state, sel):
 
 def _copy_segment(state, ops):
     """Every clone's copy of ``ops`` (made in one import).  Micro-batches of a
-    replica share its variables and its one update (``owned``)."""
+    replica share its variables and its one update (``owned``): their copies read
+    the replica's copies of those, or the user's ops for replica 0."""
     n = state.num_clones
     if n == 1 or not ops:
         return
-    members = set(ops)
     own = set(op for op in ops if owned(state, op))
-    plan = CopyPlan(state.graph)
-    prefix = [state.clone_name(c, "") for c in range(n)]
-    devices = {}    # (clone, variable op) -> device of the copy clone c's ops use
+    reps = [c for c in range(1, n) if state.is_rep(c)]
+    rest = [c for c in range(1, n) if not state.is_rep(c)]
+    full = _Segment(state, ops, ()) if reps else None
+    part = _Segment(state, ops, own) if rest and (own or not full) else full
+    copies = []     # (clone, its segment, where its nodes start in the plan)
+    for c, seg in [(c, full) for c in reps] + [(c, part) for c in rest]:
+        copies.append((c, seg, len(seg.plan.names)))
+        seg.copy(c)
+    segments = [seg for seg in (full, part) if seg is not None]
+    if part is full:
+        segments = segments[:1]
+    made = dict(zip(segments, import_copies(state.graph, [seg.plan for seg in segments])))
+    for c, seg, start in copies:
+        seg.install(c, made[seg][start:start + len(seg.ops)])
 
-    def var_device(c, var):
-        key = (c, var)
-        if key not in devices:
-            devices[key] = state.op(c, var).device
-        return devices[key]
 
-    # What every clone's copy of an op needs, computed once per op.
-    templates = []
-    for op in ops:
-        nd = op.node_def
-        own_attrs = _own_attrs(op, nd)
-        inputs = []
-        var = None      # the variable the op takes itself (a resource read, an update)
-        for t in op.inputs:
-            name = t.op.name if t.value_index == 0 else "%s:%d" % (t.op.name, t.value_index)
-            inputs.append((t, name, t.op in members, t.op in own))
-            if var is None and ir.is_state_handle(t) and t.op.type in VARIABLE_OPS:
-                var = (t.op, t.op in members, t.op in own)
-        controls = [(ci, ci.name, ci in members, ci in own) for ci in op.control_inputs]
-        templates.append((op, op.name, nd, CopyPlan.template(nd, own_attrs), own_attrs, inputs,
-                          controls, var, state.stage_of(op), op.type in VARIABLE_OPS,
-                          op in own))
+class _Segment(object):
+    """A segment's nodes as every clone of one kind copies them (without the
+    ``skipped`` ops, which a clone reads from its replica's copy), with the holes
+    each clone fills: its name prefix ``p``, the device of each class of ops
+    ``d<k>``, references ``o<k>`` to its replica's copies of skipped ops."""
 
-    for c in range(1, n):
-        rep_c, rep = state.is_rep(c), state.reps[c]
-        pre, stage_dev = prefix[c], state.stage_devices[c]
+    def __init__(self, state, ops, skipped):
+        self.state = state
+        self.plan = plan = CopyPlan()
+        members = set(ops)
+        self.skip = skip = set(skipped)
+        self.skipped = [op for op in ops if op in skip]
+        self.ops = []
+        self.own_attrs = []     # (op, node_def, holes): ops with attributes of each clone
+        self.classes = {}       # device class -> its hole
+        self.inputs = {}        # key -> existing tensor (of the user's graph)
+        self.controls = {}      # key -> existing op
+        self.owned = {}         # hole -> skipped tensor or op read
+        p = PREFIX
 
-        def source(owned_op):
-            """The clone whose copy clone c reads (0: the user's op)."""
-            return c if not owned_op or rep_c else rep
+        def key(table, prefix, x):
+            k = "%s_%d" % (prefix, len(table))
+            table[k] = x
+            return (p, k)
 
-        def refs(items, key, existing):
-            """NodeDef input strings: a copy made in this plan by name, anything else
-            through ``key`` (the importer maps it)."""
-            out = []
-            for x, xname, member, owned_x in items:
-                cc = source(owned_x) if member else None
-                if cc:
-                    out.append(prefix[cc] + xname)
-                else:
-                    out.append(key(x if member else existing(c, x)))
-            return out
+        def hole_for(x):
+            h = Hole("o%d" % len(self.owned))
+            self.owned[h] = x
+            return (h,)
 
-        for op, name, nd, base, own_attrs, inputs, controls, var, stage, is_var, mine \
-                in templates:
-            if mine and not rep_c:
+        refs = {}
+        for op in ops:
+            if op in skip:
                 continue
-            dev = None
-            if var is not None:
-                v, member, owned_v = var
-                cc = source(owned_v) if member else c
-                dev = devices.get((cc, v)) if member and cc else var_device(cc, v)
-            dev = dev or stage_dev[stage]
-            if is_var:
-                devices[(c, op)] = dev
-            plan.add(base, pre + name, dev, refs(inputs, plan.input_key, state.tensor),
-                     refs(controls, plan.control_key, state.op),
-                     _attrs(state, c, op, nd) if own_attrs else None)
-    made = plan.run()
-    for c in sorted(range(1, n), key=lambda c: not state.is_rep(c)):
-        rep_c, rep, pre, op_map = state.is_rep(c), state.reps[c], prefix[c], state.op_map[c]
-        for t in templates:
-            op, name, mine = t[0], t[1], t[10]
-            if mine and not rep_c:
-                op_map[op] = state.op_map[rep][op] if rep else op
-            else:
-                op_map[op] = made[pre + name]
+            nd = op.node_def
+            attrs = _own_attrs(op, nd)
+            inputs = []
+            where = None    # the variable the op takes itself (a resource read, an update)
+            for t in op.inputs:
+                ref = refs.get(t)
+                if ref is None:
+                    if t.op not in members:
+                        ref = key(self.inputs, "EPL_IMPORT_INPUT", t)
+                    elif t.op in skip:
+                        ref = hole_for(t)
+                    else:
+                        ref = (p, t.op.name if t.value_index == 0
+                               else "%s:%d" % (t.op.name, t.value_index))
+                    refs[t] = ref
+                inputs.append(ref)
+                if where is None and ir.is_state_handle(t) and t.op.type in VARIABLE_OPS:
+                    where = ("variable", t.op, t.op in members, state.stage_of(op))
+            controls = []
+            for ci in op.control_inputs:
+                ref = refs.get(ci)
+                if ref is None:
+                    if ci not in members:
+                        ref = key(self.controls, "EPL_IMPORT_CONTROL", ci)
+                    elif ci in skip:
+                        ref = hole_for(ci)
+                    else:
+                        ref = (p, ci.name)
+                    refs[ci] = ref
+                controls.append(ref)
+            where = where or ("stage", state.stage_of(op))
+            device = self.classes.get(where)
+            if device is None:
+                device = self.classes[where] = Hole("d%d" % len(self.classes))
+            holes = []
+            if attrs:
+                holes = [Hole("a%d_%s" % (len(self.own_attrs), k)) for k in attrs]
+                self.own_attrs.append((op, nd, holes))
+            plan.node(op.name, CopyPlan.template(nd, attrs), inputs, controls, (device,), holes)
+            self.ops.append(op)
+
+    def copy(self, c):
+        """Add clone c's copy to the plan."""
+        state = self.state
+        rep = state.reps[c]
+        pre = state.clone_name(c, "")
+        values = {PREFIX: pre}
+        for where, hole in self.classes.items():
+            values[hole] = self._device(c, where)
+        for op, nd, holes in self.own_attrs:
+            attrs = _attrs(state, c, op, nd)
+            for hole in holes:
+                k = hole.split("_", 1)[1]
+                values[hole] = attr_entry(k, attrs[k])
+        inputs = {pre + k: state.tensor(c, t) for k, t in self.inputs.items()}
+        controls = {pre + k: state.op(c, x) for k, x in self.controls.items()}
+        for hole, x in self.owned.items():
+            if rep:     # the replica's copy, made in the same import
+                values[hole] = state.clone_name(rep, x.name)
+            else:       # replica 0: the user's op
+                values[hole] = pre + "EPL_IMPORT_OWNED_" + hole[1:]
+                table = inputs if isinstance(x, tf.Tensor) else controls
+                table[values[hole]] = x
+        self.plan.copy(values, inputs, controls)
+
+    def install(self, c, names):
+        """Clone c's copies are named ``names``."""
+        state = self.state
+        op_map = state.op_map[c]
+        for op, name in zip(self.ops, names):
+            op_map[op] = name
+        rep = state.reps[c]
+        for op in self.skipped:
+            op_map[op] = state.op_map[rep][op] if rep else op
+
+    def _device(self, c, where):
+        """Clone c's device for one class of ops: its device of their stage, or the
+        device of the variable they take (TF keeps those ops with their variable)."""
+        state = self.state
+        if where[0] == "stage":
+            return state.stage_devices[c][where[1]]
+        _, var, member, stage = where
+        if member:
+            # Copied in this segment: in clone c, or in its replica's copy
+            # (micro-batches share the replica's variables); on its stage's device.
+            cc = c if var not in self.skip else state.reps[c]
+            dev = var.device if cc == 0 else state.stage_devices[cc][state.stage_of(var)]
+        else:
+            dev = state.op(c, var).device
+        return dev or state.stage_devices[c][stage]
 
 
 def _own_attrs(op, nd):
