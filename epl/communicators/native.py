@@ -41,7 +41,7 @@ class NativeCommunicator(Communicator):
 
     def all_reduce_n(self, lists, reduce_op="sum"):
         return self._per_rank(lists, "all_reduce_n", lambda ts, g, r: native_ops.all_reduce_n(
-            ts, g, r, self.size, reduce_op, **self._kw()))
+            ts, g, r, self.size, reduce_op, device=self.devices[r], **self._kw()))
 
     def all_gather(self, tensors):
         return self._per_rank(tensors, "all_gather", lambda t, g, r: native_ops.all_gather(

@@ -25,9 +25,22 @@ def all_reduce(x, group, rank, size, reduce_op="sum", timeout_seconds=600,
 
 
 def all_reduce_n(xs, group, rank, size, reduce_op="sum", timeout_seconds=600,
-                 transport="inprocess", name=None):
-    """Fused all-reduce of a list of same-dtype tensors: one collective, no concat/split."""
-    return native.ops().epl_all_reduce_n(list(xs), reduce_op=reduce_op, name=name,
+                 transport="inprocess", name=None, device=None):
+    """Fused all-reduce of a list of same-dtype tensors: one collective, no concat/split.
+    ``xs`` may hold a rewrite's not-yet-made copies (``deferred.Output``, on
+    ``device``): the op is then made in C without making them."""
+    from epl.rewrite import deferred
+    xs = list(xs)
+    if device is not None and any(isinstance(x, deferred.Output) for x in xs):
+        attr = tf.compat.v1.AttrValue
+        attrs = dict(T=attr(type=xs[0].dtype.as_datatype_enum), N=attr(i=len(xs)),
+                     reduce_op=attr(s=reduce_op.encode()))
+        for k, v in _common(group, rank, size, timeout_seconds, transport).items():
+            attrs[k] = attr(s=v.encode()) if isinstance(v, str) else attr(i=v)
+        op = deferred.create_op(xs[0].graph, "EplAllReduceN", name or "EplAllReduceN",
+                                device, [xs], attrs)
+        return op.outputs
+    return native.ops().epl_all_reduce_n(xs, reduce_op=reduce_op, name=name,
                                          **_common(group, rank, size, timeout_seconds, transport))
 
 

@@ -71,24 +71,12 @@ class CopyPlan(object):
     def __init__(self):
         self.nodes = []          # per node: its fields, see ``node``
         self.holes = set()
+        self._fields = {}        # (tag, input pieces) -> field (inputs repeat)
         self._patterns = {}      # hole lengths -> pattern
         self.chunks = []         # every copy's serialized nodes
         self.names = []          # every copy's node names, in order
         self.inputs = {}         # key -> existing tensor
         self.controls = {}       # key -> existing op (or C node)
-
-    @staticmethod
-    def template(node_def, skip=()):
-        """The serialized part of ``node_def`` every copy shares: its type and
-        attributes (not ``_class`` colocation, nor the ``skip``ped ones each copy sets)."""
-        base = node_def_pb2.NodeDef()
-        base.op = node_def.op
-        for k, v in node_def.attr.items():
-            if k != "_class" and k not in skip:
-                base.attr[k].CopyFrom(v)
-        if node_def.HasField("experimental_debug_info"):
-            base.experimental_debug_info.CopyFrom(node_def.experimental_debug_info)
-        return base.SerializeToString()
 
     def node(self, name, template, inputs, controls, device, attrs=()):
         """A node of ``template`` (from ``template()``) named ``name`` after the
@@ -97,12 +85,19 @@ class CopyPlan(object):
         pieces: ``str`` literals and ``Hole``s.  ``attrs``: holes each copy fills
         with one attribute of its own (``attr_entry``)."""
         fields = [_pieces(b"\x0a", (PREFIX, name))]
-        fields += [_pieces(b"\x1a", i) for i in inputs]
-        fields += [_pieces(b"\x1a", ("^",) + tuple(c)) for c in controls]
+        known = self._fields
+        for tag, items in ((b"\x1a", inputs), (b"\x1a^", controls)):
+            for i in items:
+                f = known.get((tag, i))
+                if f is None:
+                    f = known[(tag, i)] = _pieces(tag[:1], (tag[1:].decode(),) + tuple(i))
+                    self.holes.update(f[2])
+                fields.append(f)
         fields.append(_pieces(b"\x22", device))
         fields += [_pieces(b"\x2a", (h,)) for h in attrs]
-        for f in fields:
-            self.holes.update(f[2])
+        self.holes.update(fields[0][2])
+        self.holes.update(fields[-1 - len(attrs)][2])
+        self.holes.update(attrs)
         self.nodes.append((name, fields, template.replace(b"%", b"%%"), len(template)))
 
     def copy(self, values, inputs=None, controls=None):
@@ -201,6 +196,44 @@ def _pieces(tag, pieces):
             fixed += len(b)
             text.append(b.replace(b"%", b"%%"))
     return tag, fixed, tuple(holes), b"".join(text)
+
+
+def template(op, skip=()):
+    """(the serialized part of ``op``'s NodeDef every copy shares, the names of its
+    attributes).  The shared part is its type and attributes, less ``_class``
+    colocation and the ``skip``ped ones each copy sets.  Cut from the serialized
+    NodeDef without parsing it: a parsed NodeDef costs several times more."""
+    with c_api_util.tf_buffer() as buf:
+        c_api.TF_OperationToNodeDef(op._c_op, buf)  # pylint: disable=protected-access
+        data = c_api.TF_GetBuffer(buf)
+    keep = []
+    names = []
+    i, end = 0, len(data)
+    while i < end:
+        tag = data[i]
+        n, j = _read_varint(data, i + 1)
+        if tag == 0x2a:       # attr: map entry, its key first (field 1)
+            k, m = _read_varint(data, j + 1)
+            name = data[m:m + k].decode()
+            names.append(name)
+            if name != "_class" and name not in skip:
+                keep.append(data[i:j + n])
+        elif tag in (0x12, 0x32):     # op type, debug info
+            keep.append(data[i:j + n])
+        i = j + n
+    return b"".join(keep), names
+
+
+def _read_varint(data, i):
+    """(value, index after it) of the varint at ``data[i]``."""
+    n = shift = 0
+    while True:
+        b = data[i]
+        n |= (b & 0x7f) << shift
+        i += 1
+        if b < 0x80:
+            return n, i
+        shift += 7
 
 
 def attr_entry(name, value):

@@ -12,7 +12,15 @@ new C nodes itself (the hooks are in ``tf_patches``, patch point 16).
 Wrappers made late are rewrite ops (phase REWRITE), outside any control-flow
 context (the copies inside loops and conditions get theirs when the rewrite
 rebuilds the clone's contexts).
+
+A pass that only feeds copies into a new op (the gradient all-reduce reads
+thousands of them) takes ``Output``s and makes the op in C (``create_op``);
+anything else converts an ``Output`` to its ``tf.Tensor``, made then.
 """
+import tensorflow as tf
+from tensorflow.python import pywrap_tensorflow as c_api
+from tensorflow.python.framework import c_api_util
+
 from epl import tf_patches
 
 
@@ -87,3 +95,46 @@ def add_control_edges(graph, sources, targets):
         dst = c_op(graph, name)
         for s in src:
             c_api.AddControlInput(graph._c_graph, dst, s)  # pylint: disable=protected-access
+
+
+class Output(object):
+    """Output ``index`` (of ``dtype``) of the copy named ``name``, whose Python op
+    may not exist yet."""
+    __slots__ = ("graph", "name", "index", "dtype")
+
+    def __init__(self, graph, name, index, dtype):
+        self.graph, self.name, self.index, self.dtype = graph, name, index, dtype
+
+    def tensor(self):
+        return get(self.graph, self.name).outputs[self.index]
+
+    def tf_output(self):
+        return c_api_util.tf_output(c_op(self.graph, self.name), self.index)
+
+
+tf.register_tensor_conversion_function(
+    Output, lambda value, dtype=None, name=None, as_ref=False: value.tensor())
+
+
+def create_op(graph, op_type, name, device, inputs, attrs):
+    """A new op of ``op_type`` on ``device`` made through TensorFlow's C API:
+    ``inputs`` are tf.Tensors or ``Output``s (a list of them for a list input),
+    ``attrs`` {name: AttrValue}.  Returns its Python op (the inputs' stay unmade)."""
+    def tf_output(x):
+        return x.tf_output() if isinstance(x, Output) else x._as_tf_output()  # pylint: disable=protected-access
+
+    with graph._mutation_lock():  # pylint: disable=protected-access
+        desc = c_api.TF_NewOperation(graph._c_graph, op_type, graph.unique_name(name))  # pylint: disable=protected-access
+        c_api.TF_SetDevice(desc, device)
+        for x in inputs:
+            if isinstance(x, (list, tuple)):
+                c_api.TF_AddInputList(desc, [tf_output(y) for y in x])
+            else:
+                c_api.TF_AddInput(desc, tf_output(x))
+        for k, v in attrs.items():
+            c_api.TF_SetAttrValueProto(desc, k, v.SerializeToString())
+        try:
+            node = c_api.TF_FinishOperation(desc)
+        except tf.errors.InvalidArgumentError as e:
+            raise ValueError("EPL could not make op %r (%s): %s" % (name, op_type, e.message))
+    return _wrap(graph, [node])[0]

@@ -102,11 +102,11 @@ def _reduce_bucket(state, comm, grads, method, users):
     scale = float(cfg.get("communication.fp16_scale"))
     lists = []
     for c, dev in enumerate(comm.devices):
-        with tf.device(dev):
-            ts = [state.tensor(c, g) for g in grads]
-            if fp16:
-                ts = [tf.cast(t * scale, tf.float16) for t in ts]
-            lists.append(ts)
+        if fp16:
+            with tf.device(dev):
+                lists.append([tf.cast(state.tensor(c, g) * scale, tf.float16) for g in grads])
+        else:   # the copies' Python ops are not needed (a fused all-reduce reads them in C)
+            lists.append([state.output(c, g) for g in grads])
     collective = comm.all_reduce_n(lists, method)
     per_clone = []
     for c in range(users):

@@ -12,7 +12,8 @@ import tensorflow as tf
 
 from epl import ir
 from epl.rewrite import control_flow
-from epl.rewrite.cloner import PREFIX, SEED_STEP, CopyPlan, Hole, attr_entry, import_copies
+from epl.rewrite.cloner import (PREFIX, SEED_STEP, CopyPlan, Hole, attr_entry, import_copies,
+                                 template)
 from epl.rewrite.gradients import reduce_gradients
 from epl.rewrite.selection import VARIABLE_OPS
 
@@ -73,8 +74,9 @@ def _copy_segment(state, ops):
     own = set(op for op in ops if owned(state, op))
     reps = [c for c in range(1, n) if state.is_rep(c)]
     rest = [c for c in range(1, n) if not state.is_rep(c)]
-    full = _Segment(state, ops, ()) if reps else None
-    part = _Segment(state, ops, own) if rest and (own or not full) else full
+    described = _describe(state, ops)
+    full = _Segment(state, described, ()) if reps else None
+    part = _Segment(state, described, own) if rest and (own or not full) else full
     copies = []     # (clone, its segment, where its nodes start in the plan)
     for c, seg in [(c, full) for c in reps] + [(c, part) for c in rest]:
         copies.append((c, seg, len(seg.plan.names)))
@@ -87,79 +89,80 @@ def _copy_segment(state, ops):
         seg.install(c, made[seg][start:start + len(seg.ops)])
 
 
+def _describe(state, ops):
+    """What every copy of each op needs, found once: (op, NodeDef template, the
+    attributes each clone sets itself, inputs, control inputs, device class)."""
+    members = set(ops)
+    out = []
+    for op in ops:
+        base, names = template(op, _CLONE_ATTRS)
+        own = _own_attrs(op, names)
+        if len(own) < len(set(names) & set(_CLONE_ATTRS)):   # (an unseeded op's seed2: 0)
+            base, _ = template(op, own)
+        where = None    # the variable the op takes itself (a resource read, an update)
+        inputs = list(op.inputs)
+        for t in inputs:
+            if ir.is_state_handle(t) and t.op.type in VARIABLE_OPS:
+                where = ("variable", t.op, t.op in members, state.stage_of(op))
+                break
+        out.append((op, base, own, inputs, op.control_inputs,
+                    where or ("stage", state.stage_of(op))))
+    return members, out
+
+
 class _Segment(object):
     """A segment's nodes as every clone of one kind copies them (without the
     ``skipped`` ops, which a clone reads from its replica's copy), with the holes
     each clone fills: its name prefix ``p``, the device of each class of ops
-    ``d<k>``, references ``o<k>`` to its replica's copies of skipped ops."""
+    ``d<k>``, its own attributes ``a<k>_<name>``, references ``o<k>`` to its
+    replica's copies of skipped ops."""
 
-    def __init__(self, state, ops, skipped):
+    def __init__(self, state, described, skipped):
         self.state = state
         self.plan = plan = CopyPlan()
-        members = set(ops)
+        members, records = described
         self.skip = skip = set(skipped)
-        self.skipped = [op for op in ops if op in skip]
+        self.skipped = [r[0] for r in records if r[0] in skip]
         self.ops = []
-        self.own_attrs = []     # (op, node_def, holes): ops with attributes of each clone
+        self.own_attrs = []     # (op, {attribute: user's value}, holes): see _attrs
         self.classes = {}       # device class -> its hole
         self.inputs = {}        # key -> existing tensor (of the user's graph)
         self.controls = {}      # key -> existing op
         self.owned = {}         # hole -> skipped tensor or op read
         p = PREFIX
-
-        def key(table, prefix, x):
-            k = "%s_%d" % (prefix, len(table))
-            table[k] = x
-            return (p, k)
-
-        def hole_for(x):
-            h = Hole("o%d" % len(self.owned))
-            self.owned[h] = x
-            return (h,)
-
         refs = {}
-        for op in ops:
+
+        def ref(x, op, table, prefix):
+            """How a copy names x (a tensor of ``op``, or ``op`` itself)."""
+            r = refs.get(x)
+            if r is None:
+                if op not in members:
+                    k = "%s_%d" % (prefix, len(table))
+                    table[k] = x
+                    r = (p, k)
+                elif op in skip:
+                    h = Hole("o%d" % len(self.owned))
+                    self.owned[h] = x
+                    r = (h,)
+                else:
+                    r = (p, x.name if x is op or x.value_index else op.name)
+                refs[x] = r
+            return r
+
+        for op, template, own_attrs, inputs, controls, where in records:
             if op in skip:
                 continue
-            nd = op.node_def
-            attrs = _own_attrs(op, nd)
-            inputs = []
-            where = None    # the variable the op takes itself (a resource read, an update)
-            for t in op.inputs:
-                ref = refs.get(t)
-                if ref is None:
-                    if t.op not in members:
-                        ref = key(self.inputs, "EPL_IMPORT_INPUT", t)
-                    elif t.op in skip:
-                        ref = hole_for(t)
-                    else:
-                        ref = (p, t.op.name if t.value_index == 0
-                               else "%s:%d" % (t.op.name, t.value_index))
-                    refs[t] = ref
-                inputs.append(ref)
-                if where is None and ir.is_state_handle(t) and t.op.type in VARIABLE_OPS:
-                    where = ("variable", t.op, t.op in members, state.stage_of(op))
-            controls = []
-            for ci in op.control_inputs:
-                ref = refs.get(ci)
-                if ref is None:
-                    if ci not in members:
-                        ref = key(self.controls, "EPL_IMPORT_CONTROL", ci)
-                    elif ci in skip:
-                        ref = hole_for(ci)
-                    else:
-                        ref = (p, ci.name)
-                    refs[ci] = ref
-                controls.append(ref)
-            where = where or ("stage", state.stage_of(op))
             device = self.classes.get(where)
             if device is None:
                 device = self.classes[where] = Hole("d%d" % len(self.classes))
-            holes = []
-            if attrs:
-                holes = [Hole("a%d_%s" % (len(self.own_attrs), k)) for k in attrs]
-                self.own_attrs.append((op, nd, holes))
-            plan.node(op.name, CopyPlan.template(nd, attrs), inputs, controls, (device,), holes)
+            holes = ()
+            if own_attrs:
+                holes = [Hole("a%d_%s" % (len(self.own_attrs), k)) for k in own_attrs]
+                self.own_attrs.append((op, own_attrs, holes))
+            plan.node(op.name, template,
+                      [ref(t, t.op, self.inputs, "EPL_IMPORT_INPUT") for t in inputs],
+                      [ref(ci, ci, self.controls, "EPL_IMPORT_CONTROL") for ci in controls],
+                      (device,), holes)
             self.ops.append(op)
 
     def copy(self, c):
@@ -170,8 +173,8 @@ class _Segment(object):
         values = {PREFIX: pre}
         for where, hole in self.classes.items():
             values[hole] = self._device(c, where)
-        for op, nd, holes in self.own_attrs:
-            attrs = _attrs(state, c, op, nd)
+        for op, own, holes in self.own_attrs:
+            attrs = _attrs(state, c, op, own)
             for hole in holes:
                 k = hole.split("_", 1)[1]
                 values[hole] = attr_entry(k, attrs[k])
@@ -213,34 +216,35 @@ class _Segment(object):
         return dev or state.stage_devices[c][stage]
 
 
-def _own_attrs(op, nd):
-    """The attributes every clone sets itself (see ``_attrs``)."""
-    a = nd.attr
-    keys = []
-    if "seed2" in a and a["seed2"].i:
-        keys.append("seed2")
-    if op.type == "VarHandleOp" or ("shared_name" in a and a["shared_name"].s):
-        keys.append("shared_name")
+_CLONE_ATTRS = ("seed2", "shared_name", "frame_name")
+
+
+def _own_attrs(op, names):
+    """{attribute: the user's value} of the attributes every clone sets itself (see
+    ``_attrs``); ``names``: the op's attributes."""
+    own = {}
+    if "seed2" in names and op.get_attr("seed2"):
+        own["seed2"] = op.get_attr("seed2")
+    if "shared_name" in names and (op.type == "VarHandleOp" or op.get_attr("shared_name")):
+        own["shared_name"] = op.get_attr("shared_name")
     if op.type in ("Enter", "RefEnter"):
-        keys.append("frame_name")
-    return keys
+        own["frame_name"] = op.get_attr("frame_name")
+    return own
 
 
-def _attrs(state, c, op, nd):
+def _attrs(state, c, op, own):
     """Clone c's attribute changes: its own seed stream, variable names and loop
     frames."""
     attrs = {}
-    a = nd.attr
-    if "seed2" in a and a["seed2"].i:
+    if "seed2" in own:
         # Stateful random ops with a fixed seed would repeat replica 0's stream.
-        attrs["seed2"] = tf.compat.v1.AttrValue(i=a["seed2"].i + SEED_STEP * c)
-    if op.type == "VarHandleOp":
-        attrs["shared_name"] = tf.compat.v1.AttrValue(s=state.clone_name(c, op.name).encode())
-    elif "shared_name" in a and a["shared_name"].s:
-        attrs["shared_name"] = tf.compat.v1.AttrValue(
-            s=state.clone_name(c, a["shared_name"].s.decode()).encode())
-    if op.type in ("Enter", "RefEnter"):
-        attrs["frame_name"] = control_flow.frame_attr(c, state, a["frame_name"])
+        attrs["seed2"] = tf.compat.v1.AttrValue(i=own["seed2"] + SEED_STEP * c)
+    if "shared_name" in own:
+        name = op.name if op.type == "VarHandleOp" else own["shared_name"].decode()
+        attrs["shared_name"] = tf.compat.v1.AttrValue(s=state.clone_name(c, name).encode())
+    if "frame_name" in own:
+        attrs["frame_name"] = control_flow.frame_attr(
+            c, state, tf.compat.v1.AttrValue(s=own["frame_name"]))
     return attrs
 
 

@@ -73,22 +73,30 @@ def task_ops(state, clone, stage, phase, path):
     return out
 
 
-def task_ends(state, clone, originals):
+def task_ends(state, clone, originals, cache=None):
     """(entry op names, exit op names) of one task in one clone: the task's ops with
     no data input from the task, and those whose outputs no op of the task reads.
-    Found on the user's ops (every clone's copy has their structure); the copies'
+    Found on the user's ops (every clone's copy has their structure, and clones of
+    one kind copy the same ops: ``cache`` keeps the ends per kind); the copies'
     edges are added in C (``deferred.add_control_edges``)."""
-    members = []
-    for op in originals:
-        if clone != 0:
-            copy = state.op_map[clone].get(op)
-            if copy is None or copy is op:
-                continue  # shared with micro-batch 0 (not copied)
-        members.append(op)
-    inside = set(members)
-    fed = set(t.op for op in members for t in op.inputs if t.op in inside)
-    entries = [op for op in members if not any(t.op in inside for t in op.inputs)]
-    exits = [op for op in members if op not in fed]
+    kind = (clone == 0, state.is_rep(clone), state.reps[clone] == 0)
+    key = (id(originals), kind)
+    ends = cache.get(key) if cache is not None else None
+    if ends is None:
+        members = []
+        for op in originals:
+            if clone != 0:
+                copy = state.op_map[clone].get(op)
+                if copy is None or copy is op:
+                    continue  # shared with micro-batch 0 (not copied)
+            members.append(op)
+        inside = set(members)
+        fed = set(t.op for op in members for t in op.inputs if t.op in inside)
+        ends = ([op for op in members if not any(t.op in inside for t in op.inputs)],
+                [op for op in members if op not in fed])
+        if cache is not None:
+            cache[key] = ends
+    entries, exits = ends
     return ([state.op_name(clone, op) for op in entries],
             [state.op_name(clone, op) for op in exits])
 
@@ -102,6 +110,7 @@ def schedule_pipeline(state):
     tasks = _task_originals(state, path)
     state.schedule = {}
     replicas = {}
+    cache = {}
     for c, (r, m, _) in enumerate(state.clones):
         replicas.setdefault(r, {})[m] = c
     for r, by_micro in replicas.items():
@@ -111,7 +120,7 @@ def schedule_pipeline(state):
             previous_end = None
             for k, (kind, m) in enumerate(order):
                 phase = ir.FORWARD if kind == "F" else ir.BACKWARD
-                entries, exits = task_ends(state, by_micro[m], tasks.get((s, phase), []))
+                entries, exits = task_ends(state, by_micro[m], tasks.get((s, phase), []), cache)
                 if not exits:
                     continue
                 if previous_end is not None:

@@ -82,6 +82,20 @@ class ReplicaState(object):
         self.tensor_map[c][t] = x
         return x
 
+    def output(self, c, t):
+        """Clone c's copy of ``t``, as a ``deferred.Output`` while its Python op is
+        not made (for a pass that only feeds it to ``deferred.create_op``)."""
+        x = self.tensor_map[c].get(t)
+        if x is not None:
+            return x
+        x = self.op_map[c].get(t.op)
+        if x is None:
+            return t
+        if isinstance(x, str):
+            from epl.rewrite import deferred
+            return deferred.Output(self.graph, x, t.value_index, t.dtype)
+        return x.outputs[t.value_index]
+
     def op(self, c, op):
         """Clone c's copy of ``op`` (``op_map`` may hold a copy's name: its Python
         ``Operation`` is made on first use, see ``deferred.py``)."""
