@@ -103,7 +103,8 @@ class CopyPlan(object):
     def copy(self, values, inputs=None, controls=None):
         """Add one copy: ``values`` {hole: str or bytes} fills the holes, ``inputs`` {key:
         tf.Tensor} and ``controls`` {key: tf.Operation or C node} map the keys its
-        nodes read.  Returns the copy's node names (as planned)."""
+        nodes read (an input key names an output: ``name`` or ``name:index``).
+        Returns the copy's node names (as planned)."""
         raw = {h: values[h] if isinstance(values[h], bytes) else values[h].encode()
                for h in self.holes}
         lengths = tuple(sorted((h, len(v)) for h, v in raw.items()))
@@ -154,7 +155,11 @@ def import_copies(graph, plans):
     c_api.TF_ImportGraphDefOptionsSetValidateColocationConstraints(options, False)
     for plan in plans:
         for key, t in plan.inputs.items():
-            c_api.TF_ImportGraphDefOptionsAddInputMapping(options, key, 0, t._as_tf_output())  # pylint: disable=protected-access
+            name, _, index = key.rpartition(":")      # ("name:1": output 1 of "name")
+            if not name:
+                name, index = key, "0"
+            c_api.TF_ImportGraphDefOptionsAddInputMapping(options, name, int(index),
+                                                          t._as_tf_output())  # pylint: disable=protected-access
         for key, op in plan.controls.items():
             c_api.TF_ImportGraphDefOptionsRemapControlDependency(
                 options, key, getattr(op, "_c_op", op))

@@ -66,24 +66,26 @@ def clone_replicas(state, sel):
 
 def _copy_segment(state, ops):
     """Every clone's copy of ``ops`` (made in one import).  Micro-batches of a
-    replica share its variables and its one update (``owned``): their copies read
-    the replica's copies of those, or the user's ops for replica 0."""
+    replica share its variables and its one update (``owned``), and its constants
+    (on their device already): their copies read the replica's copies of those, or
+    the user's ops for replica 0."""
     n = state.num_clones
     if n == 1 or not ops:
         return
-    own = set(op for op in ops if owned(state, op))
-    reps = [c for c in range(1, n) if state.is_rep(c)]
-    rest = [c for c in range(1, n) if not state.is_rep(c)]
+    own = set(op for op in ops if owned(state, op) or _constant(op))
     described = _describe(state, ops)
-    full = _Segment(state, described, ()) if reps else None
-    part = _Segment(state, described, own) if rest and (own or not full) else full
+    kinds = {}      # kind of clone -> its _Segment
     copies = []     # (clone, its segment, where its nodes start in the plan)
-    for c, seg in [(c, full) for c in reps] + [(c, part) for c in rest]:
+    for c in sorted(range(1, n), key=lambda c: not state.is_rep(c)):
+        # A replica copies every op; a micro-batch reads the skipped ops of its
+        # replica's copy (made in this import), or the user's ops for replica 0.
+        kind = state.is_rep(c)
+        if kind not in kinds:
+            kinds[kind] = _Segment(state, described, () if kind else own)
+        seg = kinds[kind]
         copies.append((c, seg, len(seg.plan.names)))
         seg.copy(c)
-    segments = [seg for seg in (full, part) if seg is not None]
-    if part is full:
-        segments = segments[:1]
+    segments = list(kinds.values())
     made = dict(zip(segments, import_copies(state.graph, [seg.plan for seg in segments])))
     for c, seg, start in copies:
         seg.install(c, made[seg][start:start + len(seg.ops)])
@@ -110,12 +112,19 @@ def _describe(state, ops):
     return members, out
 
 
+def _constant(op):
+    """A constant outside loops and conditions (those are tied to their frame by a
+    control input)."""
+    return (op.type == "Const" and not op.control_inputs
+            and control_flow.context_of(op) is None)
+
+
 class _Segment(object):
-    """A segment's nodes as every clone of one kind copies them (without the
-    ``skipped`` ops, which a clone reads from its replica's copy), with the holes
-    each clone fills: its name prefix ``p``, the device of each class of ops
-    ``d<k>``, its own attributes ``a<k>_<name>``, references ``o<k>`` to its
-    replica's copies of skipped ops."""
+    """A segment's nodes as every clone of one kind copies them, with the holes each
+    clone fills: its name prefix ``p``, the device of each class of ops ``d<k>``,
+    its own attributes ``a<k>_<name>``.  The ``skipped`` ops are not copied: the
+    copies read those of the replica whose name prefix fills the hole ``r`` (the
+    user's ops for replica 0: their names are mapped to them)."""
 
     def __init__(self, state, described, skipped):
         self.state = state
@@ -126,26 +135,27 @@ class _Segment(object):
         self.ops = []
         self.own_attrs = []     # (op, {attribute: user's value}, holes): see _attrs
         self.classes = {}       # device class -> its hole
-        self.inputs = {}        # key -> existing tensor (of the user's graph)
-        self.controls = {}      # key -> existing op
-        self.owned = {}         # hole -> skipped tensor or op read
+        self.inputs = {}        # key -> existing tensor (the clone's, see state.tensor)
+        self.controls = {}      # key -> existing op (the clone's)
+        self.user = {}          # name a copy reads a skipped op by -> the user's tensor / op
         p = PREFIX
         refs = {}
 
-        def ref(x, op, table, prefix):
+        def ref(x, op, table):
             """How a copy names x (a tensor of ``op``, or ``op`` itself)."""
             r = refs.get(x)
             if r is None:
                 if op not in members:
-                    k = "%s_%d" % (prefix, len(table))
+                    k = "EPL_IMPORT_%d" % len(refs)
                     table[k] = x
                     r = (p, k)
-                elif op in skip:
-                    h = Hole("o%d" % len(self.owned))
-                    self.owned[h] = x
-                    r = (h,)
                 else:
-                    r = (p, x.name if x is op or x.value_index else op.name)
+                    name = x.name if x is op or x.value_index else op.name
+                    if op in skip:
+                        self.user[name] = x
+                        r = (REPLICA, name)
+                    else:
+                        r = (p, name)
                 refs[x] = r
             return r
 
@@ -159,18 +169,17 @@ class _Segment(object):
             if own_attrs:
                 holes = [Hole("a%d_%s" % (len(self.own_attrs), k)) for k in own_attrs]
                 self.own_attrs.append((op, own_attrs, holes))
-            plan.node(op.name, template,
-                      [ref(t, t.op, self.inputs, "EPL_IMPORT_INPUT") for t in inputs],
-                      [ref(ci, ci, self.controls, "EPL_IMPORT_CONTROL") for ci in controls],
-                      (device,), holes)
+            plan.node(op.name, template, [ref(t, t.op, self.inputs) for t in inputs],
+                      [ref(ci, ci, self.controls) for ci in controls], (device,), holes)
             self.ops.append(op)
 
     def copy(self, c):
         """Add clone c's copy to the plan."""
         state = self.state
-        rep = state.reps[c]
         pre = state.clone_name(c, "")
         values = {PREFIX: pre}
+        if REPLICA in self.plan.holes:
+            values[REPLICA] = state.clone_name(state.reps[c], "") if state.reps[c] else ""
         for where, hole in self.classes.items():
             values[hole] = self._device(c, where)
         for op, own, holes in self.own_attrs:
@@ -180,13 +189,9 @@ class _Segment(object):
                 values[hole] = attr_entry(k, attrs[k])
         inputs = {pre + k: state.tensor(c, t) for k, t in self.inputs.items()}
         controls = {pre + k: state.op(c, x) for k, x in self.controls.items()}
-        for hole, x in self.owned.items():
-            if rep:     # the replica's copy, made in the same import
-                values[hole] = state.clone_name(rep, x.name)
-            else:       # replica 0: the user's op
-                values[hole] = pre + "EPL_IMPORT_OWNED_" + hole[1:]
-                table = inputs if isinstance(x, tf.Tensor) else controls
-                table[values[hole]] = x
+        if not state.reps[c]:
+            for k, x in self.user.items():
+                (inputs if isinstance(x, tf.Tensor) else controls)[k] = x
         self.plan.copy(values, inputs, controls)
 
     def install(self, c, names):
@@ -217,6 +222,7 @@ class _Segment(object):
 
 
 _CLONE_ATTRS = ("seed2", "shared_name", "frame_name")
+REPLICA = Hole("r")     # the name prefix of a micro-batch's replica
 
 
 def _own_attrs(op, names):

@@ -24,8 +24,9 @@ def order_global_step(state, since=-1):
     initializer = getattr(step, "initializer", None)
     nodes = state.graph._nodes_by_id  # pylint: disable=protected-access
     writes = [op for op in (nodes.get(i) for i in range(since + 1, state.graph._last_id + 1))  # pylint: disable=protected-access
-              if op is not None and op is not initializer and written_variable(op) is var
-              and state.ir_graph.phase_of(op) not in (ir.SAVE, ir.REWRITE)]
+              if op is not None and op is not initializer
+              and state.ir_graph.phase_of(op) not in (ir.SAVE, ir.REWRITE)
+              and written_variable(op) is var]
     if not writes:
         return
     # global_step's value: its read (ref variables) or ReadVariableOps (resource ones)
