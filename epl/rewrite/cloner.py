@@ -123,20 +123,34 @@ class CopyPlan(object):
         """The serialized nodes with holes of ``lengths`` {hole: length}, as a
         ``bytes %`` pattern (a literal ``%``, even in a length, is doubled)."""
         out = []
+        sizes = {}      # holes -> their total length
+        heads = {}      # (tag, length) -> escaped field head
         for _, fields, template, template_len in self.nodes:
             body = []
             size = template_len
             for tag, fixed, holes, text in fields:
-                n = fixed + sum(lengths[h] for h in holes)
-                head = tag + (_SMALL[n] if n < 128 else _varint(n))
-                body.append(head.replace(b"%", b"%%") + text)
-                size += len(head) + n
-            out.append((b"\x0a" + (_SMALL[size] if size < 128 else _varint(size))).replace(
-                b"%", b"%%"))
+                n = sizes.get(holes)
+                if n is None:
+                    n = sizes[holes] = sum(lengths[h] for h in holes)
+                n += fixed
+                head = heads.get((tag, n))
+                if head is None:
+                    head = heads[(tag, n)] = _head(tag, n)
+                body.append(head)
+                body.append(text)
+                size += len(tag) + len(_varint(n)) + n
+            out.append(_head(b"\x0a", size))
             out.append(body[0])
+            out.append(body[1])
             out.append(template)
-            out.extend(body[1:])
+            out.extend(body[2:])
         return b"".join(out)
+
+
+def _head(tag, n):
+    """A field's tag and length, escaped for a ``bytes %`` pattern."""
+    return (tag + (_SMALL[n] if n < 128 else _varint(n))).replace(b"%", b"%%")
+
 
 def import_copies(graph, plans):
     """Import every copy of every plan in ``plans`` at once (one import: each one

@@ -26,7 +26,7 @@ def place_originals(state, sel):
     for op in ops:
         # Our placement replaces TF's colocation hints: tf.gradients colocates a
         # gradient sum with its first input, which may live on another stage.
-        if "_class" in op.node_def.attr:
+        if "_class" in template(op)[1]:
             op._clear_attr("_class")  # pylint: disable=protected-access
         op._set_device(_device_for(state, 0, op.inputs, op))  # pylint: disable=protected-access
 

@@ -207,22 +207,32 @@ def _step_only_ops(graph, step_op):
         return set()
     ops = graph.get_operations()
     direct = set(op for op in ops if any(t.op is step_op for t in op.inputs))
-    variant = set()   # ops whose value may differ between replicas
-    derived = set([step_op]) | direct
-    changed = True
-    while changed:    # creation order is not always topological (tf.cond): iterate
-        changed = False
-        for op in ops:
-            if op is step_op or op in direct:
-                continue
-            ups = [t.op for t in op.inputs] + list(op.control_inputs)
-            if op not in variant and (
-                    op.type in SOURCE_OPS or op.type in VARIABLE_OPS or is_batch_placeholder(op)
-                    or (op.op_def.is_stateful and not _is_shared_resource(op))
-                    or any(u in variant for u in ups)):
-                variant.add(op)
-                changed = True
-            if op not in derived and any(u in derived for u in ups):
-                derived.add(op)
-                changed = True
+    stateful = {}   # op type -> stateful (op_def is parsed per call)
+
+    def varies(op):
+        """The op's own value may differ between replicas."""
+        kind = op.type
+        if kind in SOURCE_OPS or kind in VARIABLE_OPS or is_batch_placeholder(op):
+            return True
+        if kind not in stateful:
+            stateful[kind] = op.op_def.is_stateful
+        return stateful[kind] and not _is_shared_resource(op)
+
+    # (walked along consumers: creation order is not always topological, tf.cond)
+    blocked = direct | set([step_op])
+    variant = _downstream([op for op in ops if op not in blocked and varies(op)], blocked)
+    derived = _downstream([step_op] + list(direct), ())
     return (derived - variant) | direct
+
+
+def _downstream(ops, blocked):
+    """``ops`` and every op reading them (data or control), not through ``blocked``."""
+    seen = set(ops)
+    frontier = list(ops)
+    while frontier:
+        op = frontier.pop()
+        for c in [c for out in op.outputs for c in out.consumers()] + op._control_outputs:  # pylint: disable=protected-access
+            if c not in seen and c not in blocked:
+                seen.add(c)
+                frontier.append(c)
+    return seen
