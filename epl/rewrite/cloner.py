@@ -56,6 +56,7 @@ class Hole(str):
 
 
 PREFIX = Hole("p")
+_JUST_PREFIX = (PREFIX,)
 
 
 class CopyPlan(object):
@@ -70,7 +71,7 @@ class CopyPlan(object):
 
     def __init__(self):
         self.nodes = []          # per node: its fields, see ``node``
-        self.holes = set()
+        self.holes = set([PREFIX])
         self._fields = {}        # (tag, input pieces) -> field (inputs repeat)
         self._patterns = {}      # hole lengths -> pattern
         self.chunks = []         # every copy's serialized nodes
@@ -84,7 +85,8 @@ class CopyPlan(object):
         (NodeDef input strings, without the ``^``) and ``device`` is a sequence of
         pieces: ``str`` literals and ``Hole``s.  ``attrs``: holes each copy fills
         with one attribute of its own (``attr_entry``)."""
-        fields = [_pieces(b"\x0a", (PREFIX, name))]
+        encoded = name.encode()
+        fields = [(b"\x0a", len(encoded), _JUST_PREFIX, b"%(p)b" + encoded.replace(b"%", b"%%"))]
         known = self._fields
         for tag, items in ((b"\x1a", inputs), (b"\x1a^", controls)):
             for i in items:
@@ -93,11 +95,14 @@ class CopyPlan(object):
                     f = known[(tag, i)] = _pieces(tag[:1], (tag[1:].decode(),) + tuple(i))
                     self.holes.update(f[2])
                 fields.append(f)
-        fields.append(_pieces(b"\x22", device))
-        fields += [_pieces(b"\x2a", (h,)) for h in attrs]
-        self.holes.update(fields[0][2])
-        self.holes.update(fields[-1 - len(attrs)][2])
-        self.holes.update(attrs)
+        f = known.get(device)
+        if f is None:
+            f = known[device] = _pieces(b"\x22", device)
+            self.holes.update(f[2])
+        fields.append(f)
+        if attrs:
+            fields += [_pieces(b"\x2a", (h,)) for h in attrs]
+            self.holes.update(attrs)
         self.nodes.append((name, fields, template.replace(b"%", b"%%"), len(template)))
 
     def copy(self, values, inputs=None, controls=None):

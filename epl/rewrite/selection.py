@@ -58,7 +58,8 @@ STEP_RESOURCE_OPS = frozenset(["TensorArrayV3", "TensorArrayV2", "TensorArray", 
 def _is_shared_resource(op):
     """An op that creates state other than a variable (iterator, queue, table) that
     lives across steps."""
-    if op.type in VARIABLE_OPS or op.type in STEP_RESOURCE_OPS:
+    kind = op.type
+    if kind in VARIABLE_OPS or kind in STEP_RESOURCE_OPS:
         return False
     return (any(ir.is_state_handle(o) for o in op.outputs)
             and not any(ir.is_state_handle(i) for i in op.inputs))
@@ -88,9 +89,10 @@ def select(ir_graph, taskgraphs, share_variables=False, clip_after_allreduce=Fal
         tg = ir_graph.taskgraph_of(op)
         if tg is not None and tg.index not in mine:
             return True   # another TaskGraph's (a split scope's shards)
-        if op.type in SOURCE_OPS or op.type == "Placeholder" or op.type in _CHECKPOINT_OPS:
+        kind = op.type
+        if kind in SOURCE_OPS or kind == "Placeholder" or kind in _CHECKPOINT_OPS:
             return True
-        if op.type == "PlaceholderWithDefault" and op not in on_batch:
+        if kind == "PlaceholderWithDefault" and op not in on_batch:
             return True   # a flag (is_training): every replica reads the one the user feeds
         if op in initializers or op in from_step or _is_shared_resource(op):
             return True
