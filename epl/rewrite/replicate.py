@@ -81,7 +81,8 @@ def _copy_segment(state, ops):
         # replica's copy (made in this import), or the user's ops for replica 0.
         kind = state.is_rep(c)
         if kind not in kinds:
-            kinds[kind] = _Segment(state, described, () if kind else own)
+            clones = [cc for cc in range(1, n) if state.is_rep(cc) == kind]
+            kinds[kind] = _Segment(state, described, () if kind else own, clones)
         seg = kinds[kind]
         copies.append((c, seg, len(seg.plan.names)))
         seg.copy(c)
@@ -126,7 +127,7 @@ class _Segment(object):
     copies read those of the replica whose name prefix fills the hole ``r`` (the
     user's ops for replica 0: their names are mapped to them)."""
 
-    def __init__(self, state, described, skipped):
+    def __init__(self, state, described, skipped, clones):
         self.state = state
         self.plan = plan = CopyPlan()
         members, records = described
@@ -138,6 +139,7 @@ class _Segment(object):
         self.inputs = {}        # key -> existing tensor (the clone's, see state.tensor)
         self.controls = {}      # key -> existing op (the clone's)
         self.user = {}          # name a copy reads a skipped op by -> the user's tensor / op
+        self.shared = {}        # key every copy maps to the same existing tensor / op
         p = PREFIX
         refs = {}
 
@@ -147,8 +149,14 @@ class _Segment(object):
             if r is None:
                 if op not in members:
                     k = "EPL_IMPORT_%d" % len(refs)
-                    table[k] = x
-                    r = (p, k)
+                    if all((state.op(c, x) if x is op else state.tensor(c, x)) is x
+                           for c in clones):
+                        # The same existing tensor in every copy: one key for all.
+                        self.shared["EPL_IMPORT_SHARED/" + k] = x
+                        r = ("EPL_IMPORT_SHARED/" + k,)
+                    else:
+                        table[k] = x
+                        r = (p, k)
                 else:
                     name = x.name if x is op or x.value_index else op.name
                     if op in skip:
@@ -189,9 +197,11 @@ class _Segment(object):
                 values[hole] = attr_entry(k, attrs[k])
         inputs = {pre + k: state.tensor(c, t) for k, t in self.inputs.items()}
         controls = {pre + k: state.op(c, x) for k, x in self.controls.items()}
+        fixed = dict(self.shared)
         if not state.reps[c]:
-            for k, x in self.user.items():
-                (inputs if isinstance(x, tf.Tensor) else controls)[k] = x
+            fixed.update(self.user)     # replica 0's micro-batches read the user's ops
+        for k, x in fixed.items():
+            (inputs if isinstance(x, tf.Tensor) else controls)[k] = x
         self.plan.copy(values, inputs, controls)
 
     def install(self, c, names):
