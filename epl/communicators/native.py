@@ -45,7 +45,7 @@ class NativeCommunicator(Communicator):
 
     def all_gather(self, tensors):
         return self._per_rank(tensors, "all_gather", lambda t, g, r: native_ops.all_gather(
-            t, g, r, self.size, **self._kw()))
+            t, g, r, self.size, device=self.devices[r], **self._kw()))
 
     def reduce_scatter(self, tensors, reduce_op="sum"):
         return self._per_rank(tensors, "reduce_scatter", lambda t, g, r: native_ops.reduce_scatter(

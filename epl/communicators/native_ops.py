@@ -24,30 +24,44 @@ def all_reduce(x, group, rank, size, reduce_op="sum", timeout_seconds=600,
                                        **_common(group, rank, size, timeout_seconds, transport))
 
 
+def _deferred(xs, device):
+    """The inputs hold a rewrite's not-yet-made copies (``deferred.Output``): the
+    op is then made in C on ``device``, without making them."""
+    from epl.rewrite import deferred
+    return device is not None and any(isinstance(x, deferred.Output) for x in xs)
+
+
+def _create(op_type, inputs, dtype, attrs, device, name):
+    from epl.rewrite import deferred
+    attr = tf.compat.v1.AttrValue
+    values = dict(T=attr(type=dtype.as_datatype_enum))
+    for k, v in attrs.items():
+        values[k] = attr(s=v.encode()) if isinstance(v, str) else attr(i=v)
+    first = inputs[0][0] if isinstance(inputs[0], list) else inputs[0]
+    return deferred.create_op(first.graph, op_type, name or op_type, device, inputs,
+                              values).outputs
+
+
 def all_reduce_n(xs, group, rank, size, reduce_op="sum", timeout_seconds=600,
                  transport="inprocess", name=None, device=None):
     """Fused all-reduce of a list of same-dtype tensors: one collective, no concat/split.
-    ``xs`` may hold a rewrite's not-yet-made copies (``deferred.Output``, on
-    ``device``): the op is then made in C without making them."""
-    from epl.rewrite import deferred
+    ``xs`` may hold deferred copies (see ``_deferred``)."""
     xs = list(xs)
-    if device is not None and any(isinstance(x, deferred.Output) for x in xs):
-        attr = tf.compat.v1.AttrValue
-        attrs = dict(T=attr(type=xs[0].dtype.as_datatype_enum), N=attr(i=len(xs)),
-                     reduce_op=attr(s=reduce_op.encode()))
-        for k, v in _common(group, rank, size, timeout_seconds, transport).items():
-            attrs[k] = attr(s=v.encode()) if isinstance(v, str) else attr(i=v)
-        op = deferred.create_op(xs[0].graph, "EplAllReduceN", name or "EplAllReduceN",
-                                device, [xs], attrs)
-        return op.outputs
-    return native.ops().epl_all_reduce_n(xs, reduce_op=reduce_op, name=name,
-                                         **_common(group, rank, size, timeout_seconds, transport))
+    common = _common(group, rank, size, timeout_seconds, transport)
+    if _deferred(xs, device):
+        return _create("EplAllReduceN", [xs], xs[0].dtype,
+                       dict(common, N=len(xs), reduce_op=reduce_op), device, name)
+    return native.ops().epl_all_reduce_n(xs, reduce_op=reduce_op, name=name, **common)
 
 
-def all_gather(x, group, rank, size, timeout_seconds=600, transport="inprocess", name=None):
-    """Concatenation of every rank's ``x`` along axis 0 (sizes may differ)."""
-    out, _ = native.ops().epl_all_gather(x, name=name,
-                                         **_common(group, rank, size, timeout_seconds, transport))
+def all_gather(x, group, rank, size, timeout_seconds=600, transport="inprocess", name=None,
+               device=None):
+    """Concatenation of every rank's ``x`` along axis 0 (sizes may differ).  ``x`` may
+    be a deferred copy (see ``_deferred``)."""
+    common = _common(group, rank, size, timeout_seconds, transport)
+    if _deferred([x], device):
+        return _create("EplAllGather", [x], x.dtype, common, device, name)[0]
+    out, _ = native.ops().epl_all_gather(x, name=name, **common)
     return out
 
 

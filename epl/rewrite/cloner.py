@@ -129,7 +129,7 @@ class CopyPlan(object):
         ``bytes %`` pattern (a literal ``%``, even in a length, is doubled)."""
         out = []
         sizes = {}      # holes -> their total length
-        heads = {}      # (tag, length) -> escaped field head
+        heads = {}      # (tag, length) -> (escaped field head, the field's size)
         for _, fields, template, template_len in self.nodes:
             body = []
             size = template_len
@@ -140,10 +140,10 @@ class CopyPlan(object):
                 n += fixed
                 head = heads.get((tag, n))
                 if head is None:
-                    head = heads[(tag, n)] = _head(tag, n)
-                body.append(head)
+                    head = heads[(tag, n)] = (_head(tag, n), len(tag) + len(_varint(n)) + n)
+                body.append(head[0])
                 body.append(text)
-                size += len(tag) + len(_varint(n)) + n
+                size += head[1]
             out.append(_head(b"\x0a", size))
             out.append(body[0])
             out.append(body[1])

@@ -65,8 +65,8 @@ def reduce_gradients(state, site):
         for g, _ in pairs:
             if isinstance(g, tf.IndexedSlices):
                 comm = comm_for(state.stage_of(g.values.op), 0)
-                values = comm.all_gather(state.copies(g.values))
-                indices = comm.all_gather(state.copies(g.indices))
+                values = comm.all_gather([state.output(c, g.values) for c in range(n)])
+                indices = comm.all_gather([state.output(c, g.indices) for c in range(n)])
                 for c in range(n):
                     reduced[c] += [values[c], indices[c]]
                 if method == "mean":
