@@ -5,14 +5,14 @@ Two ways, one per need:
 * ``clone_op``: one op, through ``Graph._create_op_internal`` (an input pull, a
   mirrored write): shapes are inferred as usual.
 * ``CopyPlan``: the bulk of a replica, every clone at once, as one GraphDef
-  imported through TensorFlow's C++ importer.  Building NodeDefs and importing
-  them costs a fraction of creating the same ops one by one from Python, which
-  matters at BERT scale (tens of thousands of ops per clone).  Ops inside TF1
+  imported through TensorFlow's C++ importer (``import_copies``).  The nodes
+  are serialized once, as a pattern each clone fills; importing them costs a
+  fraction of creating the same ops one by one from Python, which matters at
+  BERT scale (tens of thousands of ops per clone).  Ops inside TF1
   control flow keep their meaning: every clone's loops get their own frame
   names and control-flow contexts (``control_flow.py``).
 """
 import tensorflow as tf
-from tensorflow.core.framework import node_def_pb2
 from tensorflow.python import pywrap_tensorflow as c_api
 from tensorflow.python.framework import c_api_util
 
