@@ -160,17 +160,41 @@ def _head(tag, n):
 def import_copies(graph, plans):
     """Import every copy of every plan in ``plans`` at once (one import: each one
     walks the whole graph first); returns each plan's node names in the order of
-    its ``names`` (the importer renames a node named like an existing node or name
-    scope).  Their Python ops are made on first use (``deferred.py``)."""
-    if not any(p.names for p in plans):
+    its ``names``.  Their Python ops are made on first use (``deferred.py``).
+
+    The planned names are kept when none is taken.  TensorFlow's importer refuses
+    a node named like an existing node (an input pull of the same name) or name
+    scope ("opt" after an earlier import's "opt/learning_rate", which Python
+    allows); the import is then made again (an import that fails changes nothing)
+    with such copies renamed, as in Python, and their names read back."""
+    planned = [name for p in plans for name in p.names]
+    if not planned:
         return [[] for _ in plans]
+    in_use = graph._names_in_use  # pylint: disable=protected-access
+    names = None
+    if not any(name.lower() in in_use for name in planned):
+        try:
+            _import(graph, plans, rename=False)
+            names = planned
+        except ValueError:
+            pass
+    if names is None:
+        names = _import(graph, plans, rename=True)
+    out = []
+    start = 0
+    for plan in plans:
+        end = start + len(plan.names)
+        out.append(names[start:end])
+        start = end
+    return out
+
+
+def _import(graph, plans, rename):
+    """The import of ``import_copies``; with ``rename``, returns the copies' names."""
     scoped = c_api_util.ScopedTFImportGraphDefOptions()
     options = scoped.options
     c_api.TF_ImportGraphDefOptionsSetPrefix(options, "")
-    # TensorFlow's importer refuses an op named like an existing name scope ("opt"
-    # after "opt/learning_rate", which Python allows) or node (an input pull of the
-    # same name): such a copy gets a suffix, as in Python.
-    c_api.TF_ImportGraphDefOptionsSetUniquifyNames(options, True)
+    c_api.TF_ImportGraphDefOptionsSetUniquifyNames(options, rename)
     c_api.TF_ImportGraphDefOptionsSetValidateColocationConstraints(options, False)
     for plan in plans:
         for key, t in plan.inputs.items():
@@ -182,8 +206,9 @@ def import_copies(graph, plans):
         for key, op in plan.controls.items():
             c_api.TF_ImportGraphDefOptionsRemapControlDependency(
                 options, key, getattr(op, "_c_op", op))
-        for name in plan.names:
-            c_api.TF_ImportGraphDefOptionsAddReturnOperation(options, name)
+        if rename:
+            for name in plan.names:
+                c_api.TF_ImportGraphDefOptionsAddReturnOperation(options, name)
     serialized = b"".join(b"".join(p.chunks) for p in plans)
     serialized += _field(b"\x22", graph.graph_def_versions.SerializeToString())
     with graph._mutation_lock():  # pylint: disable=protected-access
@@ -194,16 +219,13 @@ def import_copies(graph, plans):
             except tf.errors.InvalidArgumentError as e:
                 raise ValueError("EPL could not copy the replica's ops: %s" % e.message)
             results = c_api_util.ScopedTFImportGraphDefResults(results)
+        if not rename:
+            deferred.register(graph, [name for p in plans for name in p.names])
+            return None
         c_ops = c_api.TF_ImportGraphDefResultsReturnOperations(results.results)
         names = [c_api.TF_OperationName(c_op) for c_op in c_ops]
         deferred.register(graph, names, c_ops)
-    out = []
-    start = 0
-    for plan in plans:
-        end = start + len(plan.names)
-        out.append(names[start:end])
-        start = end
-    return out
+        return names
 
 
 def _pieces(tag, pieces):

@@ -24,13 +24,25 @@ from tensorflow.python.framework import c_api_util
 from epl import tf_patches
 
 
-def register(graph, names, c_ops):
-    """The imported nodes ``c_ops`` (named ``names``) get their wrappers on demand."""
+def register(graph, names, c_ops=None):
+    """The imported nodes named ``names`` (``c_ops``, when known: otherwise looked up
+    by name when used) get their wrappers on demand."""
     table = graph.__dict__.setdefault("_epl_deferred", {})
     in_use = graph._names_in_use  # pylint: disable=protected-access
-    for name, c_op in zip(names, c_ops):
-        table[name] = c_op
+    if c_ops is None:
+        table.update(dict.fromkeys(names, False))
+    else:
+        table.update(zip(names, c_ops))
+    for name in names:
         in_use[name.lower()] = 1
+
+
+def _node(graph, table, name):
+    """The C node of a registered name."""
+    node = table[name]
+    if node is False:
+        node = table[name] = c_api.TF_GraphOperationByName(graph._c_graph, name)  # pylint: disable=protected-access
+    return node
 
 
 def waiting(graph):
@@ -42,9 +54,10 @@ def materialize(graph, name):
     table = graph.__dict__.get("_epl_deferred")
     if not table:
         return None
-    c_op = table.pop(name, None)
-    if c_op is None:
+    if name not in table:
         return None
+    c_op = _node(graph, table, name)
+    del table[name]
     return _wrap(graph, [c_op])[0]
 
 
@@ -52,7 +65,7 @@ def materialize_all(graph):
     table = graph.__dict__.get("_epl_deferred")
     if not table:
         return
-    c_ops = list(table.values())
+    c_ops = [_node(graph, table, name) for name in table]
     table.clear()
     _wrap(graph, c_ops)
 
@@ -81,9 +94,8 @@ def c_op(graph, name):
     """The C node named ``name`` (of a deferred copy or an existing op), without
     making its Python op: control edges between copies are added in C."""
     table = graph.__dict__.get("_epl_deferred")
-    node = table.get(name) if table else None
-    if node is not None:
-        return node
+    if table and name in table:
+        return _node(graph, table, name)
     return graph._get_operation_by_name_unsafe(name)._c_op  # pylint: disable=protected-access
 
 

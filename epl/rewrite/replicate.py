@@ -26,7 +26,8 @@ def place_originals(state, sel):
     for op in ops:
         # Our placement replaces TF's colocation hints: tf.gradients colocates a
         # gradient sum with its first input, which may live on another stage.
-        if "_class" in template(op)[1]:
+        state.templates[op] = base = template(op, _CLONE_ATTRS)     # (kept for the copies)
+        if "_class" in base[1]:
             op._clear_attr("_class")  # pylint: disable=protected-access
         op._set_device(_device_for(state, 0, op.inputs, op))  # pylint: disable=protected-access
 
@@ -98,7 +99,7 @@ def _describe(state, ops):
     members = set(ops)
     out = []
     for op in ops:
-        base, names = template(op, _CLONE_ATTRS)
+        base, names = state.templates.pop(op, None) or template(op, _CLONE_ATTRS)
         own = _own_attrs(op, names)
         if len(own) < len(set(names) & set(_CLONE_ATTRS)):   # (an unseeded op's seed2: 0)
             base, _ = template(op, own)

@@ -67,6 +67,7 @@ class ReplicaState(object):
         self.sharded_inputs = set()  # sources and placeholders given to the clones
         self.batch_ops = None      # ops computed from an input batch (split.py)
         self.copied_contexts = set()  # loops / conditions the clones have copies of
+        self.templates = {}       # op -> its NodeDef template (replicate.place_originals)
 
     @property
     def num_clones(self):
