@@ -17,6 +17,8 @@ A pass that only feeds copies into a new op (the gradient all-reduce reads
 thousands of them) takes ``Output``s and makes the op in C (``create_op``);
 anything else converts an ``Output`` to its ``tf.Tensor``, made then.
 """
+import itertools
+
 import tensorflow as tf
 from tensorflow.python import pywrap_tensorflow as c_api
 from tensorflow.python.framework import c_api_util
@@ -33,8 +35,7 @@ def register(graph, names, c_ops=None):
         table.update(dict.fromkeys(names, False))
     else:
         table.update(zip(names, c_ops))
-    for name in names:
-        in_use[name.lower()] = 1
+    in_use.update(zip(map(str.lower, names), itertools.repeat(1)))
 
 
 def _node(graph, table, name):
