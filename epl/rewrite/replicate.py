@@ -168,17 +168,16 @@ class _Segment(object):
                 refs[x] = r
             return r
 
-        for op, template, own_attrs, inputs, controls, where in records:
+        for op, base, own_attrs, inputs, controls, where in records:
             if op in skip:
                 continue
             device = self.classes.get(where)
             if device is None:
                 device = self.classes[where] = Hole("d%d" % len(self.classes))
-            holes = ()
-            if own_attrs:
-                holes = [Hole("a%d_%s" % (len(self.own_attrs), k)) for k in own_attrs]
+            holes = [Hole("a%d_%s" % (len(self.own_attrs), k)) for k in own_attrs]
+            if holes:
                 self.own_attrs.append((op, own_attrs, holes))
-            plan.node(op.name, template, [ref(t, t.op, self.inputs) for t in inputs],
+            plan.node(op.name, base, [ref(t, t.op, self.inputs) for t in inputs],
                       [ref(ci, ci, self.controls) for ci in controls], (device,), holes)
             self.ops.append(op)
 
@@ -193,8 +192,7 @@ class _Segment(object):
             values[hole] = self._device(c, where)
         for op, own, holes in self.own_attrs:
             attrs = _attrs(state, c, op, own)
-            for hole in holes:
-                k = hole.split("_", 1)[1]
+            for hole, k in zip(holes, own):     # (one hole per attribute, in order)
                 values[hole] = attr_entry(k, attrs[k])
         inputs = {pre + k: state.tensor(c, t) for k, t in self.inputs.items()}
         controls = {pre + k: state.op(c, x) for k, x in self.controls.items()}
