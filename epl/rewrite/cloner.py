@@ -109,7 +109,8 @@ class CopyPlan(object):
         """Add one copy: ``values`` {hole: str or bytes} fills the holes, ``inputs`` {key:
         tf.Tensor} and ``controls`` {key: tf.Operation or C node} map the keys its
         nodes read (an input key names an output: ``name`` or ``name:index``).
-        Returns the copy's node names (as planned)."""
+        The copy's node names (as planned) follow the plan's earlier ones in
+        ``names``."""
         raw = {h: values[h] if isinstance(values[h], bytes) else values[h].encode()
                for h in self.holes}
         lengths = tuple(sorted((h, len(v)) for h, v in raw.items()))
@@ -118,11 +119,9 @@ class CopyPlan(object):
             pattern = self._patterns[lengths] = self._pattern(dict(lengths))
         self.chunks.append(pattern % {h.encode(): v for h, v in raw.items()})
         prefix = values[PREFIX]
-        names = [prefix + node[0] for node in self.nodes]
-        self.names.extend(names)
+        self.names.extend(prefix + node[0] for node in self.nodes)
         self.inputs.update(inputs or {})
         self.controls.update(controls or {})
-        return names
 
     def _pattern(self, lengths):
         """The serialized nodes with holes of ``lengths`` {hole: length}, as a
@@ -154,7 +153,7 @@ class CopyPlan(object):
 
 def _head(tag, n):
     """A field's tag and length, escaped for a ``bytes %`` pattern."""
-    return (tag + (_SMALL[n] if n < 128 else _varint(n))).replace(b"%", b"%%")
+    return (tag + _varint(n)).replace(b"%", b"%%")
 
 
 def import_copies(graph, plans):
@@ -288,6 +287,8 @@ def attr_entry(name, value):
 
 
 def _varint(n):
+    if n < 128:
+        return _SMALL[n]
     out = bytearray()
     while n > 0x7f:
         out.append((n & 0x7f) | 0x80)
@@ -301,8 +302,7 @@ _SMALL = [bytes((n,)) for n in range(128)]
 
 def _field(tag, payload):
     """A length-delimited protobuf field: tag, length, bytes."""
-    n = len(payload)
-    return tag + (_SMALL[n] if n < 128 else _varint(n)) + payload
+    return tag + _varint(len(payload)) + payload
 
 
 def new_ops(graph):

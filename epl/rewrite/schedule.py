@@ -73,7 +73,7 @@ def task_ops(state, clone, stage, phase, path):
     return out
 
 
-def task_ends(state, clone, originals, cache=None):
+def task_ends(state, clone, originals, cache):
     """(entry op names, exit op names) of one task in one clone: the task's ops with
     no data input from the task, and those whose outputs no op of the task reads.
     Found on the user's ops (every clone's copy has their structure, and clones of
@@ -81,7 +81,7 @@ def task_ends(state, clone, originals, cache=None):
     edges are added in C (``deferred.add_control_edges``)."""
     kind = (clone == 0, state.is_rep(clone), state.reps[clone] == 0)
     key = (id(originals), kind)
-    ends = cache.get(key) if cache is not None else None
+    ends = cache.get(key)
     if ends is None:
         members = []
         for op in originals:
@@ -92,10 +92,8 @@ def task_ends(state, clone, originals, cache=None):
             members.append(op)
         inside = set(members)
         fed = set(t.op for op in members for t in op.inputs if t.op in inside)
-        ends = ([op for op in members if not any(t.op in inside for t in op.inputs)],
-                [op for op in members if op not in fed])
-        if cache is not None:
-            cache[key] = ends
+        ends = cache[key] = ([op for op in members if not any(t.op in inside for t in op.inputs)],
+                             [op for op in members if op not in fed])
     entries, exits = ends
     return ([state.op_name(clone, op) for op in entries],
             [state.op_name(clone, op) for op in exits])
