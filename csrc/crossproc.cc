@@ -44,6 +44,83 @@ string RunTag(const string& job) {
   return buf;
 }
 
+// ---- Link defaults -------------------------------------------------------------------
+
+Status Link::AllReduceSpans(const CrossArgs& a, DataType dtype, ReduceOp op,
+                            const std::vector<Span>& spans) {
+  const int64 es = tensorflow::DataTypeSize(dtype);
+  if (spans.size() == 1)
+    return AllReduce(a, dtype, op, spans[0].in, spans[0].out, spans[0].bytes / es);
+  int64 total = 0;
+  for (const Span& s : spans) total += s.bytes;
+  std::vector<char> packed(total);
+  int64 off = 0;
+  for (const Span& s : spans) {
+    std::memcpy(packed.data() + off, s.in, s.bytes);
+    off += s.bytes;
+  }
+  TF_RETURN_IF_ERROR(AllReduce(a, dtype, op, packed.data(), packed.data(), total / es));
+  off = 0;
+  for (const Span& s : spans) {
+    std::memcpy(s.out, packed.data() + off, s.bytes);
+    off += s.bytes;
+  }
+  return Status::OK();
+}
+
+Status Link::ReduceScatter(const CrossArgs& a, DataType dtype, ReduceOp op, const char* in,
+                           char* out, const std::vector<int64>& block) {
+  int64 total = 0, mine = 0;
+  for (int j = 0; j < a.size; ++j) {
+    if (j == a.rank) mine = total;
+    total += block[j];
+  }
+  std::vector<char> full(total);
+  TF_RETURN_IF_ERROR(AllReduce(a, dtype, op, in, full.data(),
+                               total / tensorflow::DataTypeSize(dtype)));
+  if (block[a.rank]) std::memcpy(out, full.data() + mine, block[a.rank]);
+  return Status::OK();
+}
+
+void SpanCursor::Walk(int64 off, int64 len, char* dst, const char* src) {
+  if (off < start_) {
+    i_ = 0;
+    start_ = 0;
+  }
+  while (len > 0) {
+    while (off >= start_ + spans_[i_].bytes) start_ += spans_[i_++].bytes;
+    const Span& s = spans_[i_];
+    const int64 at = off - start_, n = std::min(len, s.bytes - at);
+    if (dst) std::memcpy(dst, s.in + at, n), dst += n;
+    else std::memcpy(s.out + at, src, n), src += n;
+    off += n;
+    len -= n;
+  }
+}
+
+Status Link::AllToAll(const CrossArgs& a, const std::vector<const char*>& send,
+                      const std::vector<char*>& recv,
+                      const std::vector<std::vector<int64>>& bytes) {
+  // Every rank's pieces for every rank, concatenated, go to everyone.
+  std::vector<int64> lens(a.size, 0), before(a.size, 0);
+  for (int k = 0; k < a.size; ++k)
+    for (int j = 0; j < a.size; ++j) {
+      lens[k] += bytes[k][j];
+      if (j < a.rank) before[k] += bytes[k][j];
+    }
+  std::vector<char> mine(lens[a.rank]);
+  int64 off = 0;
+  for (int j = 0; j < a.size; ++j) {
+    if (bytes[a.rank][j]) std::memcpy(mine.data() + off, send[j], bytes[a.rank][j]);
+    off += bytes[a.rank][j];
+  }
+  return Exchange(a, mine.data(), lens, [&](int k, int64 o, const char* p, int64 len) {
+    const int64 want = bytes[k][a.rank];
+    const int64 lo = std::max(o, before[k]), hi = std::min(o + len, before[k] + want);
+    if (hi > lo) std::memcpy(recv[k] + (lo - before[k]), p + (lo - o), hi - lo);
+  });
+}
+
 // ---- job state -------------------------------------------------------------------
 
 JobState* JobState::Get(const string& job) {
@@ -95,21 +172,26 @@ void JobState::AddPropagator(std::function<void(const Status&)> tell) {
 void SerialQueue::Schedule(std::function<void()> task) {
   std::lock_guard<std::mutex> lock(mu_);
   tasks_.push_back(std::move(task));
-  if (running_) return;
+  if (running_) {
+    cv_.notify_one();
+    return;
+  }
   running_ = true;
   std::thread([this] {
+    std::unique_lock<std::mutex> l(mu_);
     while (true) {
-      std::function<void()> t;
-      {
-        std::lock_guard<std::mutex> l(mu_);
-        if (tasks_.empty()) {
-          running_ = false;
-          return;
-        }
-        t = std::move(tasks_.front());
-        tasks_.pop_front();
+      // Linger a while when idle: a training loop schedules the next run within
+      // milliseconds, and starting a thread per run costs tens of microseconds.
+      if (tasks_.empty() &&
+          !cv_.wait_for(l, std::chrono::seconds(2), [this] { return !tasks_.empty(); })) {
+        running_ = false;
+        return;
       }
+      std::function<void()> t = std::move(tasks_.front());
+      tasks_.pop_front();
+      l.unlock();
       t();
+      l.lock();
     }
   }).detach();
 }
@@ -211,6 +293,34 @@ int64 RowBytesOf(const Tensor& t) {
 
 char* Data(Tensor* t) { return const_cast<char*>(t->tensor_data().data()); }
 
+// Output `index`: the buffer of input `input` when TensorFlow lets it be forwarded
+// (nobody else reads it: the result is written in place), else a buffer of the group
+// reused across steps once nobody holds it (a fresh large allocation costs a page
+// fault per 4 KiB, which is slower than the collective itself).
+Status OutputFor(OpKernelContext* ctx, const CrossArgs& a, int index, int input,
+                 const TensorShape& shape, Tensor* out) {
+  const DataType dtype = ctx->expected_output_dtype(index);
+  if (input >= 0) {
+    std::unique_ptr<Tensor> fwd = ctx->forward_input(input, index, dtype, shape,
+                                                     tensorflow::DEVICE_MEMORY,
+                                                     ctx->output_alloc_attr(index));
+    if (fwd) {
+      *out = *fwd;
+      ctx->set_output(index, *out);
+      return Status::OK();
+    }
+  }
+  TF_RETURN_IF_ERROR(AllocateShared(ctx, StrCat(a.group, "#out", index), dtype, shape, out));
+  ctx->set_output(index, *out);
+  return Status::OK();
+}
+
+// A reused output that never aliases an input.
+Status Reusable(OpKernelContext* ctx, const CrossArgs& a, int index, const TensorShape& shape,
+                Tensor* out) {
+  return OutputFor(ctx, a, index, -1, shape, out);
+}
+
 // Every rank checks that all ranks run this collective on as many elements.
 Status SameCount(Link* l, const CrossArgs& a, int64 count) {
   std::vector<std::vector<int64>> meta;
@@ -225,11 +335,11 @@ Status SameCount(Link* l, const CrossArgs& a, int64 count) {
 }  // namespace
 
 Status CrossAllReduce(Link* l, const CrossArgs& a, ReduceOp op, OpKernelContext* ctx) {
-  const Tensor& in = ctx->input(0);
+  const Tensor& in = ctx->input(0);   // (a reference: a copy would stop forwarding)
   TF_RETURN_IF_ERROR(SameCount(l, a, in.NumElements()));
-  Tensor* out = nullptr;
-  TF_RETURN_IF_ERROR(ctx->allocate_output(0, in.shape(), &out));
-  return l->AllReduce(a, in.dtype(), op, in.tensor_data().data(), Data(out), in.NumElements());
+  Tensor out;
+  TF_RETURN_IF_ERROR(OutputFor(ctx, a, 0, 0, in.shape(), &out));
+  return l->AllReduce(a, in.dtype(), op, in.tensor_data().data(), Data(&out), in.NumElements());
 }
 
 Status CrossAllReduceN(Link* l, const CrossArgs& a, ReduceOp op, OpKernelContext* ctx) {
@@ -243,53 +353,41 @@ Status CrossAllReduceN(Link* l, const CrossArgs& a, ReduceOp op, OpKernelContext
       return InvalidArgument("EPL ", a.what, " (group '", a.group, "'): rank ", k, " reduces ",
                              meta[k][0], " elements in ", meta[k][1], " tensors, rank ", a.rank,
                              " ", total, " in ", n);
-  const DataType dtype = ctx->input(0).dtype();
-  const int64 es = tensorflow::DataTypeSize(dtype);
-  Tensor packed;
-  TF_RETURN_IF_ERROR(ctx->allocate_temp(dtype, TensorShape({total}), &packed));
-  char* p = Data(&packed);
-  int64 offset = 0;   // bytes (64-bit: fused buffers pass 2 GiB)
+  std::vector<Tensor> outs(n);
+  std::vector<Span> spans;
   for (int i = 0; i < n; ++i) {
-    std::memcpy(p + offset, ctx->input(i).tensor_data().data(), ctx->input(i).TotalBytes());
-    offset += ctx->input(i).TotalBytes();
+    const Tensor& in = ctx->input(i);   // (a reference: a copy would stop forwarding)
+    TF_RETURN_IF_ERROR(OutputFor(ctx, a, i, i, in.shape(), &outs[i]));
+    if (in.TotalBytes())
+      spans.push_back(Span{in.tensor_data().data(), Data(&outs[i]),
+                           static_cast<int64>(in.TotalBytes())});
   }
-  TF_RETURN_IF_ERROR(l->AllReduce(a, dtype, op, p, p, total));
-  offset = 0;
-  for (int i = 0; i < n; ++i) {
-    Tensor* out = nullptr;
-    TF_RETURN_IF_ERROR(ctx->allocate_output(i, ctx->input(i).shape(), &out));
-    std::memcpy(Data(out), p + offset, out->NumElements() * es);
-    offset += out->NumElements() * es;
-  }
-  return Status::OK();
+  if (spans.empty()) return Status::OK();
+  return l->AllReduceSpans(a, ctx->input(0).dtype(), op, spans);
 }
 
 Status CrossReduceScatter(Link* l, const CrossArgs& a, ReduceOp op, OpKernelContext* ctx) {
   const Tensor& in = ctx->input(0);
   if (in.dims() == 0) return InvalidArgument("reduce_scatter needs rank >= 1");
   TF_RETURN_IF_ERROR(SameCount(l, a, in.NumElements()));
-  Tensor full;
-  TF_RETURN_IF_ERROR(ctx->allocate_temp(in.dtype(), in.shape(), &full));
-  TF_RETURN_IF_ERROR(l->AllReduce(a, in.dtype(), op, in.tensor_data().data(), Data(&full),
-                                  in.NumElements()));
   const int64 rows = in.dim_size(0), base = rows / a.size, extra = rows % a.size;
-  const int64 count = base + (a.rank < extra ? 1 : 0);
-  const int64 start = a.rank * base + std::min<int64>(a.rank, extra);
-  Tensor* out = nullptr;
-  TF_RETURN_IF_ERROR(ctx->allocate_output(0, WithRows(in.shape(), count), &out));
   const int64 rb = RowBytesOf(in);
-  std::memcpy(Data(out), full.tensor_data().data() + start * rb, count * rb);
-  return Status::OK();
+  std::vector<int64> block(a.size);
+  for (int j = 0; j < a.size; ++j) block[j] = (base + (j < extra ? 1 : 0)) * rb;
+  Tensor out;
+  TF_RETURN_IF_ERROR(
+      Reusable(ctx, a, 0, WithRows(in.shape(), base + (a.rank < extra ? 1 : 0)), &out));
+  return l->ReduceScatter(a, in.dtype(), op, in.tensor_data().data(), Data(&out), block);
 }
 
 Status CrossReduce(Link* l, const CrossArgs& a, int root, ReduceOp op, OpKernelContext* ctx) {
   const Tensor& in = ctx->input(0);
   TF_RETURN_IF_ERROR(SameCount(l, a, in.NumElements()));
-  Tensor* out = nullptr;
-  TF_RETURN_IF_ERROR(ctx->allocate_output(0, in.shape(), &out));
+  Tensor out;
+  TF_RETURN_IF_ERROR(OutputFor(ctx, a, 0, 0, in.shape(), &out));
   TF_RETURN_IF_ERROR(
-      l->AllReduce(a, in.dtype(), op, in.tensor_data().data(), Data(out), in.NumElements()));
-  if (a.rank != root) std::memset(Data(out), 0, out->TotalBytes());
+      l->AllReduce(a, in.dtype(), op, in.tensor_data().data(), Data(&out), in.NumElements()));
+  if (a.rank != root) std::memset(Data(&out), 0, out.TotalBytes());
   return Status::OK();
 }
 
@@ -308,9 +406,9 @@ Status CrossAllGather(Link* l, const CrossArgs& a, OpKernelContext* ctx) {
                              " has different inner dimensions than rank ", a.rank);
     rows += meta[k][0];
   }
-  Tensor* out = nullptr;
+  Tensor out;
   Tensor* sizes = nullptr;
-  TF_RETURN_IF_ERROR(ctx->allocate_output(0, WithRows(in.shape(), rows), &out));
+  TF_RETURN_IF_ERROR(Reusable(ctx, a, 0, WithRows(in.shape(), rows), &out));
   TF_RETURN_IF_ERROR(ctx->allocate_output(1, TensorShape({a.size}), &sizes));
   const int64 rb = RowBytesOf(in);
   std::vector<int64> lens(a.size), offsets(a.size);
@@ -321,7 +419,7 @@ Status CrossAllGather(Link* l, const CrossArgs& a, OpKernelContext* ctx) {
     off += lens[k];
     sizes->vec<int64>()(k) = meta[k][0];
   }
-  char* dst = Data(out);
+  char* dst = Data(&out);
   return l->Exchange(a, in.tensor_data().data(), lens,
                      [&](int k, int64 o, const char* p, int64 len) {
                        std::memcpy(dst + offsets[k] + o, p, len);
@@ -335,11 +433,11 @@ Status CrossBroadcast(Link* l, const CrossArgs& a, int root, OpKernelContext* ct
   if (meta[root][0] != in.NumElements())
     return InvalidArgument("EPL ", a.what, " (group '", a.group, "'): rank ", a.rank, " has ",
                            in.NumElements(), " elements but the root has ", meta[root][0]);
-  Tensor* out = nullptr;
-  TF_RETURN_IF_ERROR(ctx->allocate_output(0, in.shape(), &out));
+  Tensor out;
+  TF_RETURN_IF_ERROR(OutputFor(ctx, a, 0, 0, in.shape(), &out));
   std::vector<int64> lens(a.size, 0);
   lens[root] = in.TotalBytes();
-  char* dst = Data(out);
+  char* dst = Data(&out);
   return l->Exchange(a, in.tensor_data().data(), lens,
                      [&](int k, int64 o, const char* p, int64 len) {
                        std::memcpy(dst + o, p, len);
@@ -372,30 +470,26 @@ Status CrossAllToAll(Link* l, const CrossArgs& a, OpKernelContext* ctx) {
   TF_RETURN_IF_ERROR(l->ExchangeMeta(a, counts, &meta));
   const int64 rb = RowBytesOf(in);
   int64 out_rows = 0;
-  std::vector<int64> lens(a.size), src_off(a.size), dst_off(a.size);
-  for (int k = 0; k < a.size; ++k) {
-    lens[k] = 0;
-    for (int j = 0; j < a.size; ++j) lens[k] += meta[k][j] * rb;
-    src_off[k] = 0;
-    for (int j = 0; j < a.rank; ++j) src_off[k] += meta[k][j] * rb;
-    dst_off[k] = out_rows * rb;
-    out_rows += meta[k][a.rank];
-  }
-  Tensor* out = nullptr;
+  for (int k = 0; k < a.size; ++k) out_rows += meta[k][a.rank];
+  Tensor out;
   Tensor* recv = nullptr;
-  TF_RETURN_IF_ERROR(ctx->allocate_output(0, WithRows(in.shape(), out_rows), &out));
+  TF_RETURN_IF_ERROR(Reusable(ctx, a, 0, WithRows(in.shape(), out_rows), &out));
   TF_RETURN_IF_ERROR(ctx->allocate_output(1, TensorShape({a.size}), &recv));
-  for (int k = 0; k < a.size; ++k) recv->vec<int64>()(k) = meta[k][a.rank];
-  char* dst = Data(out);
-  const int me = a.rank;
-  return l->Exchange(a, in.tensor_data().data(), lens,
-                     [&](int k, int64 o, const char* p, int64 len) {
-                       // keep the part of rank k's bytes that is addressed to me
-                       const int64 lo_want = src_off[k], hi_want = lo_want + meta[k][me] * rb;
-                       const int64 lo = std::max(o, lo_want), hi = std::min(o + len, hi_want);
-                       if (hi > lo)
-                         std::memcpy(dst + dst_off[k] + (lo - lo_want), p + (lo - o), hi - lo);
-                     });
+  std::vector<std::vector<int64>> bytes(a.size, std::vector<int64>(a.size));
+  std::vector<const char*> send(a.size);
+  std::vector<char*> dst(a.size);
+  const char* src = in.tensor_data().data();
+  char* o = Data(&out);
+  for (int k = 0; k < a.size; ++k)
+    for (int j = 0; j < a.size; ++j) bytes[k][j] = meta[k][j] * rb;
+  for (int k = 0; k < a.size; ++k) {
+    recv->vec<int64>()(k) = meta[k][a.rank];
+    dst[k] = o;
+    o += bytes[k][a.rank];
+    send[k] = src;
+    src += bytes[a.rank][k];
+  }
+  return l->AllToAll(a, send, dst, bytes);
 }
 
 }  // namespace epl

@@ -18,6 +18,7 @@
 #ifndef EPL_CSRC_CROSSPROC_H_
 #define EPL_CSRC_CROSSPROC_H_
 
+#include <condition_variable>
 #include <deque>
 #include <functional>
 #include <string>
@@ -35,6 +36,28 @@ struct CrossArgs {
   std::string what;      // describes the collective; must agree across ranks
 };
 
+// One tensor of a fused all-reduce: `bytes` from `in`, the result to `out` (may be in).
+struct Span {
+  const char* in;
+  char* out;
+  int64 bytes;
+};
+
+// Reads and writes byte ranges of the concatenation of spans, front to back.
+class SpanCursor {
+ public:
+  explicit SpanCursor(const std::vector<Span>& spans) : spans_(spans) {}
+  // Copies [off, off + len) of the inputs to dst / src to the outputs.
+  void Read(int64 off, int64 len, char* dst) { Walk(off, len, dst, nullptr); }
+  void Write(int64 off, int64 len, const char* src) { Walk(off, len, nullptr, src); }
+
+ private:
+  void Walk(int64 off, int64 len, char* dst, const char* src);
+  const std::vector<Span>& spans_;
+  size_t i_ = 0;       // the span that holds the last position used
+  int64 start_ = 0;    // its first byte in the concatenation
+};
+
 // rank k's bytes [offset, offset + len) as they arrive.
 using Consumer = std::function<void(int k, int64 offset, const char* data, int64 len)>;
 
@@ -50,6 +73,23 @@ class Link {
   // Every rank contributes lens[rank] bytes from `mine`; `consume` sees every rank's bytes.
   virtual Status Exchange(const CrossArgs& a, const char* mine, const std::vector<int64>& lens,
                           const Consumer& consume) = 0;
+  // All-reduce of the concatenation of the spans (every rank has the same byte counts).
+  // The default packs them into one buffer; a transport that can read and write the
+  // tensors in place overrides it.
+  virtual Status AllReduceSpans(const CrossArgs& a, DataType dtype, ReduceOp op,
+                                const std::vector<Span>& spans);
+  // bytes[k][j] (known to every rank) is what rank k sends to rank j: this rank's
+  // send[j] goes to rank j, and what rank k sends this rank lands in recv[k].  The
+  // default sends every rank everything through Exchange; a transport with per-pair
+  // buffers overrides it.
+  // This rank's block of the reduction: every rank's `in` is cut into blocks of
+  // block[j] bytes; rank j gets the reduction of block j.  The default all-reduces
+  // the whole tensor.
+  virtual Status ReduceScatter(const CrossArgs& a, DataType dtype, ReduceOp op, const char* in,
+                               char* out, const std::vector<int64>& block);
+  virtual Status AllToAll(const CrossArgs& a, const std::vector<const char*>& send,
+                          const std::vector<char*>& recv,
+                          const std::vector<std::vector<int64>>& bytes);
 };
 
 // The job of a group ("<job>/..." -> "<job>").
@@ -77,13 +117,14 @@ class JobState {
 };
 
 // Runs tasks in the order they were scheduled, on a thread that exists only while
-// there is work.
+// there is work (or was, within the last two seconds).
 class SerialQueue {
  public:
   void Schedule(std::function<void()> task);
 
  private:
   std::mutex mu_;
+  std::condition_variable cv_;
   std::deque<std::function<void()>> tasks_;
   bool running_ = false;
 };

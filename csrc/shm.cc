@@ -19,8 +19,10 @@
 // job's first error.  A rank waiting for peers fails at once when the job was
 // aborted, or when a peer it waits for has exited, naming that rank.
 #include <fcntl.h>
+#include <linux/futex.h>
 #include <sched.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -49,7 +51,7 @@ namespace {
 constexpr int kMaxRanks = 64;
 constexpr int kMeta = kMaxRanks + 2;
 constexpr int64 kChunk = 256 << 10;  // small enough that a round stays in cache
-constexpr int64 kMagic = 0x45504c53484d3031;  // "EPLSHM01"
+constexpr int64 kMagic = 0x45504c53484d3032;  // "EPLSHM02"
 
 struct Owner {
   std::atomic<int64> magic;   // kMagic once the owner filled the rest
@@ -57,9 +59,35 @@ struct Owner {
   int64 start;
 };
 
+// A rank's progress counter.  Waiters spin on it briefly, then sleep on a futex on
+// its low 32 bits (shared between processes); `sleepers` tells the writer whether a
+// wake-up system call is needed at all.
 struct alignas(64) Counter {
   std::atomic<int64> v;
+  std::atomic<int32_t> sleepers;
 };
+
+static_assert(sizeof(std::atomic<int64>) == 8, "lock-free 64-bit counters");
+
+long Futex(void* addr, int op, uint32_t val, const struct timespec* timeout) {
+  return syscall(SYS_futex, addr, op, val, timeout, nullptr, 0);
+}
+
+// The futex word of a counter: its low half (x86-64 and aarch64 are little-endian).
+void* FutexWord(Counter* c) { return reinterpret_cast<void*>(&c->v); }
+
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// How long a waiter spins before it sleeps: long enough to cover a peer that is a
+// round behind (tens of microseconds), short enough not to starve the compute
+// threads of its own process on a small machine.
+constexpr int64 kSpinNanos = 60 * 1000;
 
 struct Header {
   Owner owner;
@@ -319,13 +347,23 @@ class ShmLink : public Link {
 
   Status AllReduce(const CrossArgs& a, DataType dtype, ReduceOp op, const char* in, char* out,
                    int64 count) override {
+    return AllReduceSpans(a, dtype, op, {Span{in, out, count * tensorflow::DataTypeSize(dtype)}});
+  }
+
+  // Rounds of kChunk bytes of the concatenated spans: every rank copies its chunk into
+  // its slot, reduces its share of the chunk from every slot into the result slot,
+  // then copies the whole result out.  The tensors are read and written in place.
+  Status AllReduceSpans(const CrossArgs& a, DataType dtype, ReduceOp op,
+                        const std::vector<Span>& spans) override {
     const int64 es = tensorflow::DataTypeSize(dtype);
-    const int64 per_chunk = kChunk / es;
-    for (int64 begin = 0; begin < count; begin += per_chunk) {
-      const int64 n = std::min(per_chunk, count - begin);
+    int64 total = 0;
+    for (const Span& sp : spans) total += sp.bytes;
+    SpanCursor gather(spans), scatter(spans);
+    for (int64 begin = 0; begin < total; begin += kChunk) {
+      const int64 len = std::min(kChunk, total - begin), n = len / es;
       const int64 r = round_++;
       if (r >= 2) TF_RETURN_IF_ERROR(WaitAll(hdr_->done, r - 1, "slot reuse", a));
-      std::memcpy(Slot(r, rank_), in + begin * es, n * es);
+      gather.Read(begin, len, Slot(r, rank_));
       Set(hdr_->written, r + 1);
       TF_RETURN_IF_ERROR(WaitAll(hdr_->written, r + 1, "inputs", a));
       const int64 share = (n + size_ - 1) / size_;
@@ -336,10 +374,81 @@ class ShmLink : public Link {
       ReduceRange(dtype, op, ins, result + lo * es, 0, hi - lo);
       Set(hdr_->reduced, r + 1);
       TF_RETURN_IF_ERROR(WaitAll(hdr_->reduced, r + 1, "reduction", a));
-      std::memcpy(out + begin * es, result, n * es);
+      scatter.Write(begin, len, result);
       Set(hdr_->done, r + 1);
     }
     return Status::OK();
+  }
+
+  // Each rank's slot is cut into one part per destination; in a round every rank
+  // copies the next piece of what it sends rank j into part j, and every rank then
+  // consumes the parts addressed to it.  pieces[k][j]: bytes rank k sends rank j.
+  // `consume(off, from)` sees, per source k != rank, a pointer to its bytes
+  // [off, off + len_k) (null where rank k has nothing left for this rank).
+  Status Pairwise(const CrossArgs& a, const std::vector<const char*>& send,
+                  const std::vector<std::vector<int64>>& pieces,
+                  const std::function<void(int64 off, int64 part,
+                                           const std::vector<const char*>& from)>& consume) {
+    const int64 part = (kChunk / size_) & ~int64{63};
+    int64 longest = 0;
+    for (int k = 0; k < size_; ++k)
+      for (int j = 0; j < size_; ++j)
+        if (j != k) longest = std::max(longest, pieces[k][j]);
+    std::vector<const char*> from(size_);
+    for (int64 off = 0; off < longest; off += part) {
+      const int64 r = round_++;
+      if (r >= 2) TF_RETURN_IF_ERROR(WaitAll(hdr_->done, r - 1, "slot reuse", a));
+      for (int j = 0; j < size_; ++j) {
+        const int64 n = std::min(part, pieces[rank_][j] - off);
+        if (j != rank_ && n > 0) std::memcpy(Slot(r, rank_) + j * part, send[j] + off, n);
+      }
+      Set(hdr_->written, r + 1);
+      TF_RETURN_IF_ERROR(WaitAll(hdr_->written, r + 1, "exchange", a));
+      for (int k = 0; k < size_; ++k)
+        from[k] = (k != rank_ && pieces[k][rank_] > off) ? Slot(r, k) + rank_ * part : nullptr;
+      consume(off, part, from);
+      Set(hdr_->reduced, r + 1);  // keep the counters in step with AllReduce rounds
+      Set(hdr_->done, r + 1);
+    }
+    return Status::OK();
+  }
+
+  Status AllToAll(const CrossArgs& a, const std::vector<const char*>& send,
+                  const std::vector<char*>& recv,
+                  const std::vector<std::vector<int64>>& bytes) override {
+    if (bytes[rank_][rank_]) std::memcpy(recv[rank_], send[rank_], bytes[rank_][rank_]);
+    return Pairwise(a, send, bytes, [&](int64 off, int64 part,
+                                        const std::vector<const char*>& from) {
+      for (int k = 0; k < size_; ++k)
+        if (from[k]) std::memcpy(recv[k] + off, from[k], std::min(part, bytes[k][rank_] - off));
+    });
+  }
+
+  Status ReduceScatter(const CrossArgs& a, DataType dtype, ReduceOp op, const char* in,
+                       char* out, const std::vector<int64>& block) override {
+    const int64 es = tensorflow::DataTypeSize(dtype);
+    std::vector<const char*> send(size_);
+    std::vector<std::vector<int64>> pieces(size_, std::vector<int64>(size_, 0));
+    int64 off = 0, mine = 0;
+    for (int j = 0; j < size_; ++j) {
+      send[j] = in + off;
+      if (j == rank_) mine = off;
+      off += block[j];
+      for (int k = 0; k < size_; ++k) pieces[k][j] = block[j];
+    }
+    const int64 own = block[rank_];
+    if (own == 0 || size_ == 1) {
+      if (own) std::memcpy(out, in + mine, own);
+      return Pairwise(a, send, pieces, [](int64, int64, const std::vector<const char*>&) {});
+    }
+    return Pairwise(a, send, pieces, [&](int64 o, int64 part,
+                                         const std::vector<const char*>& from) {
+      if (o >= own) return;   // (longer blocks of other ranks)
+      std::vector<const void*> ins = {in + mine + o};
+      for (int k = 0; k < size_; ++k)
+        if (from[k]) ins.push_back(from[k]);
+      ReduceRange(dtype, op, ins, out + o, 0, std::min(part, own - o) / es);
+    });
   }
 
   Status Exchange(const CrossArgs& a, const char* mine, const std::vector<int64>& lens,
@@ -368,35 +477,44 @@ class ShmLink : public Link {
     return base_ + kHeaderBytes + ((round % 2) * (size_ + 1) + k) * kChunk;
   }
 
-  void Set(Counter* c, int64 v) { c[rank_].v.store(v, std::memory_order_release); }
+  // Publishes this rank's progress and wakes peers that sleep on it.  (Both sides
+  // use sequentially consistent operations on `v` and `sleepers`, so either the writer
+  // sees the sleeper or the sleeper sees the new value: no lost wake-up.)
+  void Set(Counter* c, int64 v) {
+    Counter* mine = &c[rank_];
+    mine->v.store(v, std::memory_order_seq_cst);
+    if (mine->sleepers.load(std::memory_order_seq_cst) > 0)
+      Futex(FutexWord(mine), FUTEX_WAKE, INT32_MAX, nullptr);
+  }
 
-  // Waits until every rank's counter reaches `target`; fails at once when the job was
-  // aborted or a rank it waits for has exited, and after the timeout.
+  // Waits until every rank's counter reaches `target`: spins for up to kSpinNanos
+  // (a peer on another core answers within microseconds), then sleeps on the
+  // counter's futex in 20 ms slices; between slices it fails at once when the job was
+  // aborted or the rank it waits for has exited, and after the timeout.
   Status WaitAll(Counter* c, int64 target, const char* phase, const CrossArgs& a) {
-    const auto deadline = Clock::now() + std::chrono::seconds(a.timeout_seconds);
-    auto next_check = Clock::now();
+    Clock::time_point deadline{};
+    bool timed = false;
     for (int k = 0; k < size_; ++k) {
-      int spins = 0;
-      int64 sleep_us = 1;
-      while (c[k].v.load(std::memory_order_acquire) < target) {
-        // Spin briefly (a peer on another core answers within microseconds),
-        // then back off so waiting threads leave the cores to the peers.
-        if (++spins < 128) continue;
-        if (spins < 160) {
-          sched_yield();
-          continue;
+      if (c[k].v.load(std::memory_order_acquire) >= target) continue;
+      const auto spin_until = Clock::now() + std::chrono::nanoseconds(kSpinNanos);
+      bool reached = false;
+      for (int i = 1; !reached; ++i) {
+        CpuRelax();
+        reached = c[k].v.load(std::memory_order_acquire) >= target;
+        if ((i & 63) == 0 && Clock::now() > spin_until) break;
+      }
+      while (!reached) {
+        if (!timed) {
+          deadline = Clock::now() + std::chrono::seconds(a.timeout_seconds);
+          timed = true;
         }
-        const auto now = Clock::now();
-        if (now >= next_check) {
-          next_check = now + std::chrono::milliseconds(20);
-          TF_RETURN_IF_ERROR(job_->Aborted());
-          int64 pid = 0;
-          if (!job_->RankAlive(k, &pid))
-            return Aborted("EPL ", a.what, " (group '", a.group, "', ", phase, "): rank ", k,
-                           " (pid ", pid, ") exited while rank ", rank_, " waited for it: a "
-                           "worker died or left the job before its collectives were done.");
-        }
-        if (now > deadline) {
+        TF_RETURN_IF_ERROR(job_->Aborted());
+        int64 pid = 0;
+        if (!job_->RankAlive(k, &pid))
+          return Aborted("EPL ", a.what, " (group '", a.group, "', ", phase, "): rank ", k,
+                         " (pid ", pid, ") exited while rank ", rank_, " waited for it: a "
+                         "worker died or left the job before its collectives were done.");
+        if (Clock::now() > deadline) {
           std::vector<bool> seen(size_);
           for (int j = 0; j < size_; ++j) seen[j] = c[j].v.load() >= target;
           return DeadlineExceeded("EPL ", a.what, " (group '", a.group, "', ", phase,
@@ -405,8 +523,14 @@ class ShmLink : public Link {
                                   " s (communication.timeout_seconds): a worker ran a different "
                                   "step, or is stuck.");
         }
-        usleep(sleep_us);
-        sleep_us = std::min<int64>(sleep_us * 2, 500);
+        c[k].sleepers.fetch_add(1, std::memory_order_seq_cst);
+        const int64 seen = c[k].v.load(std::memory_order_seq_cst);
+        if (seen < target) {
+          struct timespec slice = {0, 20 * 1000 * 1000};
+          Futex(FutexWord(&c[k]), FUTEX_WAIT, static_cast<uint32_t>(seen), &slice);
+        }
+        c[k].sleepers.fetch_sub(1, std::memory_order_seq_cst);
+        reached = c[k].v.load(std::memory_order_acquire) >= target;
       }
     }
     return Status::OK();

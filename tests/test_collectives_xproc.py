@@ -64,7 +64,7 @@ def test_all_ops_across_processes(size, transport, tmp_path):
                            extra=[transport], env_extra=env)
     for name, kind, dtype, shape, seed in W.cases(size):
         if kind == "all_gather":
-            xs = [W.inputs(r, (W.gather_rows(r), 3), dtype, seed) for r in range(size)]
+            xs = [W.inputs(r, (W.gather_rows(r, name), 3), dtype, seed) for r in range(size)]
         else:
             xs = [W.inputs(r, shape, dtype, seed) for r in range(size)]
         wide = np.stack([x.astype(np.float64) for x in xs]) if kind != "all_gather" else None
@@ -93,7 +93,7 @@ def test_all_ops_across_processes(size, transport, tmp_path):
                 want = np.concatenate([np.split(xs[s], size)[r] for s in range(size)])
                 np.testing.assert_array_equal(got, want, err_msg=name)
             else:
-                parts = [np.split(xs[s], np.cumsum(W.split_sizes(s, size))[:-1])[r]
+                parts = [np.split(xs[s], np.cumsum(W.split_sizes(s, size, len(xs[s])))[:-1])[r]
                          for s in range(size)]
                 np.testing.assert_array_equal(got, np.concatenate(parts), err_msg=name)
 

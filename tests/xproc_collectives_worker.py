@@ -41,6 +41,16 @@ def cases(size):
         yield "reduce_%d" % i, "reduce", dtype, (5,), 400 + i
         yield "all_to_all_%d" % i, "all_to_all", dtype, (2 * size, 3), 500 + i
         yield "all_to_all_split_%d" % i, "all_to_all_split", dtype, (5, 3), 600 + i
+    # Several rounds of the transports' buffers, uneven blocks, 2-byte elements.
+    for i, dtype in enumerate(["float16", "float32"]):
+        yield "reduce_scatter_big_%d" % i, "reduce_scatter", dtype, (100001, 3), 800 + i
+        yield "broadcast_big_%d" % i, "broadcast", dtype, ((1 << 18) + 3,), 810 + i
+        yield "all_gather_big_%d" % i, "all_gather", dtype, None, 820 + i
+        yield "all_to_all_big_%d" % i, "all_to_all", dtype, (size * 30001, 3), 830 + i
+        yield "all_to_all_split_big_%d" % i, "all_to_all_split", dtype, (BIG_SPLIT, 3), 840 + i
+
+
+BIG_SPLIT = 200003
 
 
 def build(kind, x, group, rank, size):
@@ -61,15 +71,17 @@ def build(kind, x, group, rank, size):
         return C.reduce(x, group, rank, size, root=0, transport=TRANSPORT)
     if kind == "all_to_all":
         return C.all_to_all(x, group, rank, size, transport=TRANSPORT)[0]
-    splits = split_sizes(rank, size)
+    splits = split_sizes(rank, size, int(x.shape[0]))
     return C.all_to_all(x, group, rank, size, splits, transport=TRANSPORT)[0]
 
 
-def split_sizes(rank, size):
-    return np.random.RandomState(rank).multinomial(5, [1.0 / size] * size)
+def split_sizes(rank, size, rows=5):
+    return np.random.RandomState(rank).multinomial(rows, [1.0 / size] * size)
 
 
-def gather_rows(rank):
+def gather_rows(rank, name=""):
+    if "_big_" in name:
+        return 40000 * (rank + 1) + rank
     return 2 * rank + (rank % 2)
 
 
@@ -78,7 +90,7 @@ def main():
     names, fetches = [], []
     for name, kind, dtype, shape, seed in cases(size):
         if kind == "all_gather":
-            shape = (gather_rows(rank), 3)
+            shape = (gather_rows(rank, name), 3)
         x = tf_inputs(rank, shape, dtype, seed)
         names.append(name)
         fetches.append(build(kind, x, "%s/%s" % (job, name), rank, size))
