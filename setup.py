@@ -1,5 +1,47 @@
-"""pyepl: Easy Parallel Library for TensorFlow 1.15 (import name ``epl``)."""
+"""pyepl: Easy Parallel Library for TensorFlow 1.15 (import name ``epl``).
+
+`pip install .[cpu]`, `pip install .[gpu]` and `pip wheel .` build EPL's C++ op library
+(csrc/ -> epl/lib/libepl_ops.so, NCCL where CUDA and NCCL are found) with the compile flags
+of the TensorFlow the build can import.  Where none is importable yet (pip may build before
+it installs the extras), the first use of EPL's collectives builds it
+(`python -m epl.native --build` does it ahead of time); `python -m epl.native` reports what
+is built.
+"""
+import os
+import shutil
+import subprocess
+import sys
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class BuildWithOps(build_py):
+    """build_py, plus the C++ ops into the build's epl/lib."""
+
+    def run(self):
+        build_py.run(self)
+        # The sources travel with the package, for a build on first use.
+        src = os.path.join(self.build_lib, "epl", "_csrc")
+        shutil.rmtree(src, ignore_errors=True)
+        shutil.copytree(os.path.join(HERE, "csrc"), src,
+                        ignore=shutil.ignore_patterns("build", "__pycache__"))
+        if os.environ.get("EPL_SKIP_OPS_BUILD"):
+            return
+        try:
+            import tensorflow  # noqa: F401
+        except ImportError:
+            print("pyepl: TensorFlow is not importable while building: the C++ ops are "
+                  "built on first use (or by `python -m epl.native --build`).")
+            return
+        out = os.path.join(self.build_lib, "epl", "lib", "libepl_ops.so")
+        code = subprocess.call([sys.executable, os.path.join(HERE, "csrc", "build.py"),
+                                "--out", out])
+        if code != 0:
+            print("pyepl: the C++ ops did not build (above); they are built on first use.")
+
 
 setup(
     name="pyepl",
@@ -7,9 +49,10 @@ setup(
     description="Easy Parallel Library: distributed training for TensorFlow 1.x graphs",
     license="Apache-2.0",
     packages=find_packages(include=["epl", "epl.*"]),
-    package_data={"epl": ["lib/*.so"]},
+    package_data={"epl": ["lib/*.so", "lib/*.json"]},
     python_requires=">=3.7,<3.8",
     install_requires=["numpy<1.19", "protobuf<3.21"],
     extras_require={"cpu": ["tensorflow==1.15.5"], "gpu": ["tensorflow-gpu==1.15.5"]},
     entry_points={"console_scripts": ["epl-launch=epl.launcher:main"]},
+    cmdclass={"build_py": BuildWithOps},
 )

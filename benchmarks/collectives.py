@@ -2,13 +2,16 @@
 (and Horovod-Gloo when importable), in one process (4 virtual CPU devices) and across 2
 local processes.
 
-    python benchmarks/collectives.py --sizes-mib 1,16,64,256 --json FILE
+    python benchmarks/collectives.py --sizes-mib 1,16,64,256 --runs 5 --json FILE
 
 Prints a table and writes a JSON list of records
-{"impl", "op", "scope", "ranks", "bytes", "seconds", "busbw_gbps"}.  Bus bandwidth as
-nccl-tests defines it: all-reduce size/time * 2(n-1)/n; all-gather and all-to-all
-size/time * (n-1)/n (size = the full output); copy: size/time.
-Every implementation runs in its own fresh process.
+{"impl", "op", "scope", "ranks", "bytes", "seconds", "busbw_gbps", "busbw_min",
+"busbw_max", "runs"}.  Bus bandwidth as nccl-tests defines it: all-reduce
+size/time * 2(n-1)/n; all-gather, reduce-scatter and all-to-all size/time * (n-1)/n
+(size = the full output, resp. input of reduce-scatter); broadcast and copy: size/time.
+Every implementation runs in its own fresh processes; EPL's are started --runs times
+(the figures across processes vary from run to run): busbw_gbps is the median of the
+runs, busbw_min / busbw_max the extremes.  The goals of issue 13 are checked at the end.
 """
 import argparse
 import json
@@ -24,14 +27,15 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-OPS = ("allreduce", "allgather", "alltoall")
+OPS = ("allreduce", "allgather", "reducescatter", "broadcast", "alltoall")
+TF_OPS = ("allreduce", "allgather")   # TensorFlow 1.15's collectives (no all-to-all etc.)
 
 
 def busbw(op, nbytes, seconds, n):
     algbw = nbytes / seconds / 1e9
     if op == "allreduce":
         return algbw * 2 * (n - 1) / n
-    if op in ("allgather", "alltoall"):
+    if op in ("allgather", "alltoall", "reducescatter"):
         return algbw * (n - 1) / n
     return algbw
 
@@ -68,6 +72,27 @@ def _inputs(tf, n_elems, device, name=None):
     return v
 
 
+def _elems(op, per_rank, n):
+    """Elements of each rank's input (multiples of n where the op splits rows)."""
+    if op == "allgather":
+        return per_rank // n
+    if op in ("alltoall", "reducescatter"):
+        return (per_rank // n) * n
+    return per_rank
+
+
+def _epl_op(C, op, x, group, r, n, transport):
+    if op == "allreduce":
+        return C.all_reduce(x, group, r, n, "sum", transport=transport)
+    if op == "allgather":
+        return C.all_gather(x, group, r, n, transport=transport)
+    if op == "reducescatter":
+        return C.reduce_scatter(x, group, r, n, "sum", transport=transport)
+    if op == "broadcast":
+        return C.broadcast(x, group, r, n, root=0, transport=transport)
+    return C.all_to_all(x, group, r, n, transport=transport)[0]
+
+
 def child_in_process(impl, sizes, n):
     """4 ranks = 4 virtual devices of this process."""
     import tensorflow as tf
@@ -79,13 +104,11 @@ def child_in_process(impl, sizes, n):
     for size in sizes:
         per_rank = size // 4  # float32 elements per rank
         for op in OPS:
-            if impl == "tf_collective" and op == "alltoall":
-                continue   # TensorFlow 1.15 has no all-to-all collective
+            if impl == "tf_collective" and op not in TF_OPS:
+                continue
             with tf.Graph().as_default():
                 outs = []
-                elems = per_rank if op == "allreduce" else per_rank // n
-                if op == "alltoall":
-                    elems = (per_rank // n) * n
+                elems = _elems(op, per_rank, n)
                 group = uuid.uuid4().hex
                 key[0] += 1   # one instance key per collective, shared by its ranks
                 for r in range(n):
@@ -93,12 +116,7 @@ def child_in_process(impl, sizes, n):
                     x = _inputs(tf, elems, dev)
                     with tf.device(dev):
                         if impl == "epl":
-                            if op == "allreduce":
-                                y = C.all_reduce(x, group, r, n, "sum")
-                            elif op == "allgather":
-                                y = C.all_gather(x, group, r, n)
-                            else:
-                                y = C.all_to_all(x, group, r, n)[0]
+                            y = _epl_op(C, op, x, group, r, n, "inprocess")
                         elif op == "allreduce":
                             y = collective_ops.all_reduce(x, n, 1, key[0], "Add", "Id")
                         else:
@@ -135,22 +153,15 @@ def child_cross_process(impl, sizes, rank, n, ports, job):
     for si, size in enumerate(sizes):
         per_rank = size // 4
         for op in OPS:
-            if impl == "tf_collective" and op == "alltoall":
+            if impl == "tf_collective" and op not in TF_OPS:
                 continue
             with tf.Graph().as_default():
-                elems = per_rank if op == "allreduce" else per_rank // n
-                if op == "alltoall":
-                    elems = (per_rank // n) * n
+                elems = _elems(op, per_rank, n)
                 x = _inputs(tf, elems, device)
                 with tf.device(device):
                     group = "%s/%s_%d" % (job, op, si)
                     if impl == "epl":
-                        if op == "allreduce":
-                            y = C.all_reduce(x, group, rank, n, "sum", transport="shm")
-                        elif op == "allgather":
-                            y = C.all_gather(x, group, rank, n, transport="shm")
-                        else:
-                            y = C.all_to_all(x, group, rank, n, transport="shm")[0]
+                        y = _epl_op(C, op, x, group, rank, n, "shm")
                     else:
                         key[0] += 1
                         if op == "allreduce":
@@ -310,6 +321,8 @@ def main():
     p.add_argument("--ports", default="")
     p.add_argument("--job", default="")
     p.add_argument("--timeout", type=int, default=1800)
+    p.add_argument("--runs", type=int, default=5,
+                   help="fresh runs of EPL's measurements (min / median / max reported)")
     p.add_argument("--scopes", default="in_process,cross_process",
                    help="which scopes to measure (the JSON says which were)")
     a = p.parse_args()
@@ -329,26 +342,83 @@ def main():
     scopes = a.scopes.split(",")
     if "in_process" in scopes:
         for impl in ("epl", "tf_collective"):
-            records += _run_child(["--child", impl, "--scope", "in_process", "--ranks", "4",
-                                   "--sizes-mib", a.sizes_mib], a.timeout)
+            runs = [_run_child(["--child", impl, "--scope", "in_process", "--ranks", "4",
+                                "--sizes-mib", a.sizes_mib], a.timeout)
+                    for _ in range(a.runs if impl == "epl" else 1)]
+            records += _aggregate(runs)
     if "cross_process" in scopes:
         for impl in ("epl", "tf_collective"):
-            records += _run_cross(impl, a.sizes_mib, 2, a.timeout)
-        records += _horovod(a.sizes_mib, a.timeout)
+            runs = [_run_cross(impl, a.sizes_mib, 2, a.timeout)
+                    for _ in range(a.runs if impl == "epl" else 1)]
+            records += _aggregate(runs)
+        records += _aggregate([_horovod(a.sizes_mib, a.timeout)])
     from common import print_table, write_json
     rows = sorted(records, key=lambda r: (r["scope"], r["op"], r["bytes"], r["impl"]))
     for r in rows:
         r["MiB"] = r["bytes"] / float(1 << 20)
         r["ms"] = r["seconds"] * 1e3
-    print_table(rows, ["scope", "op", "ranks", "MiB", "impl", "ms", "busbw_gbps"],
-                "Collectives (bus bandwidth, GB/s)")
+    print_table(rows, ["scope", "op", "ranks", "MiB", "impl", "ms", "busbw_gbps", "busbw_min",
+                       "busbw_max", "runs"],
+                "Collectives (bus bandwidth, GB/s: median, min and max over runs)")
     _print_ratios(records)
+    _print_goals(records)
     for r in rows:
         r.pop("MiB")
         r.pop("ms")
     for f in FAILURES:   # a baseline that died is a result too
         print("FAILED: %(scope)s %(impl)s: %(failure)s" % f)
     write_json("collectives", records + FAILURES, a.json)
+
+
+def _aggregate(runs):
+    """One record per measurement over several runs: median time, min/max bandwidth."""
+    by_key = {}
+    for recs in runs:
+        for r in recs:
+            by_key.setdefault((r["impl"], r["op"], r["scope"], r["ranks"], r["bytes"]),
+                              []).append(r)
+    out = []
+    for group in by_key.values():
+        rec = dict(group[0])
+        rec["seconds"] = _median([g["seconds"] for g in group])
+        rec["busbw_gbps"] = busbw(rec["op"], rec["bytes"], rec["seconds"], rec["ranks"])
+        rec["busbw_min"] = min(g["busbw_gbps"] for g in group)
+        rec["busbw_max"] = max(g["busbw_gbps"] for g in group)
+        rec["runs"] = len(group)
+        out.append(rec)
+    return out
+
+
+def _print_goals(records):
+    """Issue 13's goals, on this run's numbers (the minimum over runs where it applies)."""
+    def find(impl, scope, op, nbytes):
+        for r in records:
+            if (r["impl"], r["scope"], r["op"], r["bytes"]) == (impl, scope, op, nbytes):
+                return r
+        return None
+    print("\nGoals")
+    for r in sorted(records, key=lambda r: (r["scope"], r["bytes"], r["op"])):
+        if r["impl"] != "epl":
+            continue
+        if r["op"] == "allreduce" and r["scope"] == "cross_process":
+            ok = r["busbw_min"] >= 5.0
+            line = "all-reduce across processes >= 5 GB/s (min over %d runs): %.2f" % (
+                r["runs"], r["busbw_min"])
+            hvd = find("horovod", r["scope"], "allreduce", r["bytes"])
+            if hvd and r["bytes"] >= 64 << 20:
+                ok = ok and r["busbw_min"] >= 4 * hvd["busbw_gbps"]
+                line += ", x%.1f Horovod-Gloo (goal x4)" % (r["busbw_min"] / hvd["busbw_gbps"])
+        elif r["op"] != "allreduce":
+            ar = find("epl", r["scope"], "allreduce", r["bytes"])
+            if not ar:
+                continue
+            share = r["busbw_gbps"] / ar["busbw_gbps"]
+            ok = share >= 0.5
+            line = "%s >= 50%% of all-reduce (%s): %.0f%%" % (r["op"], r["scope"], 100 * share)
+        else:
+            continue
+        print("  %-4s %7.1f MiB  %s" % ("met" if ok else "MISS", r["bytes"] / float(1 << 20),
+                                         line))
 
 
 def _print_ratios(records):

@@ -7,6 +7,7 @@ Prints which backends it built.
 """
 import argparse
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -71,6 +72,11 @@ def main():
         sys.exit("csrc/build.py: the C++ build failed (command above). It needs g++ and the "
                  "TensorFlow headers from the venv's tensorflow==1.15.5.")
     os.replace(tmp, args.out)
+    # What was built and why the rest was not, for `python -m epl.native`.
+    info = {"backends": backends, "skipped": skipped[len("nccl skipped ("):-1] if skipped else "",
+            "tensorflow": tf.__version__, "compiler": cxx}
+    with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+        json.dump(info, f, indent=1)
     print("csrc/build.py: built backends: %s%s" % (", ".join(backends),
                                                    ("; " + skipped) if skipped else ""))
 

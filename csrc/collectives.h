@@ -46,6 +46,14 @@ void ParallelFor(OpKernelContext* ctx, int64 total, int64 cost_per_unit,
 // Copies `bytes` from src to dst using several threads for large copies.
 void ParallelCopy(OpKernelContext* ctx, void* dst, const void* src, int64 bytes);
 
+// Many copies as one parallel loop over their bytes (small pieces share a thread).
+struct CopyJob {
+  char* dst;
+  const char* src;
+  int64 bytes;
+};
+void ParallelCopies(OpKernelContext* ctx, const std::vector<CopyJob>& jobs);
+
 struct Arrival {
   int rank = 0;
   OpKernelContext* ctx = nullptr;

@@ -5,6 +5,9 @@
 #include <unistd.h>
 
 #include <cctype>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -82,6 +85,33 @@ Status Link::ReduceScatter(const CrossArgs& a, DataType dtype, ReduceOp op, cons
   return Status::OK();
 }
 
+void StreamCopy(char* dst, const char* src, int64 n) {
+#if defined(__AVX2__)
+  const int64 head = std::min<int64>(n, (32 - (reinterpret_cast<uintptr_t>(dst) & 31)) & 31);
+  std::memcpy(dst, src, head);
+  dst += head;
+  src += head;
+  n -= head;
+  for (; n >= 128; n -= 128, dst += 128, src += 128) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64));
+    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 96));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 32), b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 64), c);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 96), d);
+  }
+#endif
+  std::memcpy(dst, src, n);
+}
+
+void StreamFence() {
+#if defined(__AVX2__)
+  _mm_sfence();
+#endif
+}
+
 void SpanCursor::Walk(int64 off, int64 len, char* dst, const char* src) {
   if (off < start_) {
     i_ = 0;
@@ -92,6 +122,7 @@ void SpanCursor::Walk(int64 off, int64 len, char* dst, const char* src) {
     const Span& s = spans_[i_];
     const int64 at = off - start_, n = std::min(len, s.bytes - at);
     if (dst) std::memcpy(dst, s.in + at, n), dst += n;
+    else if (stream_) StreamCopy(s.out + at, src, n), src += n;
     else std::memcpy(s.out + at, src, n), src += n;
     off += n;
     len -= n;
@@ -420,10 +451,14 @@ Status CrossAllGather(Link* l, const CrossArgs& a, OpKernelContext* ctx) {
     sizes->vec<int64>()(k) = meta[k][0];
   }
   char* dst = Data(&out);
-  return l->Exchange(a, in.tensor_data().data(), lens,
-                     [&](int k, int64 o, const char* p, int64 len) {
-                       std::memcpy(dst + offsets[k] + o, p, len);
-                     });
+  const bool stream = out.TotalBytes() >= kStreamBytes;
+  Status s = l->Exchange(a, in.tensor_data().data(), lens,
+                         [&](int k, int64 o, const char* p, int64 len) {
+                           if (stream) StreamCopy(dst + offsets[k] + o, p, len);
+                           else std::memcpy(dst + offsets[k] + o, p, len);
+                         });
+  StreamFence();
+  return s;
 }
 
 Status CrossBroadcast(Link* l, const CrossArgs& a, int root, OpKernelContext* ctx) {
@@ -438,10 +473,14 @@ Status CrossBroadcast(Link* l, const CrossArgs& a, int root, OpKernelContext* ct
   std::vector<int64> lens(a.size, 0);
   lens[root] = in.TotalBytes();
   char* dst = Data(&out);
-  return l->Exchange(a, in.tensor_data().data(), lens,
-                     [&](int k, int64 o, const char* p, int64 len) {
-                       std::memcpy(dst + o, p, len);
-                     });
+  const bool stream = out.TotalBytes() >= kStreamBytes;
+  Status s = l->Exchange(a, in.tensor_data().data(), lens,
+                         [&](int k, int64 o, const char* p, int64 len) {
+                           if (stream) StreamCopy(dst + o, p, len);
+                           else std::memcpy(dst + o, p, len);
+                         });
+  StreamFence();
+  return s;
 }
 
 Status CrossAllToAll(Link* l, const CrossArgs& a, OpKernelContext* ctx) {

@@ -43,10 +43,20 @@ struct Span {
   int64 bytes;
 };
 
+// Copies n bytes with non-temporal stores where the CPU has them (AVX2): for results
+// too large to stay in cache, this skips reading the destination into the cache before
+// writing it (a third of a copy's memory traffic).  Call StreamFence() before the
+// result is handed on.
+void StreamCopy(char* dst, const char* src, int64 n);
+void StreamFence();
+// Outputs at least this large are written with StreamCopy.
+constexpr int64 kStreamBytes = 8 << 20;
+
 // Reads and writes byte ranges of the concatenation of spans, front to back.
 class SpanCursor {
  public:
-  explicit SpanCursor(const std::vector<Span>& spans) : spans_(spans) {}
+  explicit SpanCursor(const std::vector<Span>& spans, bool stream = false)
+      : spans_(spans), stream_(stream) {}
   // Copies [off, off + len) of the inputs to dst / src to the outputs.
   void Read(int64 off, int64 len, char* dst) { Walk(off, len, dst, nullptr); }
   void Write(int64 off, int64 len, const char* src) { Walk(off, len, nullptr, src); }
@@ -54,6 +64,7 @@ class SpanCursor {
  private:
   void Walk(int64 off, int64 len, char* dst, const char* src);
   const std::vector<Span>& spans_;
+  bool stream_;        // Write with StreamCopy
   size_t i_ = 0;       // the span that holds the last position used
   int64 start_ = 0;    // its first byte in the concatenation
 };

@@ -385,21 +385,34 @@ class ReduceScatterOp : public ReducingKernel {
     if (s.ok() && in0.dims() == 0) s = InvalidArgument("reduce_scatter needs rank >= 1");
     std::vector<const void*> ins;
     for (auto& a : *all) ins.push_back(a.inputs[0].tensor_data().data());
-    const int64 row_elems = s.ok() ? RowBytes(in0) / tensorflow::DataTypeSize(dtype_) : 0;
+    const int64 es = tensorflow::DataTypeSize(dtype_);
+    const int64 row_elems = s.ok() ? RowBytes(in0) / es : 0;
+    std::vector<Tensor> outs(size_);
+    std::vector<int64> first(size_ + 1, 0);   // rank r's elements: [first[r], first[r + 1])
     for (int r = 0; s.ok() && r < size_; ++r) {
       int64 start, count;
       SplitRows(in0.dim_size(0), size_, r, &start, &count);
-      Tensor out;
-      s = (*all)[r].ctx->allocate_temp(dtype_, WithFirstDim(in0.shape(), count), &out);
-      if (!s.ok()) break;
-      std::vector<const void*> shifted;
-      const int64 off = start * row_elems * tensorflow::DataTypeSize(dtype_);
-      for (auto p : ins) shifted.push_back(static_cast<const char*>(p) + off);
-      void* dst = const_cast<char*>(out.tensor_data().data());
-      ParallelFor((*all)[r].ctx, count * row_elems, 4 * size_, [&](int64 b, int64 e) {
-        ReduceRange(dtype_, op_, shifted, dst, b, e);
+      s = AllocateShared((*all)[r].ctx, StrCat(group_, "/rs", r), dtype_,
+                         WithFirstDim(in0.shape(), count), &outs[r]);
+      first[r + 1] = (start + count) * row_elems;
+    }
+    if (s.ok()) {
+      // One parallel loop over the whole tensor: every element goes to its rank's output.
+      ParallelFor(all->back().ctx, first[size_], 4 * size_, [&](int64 b, int64 e) {
+        int r = static_cast<int>(std::upper_bound(first.begin(), first.end(), b) -
+                                 first.begin()) - 1;
+        for (int64 pos = b; pos < e; ++r) {
+          const int64 hi = std::min(e, first[r + 1]);
+          if (hi > pos) {
+            std::vector<const void*> shifted;
+            for (auto p : ins) shifted.push_back(static_cast<const char*>(p) + first[r] * es);
+            ReduceRange(dtype_, op_, shifted, const_cast<char*>(outs[r].tensor_data().data()),
+                        pos - first[r], hi - first[r]);
+          }
+          pos = std::max(pos, hi);
+        }
       });
-      (*all)[r].ctx->set_output(0, out);
+      for (int r = 0; r < size_; ++r) (*all)[r].ctx->set_output(0, outs[r]);
     }
     FinishAll(all, s);
   }
@@ -512,28 +525,36 @@ class AllToAllOp : public CollectiveKernel {
     std::vector<std::vector<int64>> counts(size_);
     for (int src = 0; s.ok() && src < size_; ++src)
       s = SendCounts((*all)[src].inputs[0], (*all)[src].inputs[1], size_, src, &counts[src]);
+    std::vector<CopyJob> jobs;
+    std::vector<Tensor> outs(size_), recvs(size_);
     for (int dst = 0; s.ok() && dst < size_; ++dst) {
       int64 rows = 0;
       for (int src = 0; src < size_; ++src) rows += counts[src][dst];
       OpKernelContext* ctx = (*all)[dst].ctx;
-      Tensor out, recv;
       s = AllocateShared(ctx, StrCat(group_, "/to", dst), dtype_,
-                         WithFirstDim((*all)[0].inputs[0].shape(), rows), &out);
-      if (s.ok()) s = ctx->allocate_temp(tensorflow::DT_INT64, TensorShape({size_}), &recv);
+                         WithFirstDim((*all)[0].inputs[0].shape(), rows), &outs[dst]);
+      if (s.ok())
+        s = ctx->allocate_temp(tensorflow::DT_INT64, TensorShape({size_}), &recvs[dst]);
       if (!s.ok()) break;
-      char* p = const_cast<char*>(out.tensor_data().data());
+      char* p = const_cast<char*>(outs[dst].tensor_data().data());
       for (int src = 0; src < size_; ++src) {
         const Tensor& x = (*all)[src].inputs[0];
         const int64 rb = RowBytes(x);
         int64 offset = 0;
         for (int r = 0; r < dst; ++r) offset += counts[src][r];
         const int64 bytes = counts[src][dst] * rb;
-        ParallelCopy(ctx, p, x.tensor_data().data() + offset * rb, bytes);
+        jobs.push_back(CopyJob{p, x.tensor_data().data() + offset * rb, bytes});
         p += bytes;
-        recv.vec<int64>()(src) = counts[src][dst];
+        recvs[dst].vec<int64>()(src) = counts[src][dst];
       }
-      ctx->set_output(0, out);
-      ctx->set_output(1, recv);
+    }
+    if (s.ok()) {
+      // One parallel loop over every piece: n^2 small copies would each pay a fork-join.
+      ParallelCopies(all->back().ctx, jobs);
+      for (int dst = 0; dst < size_; ++dst) {
+        (*all)[dst].ctx->set_output(0, outs[dst]);
+        (*all)[dst].ctx->set_output(1, recvs[dst]);
+      }
     }
     FinishAll(all, s);
   }

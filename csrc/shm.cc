@@ -358,7 +358,7 @@ class ShmLink : public Link {
     const int64 es = tensorflow::DataTypeSize(dtype);
     int64 total = 0;
     for (const Span& sp : spans) total += sp.bytes;
-    SpanCursor gather(spans), scatter(spans);
+    SpanCursor gather(spans), scatter(spans, total >= kStreamBytes);
     for (int64 begin = 0; begin < total; begin += kChunk) {
       const int64 len = std::min(kChunk, total - begin), n = len / es;
       const int64 r = round_++;
@@ -377,6 +377,7 @@ class ShmLink : public Link {
       scatter.Write(begin, len, result);
       Set(hdr_->done, r + 1);
     }
+    StreamFence();
     return Status::OK();
   }
 
@@ -416,12 +417,21 @@ class ShmLink : public Link {
   Status AllToAll(const CrossArgs& a, const std::vector<const char*>& send,
                   const std::vector<char*>& recv,
                   const std::vector<std::vector<int64>>& bytes) override {
-    if (bytes[rank_][rank_]) std::memcpy(recv[rank_], send[rank_], bytes[rank_][rank_]);
-    return Pairwise(a, send, bytes, [&](int64 off, int64 part,
-                                        const std::vector<const char*>& from) {
+    int64 total = 0;
+    for (int k = 0; k < size_; ++k) total += bytes[k][rank_];
+    const bool stream = total >= kStreamBytes;
+    auto copy = [stream](char* d, const char* s, int64 n) {
+      if (stream) StreamCopy(d, s, n);
+      else std::memcpy(d, s, n);
+    };
+    if (bytes[rank_][rank_]) copy(recv[rank_], send[rank_], bytes[rank_][rank_]);
+    Status s = Pairwise(a, send, bytes, [&](int64 off, int64 part,
+                                            const std::vector<const char*>& from) {
       for (int k = 0; k < size_; ++k)
-        if (from[k]) std::memcpy(recv[k] + off, from[k], std::min(part, bytes[k][rank_] - off));
+        if (from[k]) copy(recv[k] + off, from[k], std::min(part, bytes[k][rank_] - off));
     });
+    StreamFence();
+    return s;
   }
 
   Status ReduceScatter(const CrossArgs& a, DataType dtype, ReduceOp op, const char* in,

@@ -1,0 +1,244 @@
+"""End-to-end data parallel training: EPL vs Horovod-Gloo vs MirroredStrategy vs one device.
+
+    python benchmarks/e2e_dp.py [--models mlp,transformer] [--steps 50] [--runs 3] [--json FILE]
+
+Two models, per-replica batch 32, median samples/s over --steps timed steps, each
+configuration started --runs times in fresh processes (min / median / max reported):
+
+* `single`      one process, one device: the compute alone (a replica's step, no exchange)
+* `epl_2proc`   EPL, 2 processes x 1 device (epl-launch, shm collectives)
+* `horovod`     Horovod-Gloo, 2 processes x 1 device (when `make horovod` built it)
+* `epl_1proc`   EPL, 1 process x 2 virtual devices
+* `mirrored`    tf.distribute.MirroredStrategy, 1 process x 2 virtual devices
+
+The step breakdown: `exchange` = step time - compute alone (what the gradient exchange and
+the rest of data parallelism add, after overlap); `overlap` = 1 - exchange / (time of the
+all-reduce of all gradients alone, measured in the same EPL run).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+BATCH = 32
+MLP_IN, MLP_WIDTH, MLP_DEPTH, CLASSES = 1024, 2048, 6, 16          # ~25M parameters
+SEQ, D, HEADS, FF, LAYERS, VOCAB = 64, 256, 4, 1024, 2, 2000       # small transformer
+
+
+# ---------------------------------------------------------------- models (plain TF1)
+
+
+def _data(tf, model, batch, seed):
+    import numpy as np
+    rng = np.random.RandomState(seed)
+    if model == "mlp":
+        x = rng.randn(batch * 4, MLP_IN).astype(np.float32)
+        y = rng.randint(0, CLASSES, batch * 4).astype(np.int64)
+    else:
+        x = rng.randint(0, VOCAB, (batch * 4, SEQ)).astype(np.int64)
+        y = rng.randint(0, VOCAB, (batch * 4, SEQ)).astype(np.int64)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch, drop_remainder=True)
+    return tf.compat.v1.data.make_one_shot_iterator(ds.prefetch(4)).get_next()
+
+
+def _mlp(tf, x, y):
+    h = x
+    for i in range(MLP_DEPTH):
+        h = tf.compat.v1.layers.dense(h, MLP_WIDTH, activation=tf.nn.relu, name="l%d" % i)
+    logits = tf.compat.v1.layers.dense(h, CLASSES, name="out")
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+
+
+def _transformer(tf, x, y):
+    dense = tf.compat.v1.layers.dense
+    emb = tf.compat.v1.get_variable("emb", [VOCAB, D])
+    pos = tf.compat.v1.get_variable("pos", [SEQ, D])
+    h = tf.gather(emb, x) + pos
+    dh = D // HEADS
+    for i in range(LAYERS):
+        with tf.compat.v1.variable_scope("layer%d" % i):
+            q, k, v = [tf.transpose(tf.reshape(dense(h, D, name=n), [-1, SEQ, HEADS, dh]),
+                                    [0, 2, 1, 3]) for n in ("q", "k", "v")]
+            att = tf.nn.softmax(tf.matmul(q, k, transpose_b=True) / float(dh) ** 0.5)
+            ctx = tf.reshape(tf.transpose(tf.matmul(att, v), [0, 2, 1, 3]), [-1, SEQ, D])
+            h = tf.contrib.layers.layer_norm(h + dense(ctx, D, name="o"))
+            f = dense(dense(h, FF, activation=tf.nn.relu, name="f1"), D, name="f2")
+            h = tf.contrib.layers.layer_norm(h + f)
+    logits = dense(h, VOCAB, name="lm")
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+
+
+def _loss(tf, model, x, y):
+    return (_mlp if model == "mlp" else _transformer)(tf, x, y)
+
+
+def _timed_steps(sess, op, steps):
+    for _ in range(5):
+        sess.run(op)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        sess.run(op)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+# ---------------------------------------------------------------- children
+
+
+def child(impl, model, steps, out):
+    import tensorflow as tf
+    tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+    opt = tf.compat.v1.train.GradientDescentOptimizer(0.001)
+    cfg = tf.compat.v1.ConfigProto()
+    rank, replicas, extra = 0, 1, {}
+    if impl == "single":
+        x, y = _data(tf, model, BATCH, 0)
+        train = opt.minimize(_loss(tf, model, x, y))
+    elif impl in ("epl_2proc", "epl_1proc"):
+        import epl
+        if impl == "epl_1proc":
+            epl.init(epl.Config({"cluster.devices_per_worker": 2}))
+            cfg = tf.compat.v1.ConfigProto(device_count={"CPU": 2})
+            replicas = 2
+        else:
+            epl.init()
+            rank, replicas = epl.Env.get().cluster.worker_index, 2
+        epl.set_default_strategy(epl.replicate(1))
+        x, y = _data(tf, model, BATCH, rank)
+        train = opt.minimize(_loss(tf, model, x, y))
+        params = sum(int(v.shape.num_elements()) for v in tf.compat.v1.trainable_variables())
+        extra["gradient_mib"] = params * 4 / float(1 << 20)
+    elif impl == "horovod":
+        import horovod.tensorflow as hvd
+        hvd.init()
+        rank, replicas = hvd.rank(), hvd.size()
+        x, y = _data(tf, model, BATCH, rank)
+        train = hvd.DistributedOptimizer(opt).minimize(_loss(tf, model, x, y))
+        bcast = hvd.broadcast_global_variables(0)
+    elif impl == "mirrored":
+        cfg = tf.compat.v1.ConfigProto(device_count={"CPU": 2})
+        strategy = tf.distribute.MirroredStrategy(
+            ["/cpu:0", "/cpu:1"],
+            cross_device_ops=tf.distribute.ReductionToOneDevice("/cpu:0"))
+        replicas = 2
+        with strategy.scope():
+            def step():
+                bx, by = _data(tf, model, BATCH, 0)
+                return opt.minimize(_loss(tf, model, bx, by))
+            train = strategy.group(strategy.experimental_run_v2(step))
+    else:
+        raise SystemExit("unknown impl %r" % impl)
+    with tf.compat.v1.Session(config=cfg) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        if impl == "horovod":
+            sess.run(bcast)
+        sec = _timed_steps(sess, train, steps)
+    if rank == 0:
+        rec = dict(impl=impl, model=model, replicas=replicas, step_ms=sec * 1e3,
+                   samples_per_s=replicas * BATCH / sec, **extra)
+        with open(out, "w") as f:
+            json.dump(rec, f)
+
+
+# ---------------------------------------------------------------- driver
+
+
+def _horovodrun():
+    for cand in (os.path.join(os.path.dirname(sys.executable), "horovodrun"),
+                 os.path.join(ROOT, ".venv-horovod", "bin", "horovodrun")):
+        if os.path.exists(cand):
+            return cand
+    return None
+
+
+def _run(impl, model, steps, timeout):
+    out = os.path.join(tempfile.mkdtemp(prefix="e2e_"), "rec.json")
+    me = [os.path.abspath(__file__), "--child", impl, "--model", model, "--steps", str(steps),
+          "--out", out]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    if impl == "epl_2proc":
+        logs = tempfile.mkdtemp(prefix="e2e_logs_")
+        cmd = [sys.executable, "-m", "epl.launcher", "--num_workers", "2", "--gpu_per_worker",
+               "1", "--log_dir", logs, "--timeout", str(timeout)] + me
+    elif impl == "horovod":
+        run = _horovodrun()
+        if run is None:
+            return None
+        cmd = [run, "-np", "2", "-H", "localhost:2", "--gloo",
+               os.path.join(os.path.dirname(run), "python")] + me
+    else:
+        cmd = [sys.executable] + me
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                          timeout=timeout)
+    if proc.returncode != 0 or not os.path.exists(out):
+        tail = proc.stdout.decode(errors="replace")[-1500:]
+        print("e2e_dp: %s/%s failed (exit %d):\n%s" % (impl, model, proc.returncode, tail),
+              flush=True)
+        return None
+    with open(out) as f:
+        return json.load(f)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--child")
+    p.add_argument("--model", default="mlp")
+    p.add_argument("--out")
+    p.add_argument("--models", default="mlp,transformer")
+    p.add_argument("--impls", default="single,epl_2proc,horovod,epl_1proc,mirrored")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--timeout", type=int, default=900)
+    p.add_argument("--json")
+    a = p.parse_args()
+    if a.child:
+        child(a.child, a.model, a.steps, a.out)
+        return
+    from common import median, print_table, write_json
+    rows = []
+    for model in a.models.split(","):
+        got = {}
+        for _ in range(a.runs):      # interleaved: every configuration sees the same noise
+            for impl in a.impls.split(","):
+                rec = _run(impl, model, a.steps, a.timeout)
+                if rec:
+                    got.setdefault(impl, []).append(rec)
+        single = median([r["step_ms"] for r in got.get("single", [])]) if "single" in got \
+            else None
+        for impl, recs in got.items():
+            sps = [r["samples_per_s"] for r in recs]
+            row = dict(recs[0], samples_per_s=median(sps), sps_min=min(sps), sps_max=max(sps),
+                       step_ms=median([r["step_ms"] for r in recs]), runs=len(recs))
+            if single and impl != "single":
+                row["exchange_ms"] = row["step_ms"] - single
+            rows.append(row)
+        _ratios(rows, model)
+    print_table(rows, ["model", "impl", "replicas", "step_ms", "exchange_ms", "samples_per_s",
+                       "sps_min", "sps_max", "runs", "vs_horovod", "vs_mirrored"],
+                "End-to-end data parallel (per-replica batch %d, median over runs)" % BATCH)
+    write_json("e2e_dp", rows, a.json)
+
+
+def _ratios(rows, model):
+    mine = [r for r in rows if r["model"] == model]
+    by = {r["impl"]: r for r in mine}
+    for r in mine:
+        if r["impl"] == "epl_2proc" and "horovod" in by:
+            r["vs_horovod"] = r["samples_per_s"] / by["horovod"]["samples_per_s"]
+        if r["impl"] == "epl_1proc" and "mirrored" in by:
+            r["vs_mirrored"] = r["samples_per_s"] / by["mirrored"]["samples_per_s"]
+
+
+if __name__ == "__main__":
+    main()
