@@ -5,15 +5,19 @@
 Two models, per-replica batch 32, median samples/s over --steps timed steps, each
 configuration started --runs times in fresh processes (min / median / max reported):
 
-* `single`      one process, one device: the compute alone (a replica's step, no exchange)
+* `single`      one process, one device: a replica's step alone (no exchange)
+* `single_2proc` two `single` processes at once (no exchange): the compute alone of the
+                2-process configurations, which share the machine's cores
 * `epl_2proc`   EPL, 2 processes x 1 device (epl-launch, shm collectives)
 * `horovod`     Horovod-Gloo, 2 processes x 1 device (when `make horovod` built it)
 * `epl_1proc`   EPL, 1 process x 2 virtual devices
 * `mirrored`    tf.distribute.MirroredStrategy, 1 process x 2 virtual devices
 
-The step breakdown: `exchange` = step time - compute alone (what the gradient exchange and
-the rest of data parallelism add, after overlap); `overlap` = 1 - exchange / (time of the
-all-reduce of all gradients alone, measured in the same EPL run).
+The step breakdown: `exchange_ms` = step time - compute alone (what the gradient exchange
+and the rest of data parallelism add after overlap with the backward pass); compute alone
+is `single_2proc` for the 2-process configurations and two `single` steps for the
+1-process ones (two replicas on the same cores).  `bound` is the best ratio any
+implementation could reach against the baseline: the baseline's step / compute alone.
 """
 import argparse
 import json
@@ -177,6 +181,22 @@ def _run(impl, model, steps, timeout):
             return None
         cmd = [run, "-np", "2", "-H", "localhost:2", "--gloo",
                os.path.join(os.path.dirname(run), "python")] + me
+    elif impl == "single_2proc":
+        me[2] = "single"
+        procs = [subprocess.Popen([sys.executable] + me[:-1] + [out + str(i)], env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                 for i in range(2)]
+        codes = [p.wait(timeout=timeout) for p in procs]
+        if any(codes) or not os.path.exists(out + "0"):
+            print("e2e_dp: %s/%s failed (exit %s)" % (impl, model, codes), flush=True)
+            return None
+        recs = []
+        for i in range(2):
+            with open(out + str(i)) as f:
+                recs.append(json.load(f))
+        step = max(r["step_ms"] for r in recs)
+        return dict(recs[0], impl=impl, replicas=2, step_ms=step,
+                    samples_per_s=2 * BATCH / (step / 1e3))
     else:
         cmd = [sys.executable] + me
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
@@ -196,7 +216,7 @@ def main():
     p.add_argument("--model", default="mlp")
     p.add_argument("--out")
     p.add_argument("--models", default="mlp,transformer")
-    p.add_argument("--impls", default="single,epl_2proc,horovod,epl_1proc,mirrored")
+    p.add_argument("--impls", default="single,single_2proc,epl_2proc,horovod,epl_1proc,mirrored")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--timeout", type=int, default=900)
@@ -214,18 +234,23 @@ def main():
                 rec = _run(impl, model, a.steps, a.timeout)
                 if rec:
                     got.setdefault(impl, []).append(rec)
-        single = median([r["step_ms"] for r in got.get("single", [])]) if "single" in got \
-            else None
+        def step_of(impl):
+            return median([r["step_ms"] for r in got[impl]]) if impl in got else None
+        alone = {"epl_2proc": step_of("single_2proc"), "horovod": step_of("single_2proc")}
+        if step_of("single"):
+            alone.update(epl_1proc=2 * step_of("single"), mirrored=2 * step_of("single"))
         for impl, recs in got.items():
             sps = [r["samples_per_s"] for r in recs]
             row = dict(recs[0], samples_per_s=median(sps), sps_min=min(sps), sps_max=max(sps),
                        step_ms=median([r["step_ms"] for r in recs]), runs=len(recs))
-            if single and impl != "single":
-                row["exchange_ms"] = row["step_ms"] - single
+            if alone.get(impl):
+                row["exchange_ms"] = row["step_ms"] - alone[impl]
+                row["compute_ms"] = alone[impl]
             rows.append(row)
         _ratios(rows, model)
-    print_table(rows, ["model", "impl", "replicas", "step_ms", "exchange_ms", "samples_per_s",
-                       "sps_min", "sps_max", "runs", "vs_horovod", "vs_mirrored"],
+    print_table(rows, ["model", "impl", "replicas", "step_ms", "compute_ms", "exchange_ms",
+                       "samples_per_s", "sps_min", "sps_max", "runs", "vs_horovod",
+                       "vs_mirrored", "bound"],
                 "End-to-end data parallel (per-replica batch %d, median over runs)" % BATCH)
     write_json("e2e_dp", rows, a.json)
 
@@ -234,10 +259,12 @@ def _ratios(rows, model):
     mine = [r for r in rows if r["model"] == model]
     by = {r["impl"]: r for r in mine}
     for r in mine:
-        if r["impl"] == "epl_2proc" and "horovod" in by:
-            r["vs_horovod"] = r["samples_per_s"] / by["horovod"]["samples_per_s"]
-        if r["impl"] == "epl_1proc" and "mirrored" in by:
-            r["vs_mirrored"] = r["samples_per_s"] / by["mirrored"]["samples_per_s"]
+        for mine_impl, other, key in (("epl_2proc", "horovod", "vs_horovod"),
+                                      ("epl_1proc", "mirrored", "vs_mirrored")):
+            if r["impl"] == mine_impl and other in by:
+                r[key] = r["samples_per_s"] / by[other]["samples_per_s"]
+                if by[other].get("compute_ms"):
+                    r["bound"] = by[other]["step_ms"] / by[other]["compute_ms"]
 
 
 if __name__ == "__main__":

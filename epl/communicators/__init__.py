@@ -16,8 +16,9 @@ def create(devices, name="epl_comm", timeout_seconds=600, cluster=None):
     from epl import native
     if cluster is not None and cluster.worker_num > 1:
         if not native.available():
-            raise RuntimeError("multi-worker training needs EPL's C++ op library; run "
-                               "`make setup`.")
+            raise RuntimeError("multi-worker training needs EPL's C++ op library (%s); run "
+                               "`make setup` or `python -m epl.native --build`."
+                               % native.missing_reason())
         from epl.communicators.hierarchical import HierarchicalCommunicator
         return HierarchicalCommunicator(devices, name, timeout_seconds, cluster.worker_index,
                                         cluster.worker_num, cluster.job_id,
@@ -25,4 +26,20 @@ def create(devices, name="epl_comm", timeout_seconds=600, cluster=None):
     if native.available():
         from epl.communicators.native import NativeCommunicator
         return NativeCommunicator(devices, name, timeout_seconds)
+    _warn_fallback(native.missing_reason())
     return InGraphCommunicator(devices, name)
+
+
+_warned = []
+
+
+def _warn_fallback(reason):
+    """Says once per process which backend runs instead, and why."""
+    if _warned:
+        return
+    _warned.append(reason)
+    import tensorflow as tf
+    tf.compat.v1.logging.warning(
+        "EPL: collectives run as TensorFlow ops (in-graph communicator), not EPL's C++ "
+        "library: %s. Run `python -m epl.native --build` (needs g++) for the fast backends.",
+        reason)

@@ -45,6 +45,12 @@ class HierarchicalCommunicator(Communicator):
         self._check(lists, "all_reduce_n")
         if reduce_op not in ("sum", "mean"):
             raise ValueError("hierarchical all_reduce supports sum and mean, got %r" % reduce_op)
+        if self.size == 1:
+            # One device per worker: no local step, and the mean is taken inside the
+            # collective (no extra pass over the gradients, no extra buffers).
+            return [list(native_ops.all_reduce_n(
+                lists[0], self._group("all_reduce_n"), reduce_op=reduce_op,
+                device=self.cross_device, **self._cross()))]
         local = self.local.all_reduce_n(lists, "sum")
         with tf.device(self.cross_device):
             total = native_ops.all_reduce_n(local[0], self._group("all_reduce_n"), reduce_op="sum",
