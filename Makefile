@@ -8,7 +8,7 @@ STAMP := $(VENV)/.epl-installed
 OPS_SO := epl/lib/libepl_ops.so
 CSRC := $(wildcard csrc/*.cc csrc/*.h csrc/build.py)
 
-.PHONY: setup demo test bench ops clean horovod docs
+.PHONY: setup demo test bench ops clean horovod docs gpu-ops-check
 
 setup: $(STAMP) $(OPS_SO)
 
@@ -46,5 +46,10 @@ horovod: $(STAMP)
 	  .venv-horovod/bin/pip install --no-cache-dir --no-build-isolation horovod==0.28.1
 	.venv-horovod/bin/pip install -q --no-deps -e .
 
+# Compile and link the NCCL backend against pip wheels of tensorflow-gpu, CUDA and NCCL
+# (no GPU needed; nothing is run).
+gpu-ops-check:
+	tools/gpu_ops_check.sh
+
 clean:
-	rm -rf $(VENV) epl/lib/*.so csrc/build *.egg-info
+	rm -rf $(VENV) epl/lib/*.so epl/lib/*.json csrc/build build *.egg-info

@@ -27,6 +27,10 @@ def _find_header(name, extra_dirs):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--require-nccl", action="store_true",
+                        help="fail unless the NCCL backend is built (make gpu-ops-check)")
+    parser.add_argument("--define", action="append", default=[],
+                        help="extra preprocessor definitions (e.g. EPL_NCCL_SUM_THEN_SCALE)")
     args = parser.parse_args()
     try:
         import tensorflow as tf
@@ -48,7 +52,12 @@ def main():
     if cuda_inc and nccl_inc and tf.test.is_built_with_cuda():
         sources += sorted(glob.glob(os.path.join(HERE, "nccl", "*.cc")))
         defines += ["-DEPL_WITH_NCCL=1", "-DGOOGLE_CUDA=1", "-I" + cuda_inc, "-I" + nccl_inc]
-        link += ["-L" + os.path.join(cuda_home, "lib64"), "-lcudart", "-lnccl"]
+        for env, default in (("CUDA_LIB_DIR", os.path.join(cuda_home, "lib64")),
+                             ("NCCL_LIB_DIR", "")):
+            d = os.environ.get(env, default)
+            if d:
+                link += ["-L" + d]
+        link += ["-lcudart", "-lnccl"]
         backends.append("nccl")
         skipped = ""
     else:
@@ -60,6 +69,9 @@ def main():
         if not tf.test.is_built_with_cuda():
             why.append("TensorFlow is the CPU build")
         skipped = "nccl skipped (%s)" % ", ".join(why)
+        if args.require_nccl:
+            sys.exit("csrc/build.py: --require-nccl, but %s" % skipped)
+    defines += ["-D" + d for d in args.define]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     tmp = args.out + ".tmp"
     cmd = ([cxx, "-std=c++11", "-shared", "-fPIC", "-O3", "-march=native",

@@ -20,8 +20,18 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/lib/core/errors.h"
 #include "tensorflow/core/lib/strings/strcat.h"
+#include "tensorflow/core/platform/stream_executor.h"
 #include "tensorflow/stream_executor/gpu/gpu_stream.h"
 #include "tensorflow/stream_executor/stream.h"
+
+// ncclAvg arrived in NCCL 2.10; before it (or with EPL_NCCL_SUM_THEN_SCALE, which the
+// compile check uses to build that path too) a mean is a sum, then a scale on the
+// stream.
+#if defined(NCCL_VERSION_CODE) && NCCL_VERSION_CODE >= 21000 && !defined(EPL_NCCL_SUM_THEN_SCALE)
+#define EPL_NCCL_HAS_AVG 1
+#else
+#define EPL_NCCL_HAS_AVG 0
+#endif
 
 namespace epl {
 
@@ -50,20 +60,51 @@ ncclDataType_t NcclType(DataType t) {
   }
 }
 
-Status NcclOp(ReduceOp op, ncclRedOp_t* out) {
+// The NCCL reduction for `op`; *scale is true when a mean must be finished by
+// ScaleOutputs (NCCL without ncclAvg).
+Status NcclOp(ReduceOp op, ncclRedOp_t* out, bool* scale) {
+  *scale = false;
   switch (op) {
     case ReduceOp::kMax: *out = ncclMax; return Status::OK();
     case ReduceOp::kMin: *out = ncclMin; return Status::OK();
     case ReduceOp::kSum: *out = ncclSum; return Status::OK();
     case ReduceOp::kMean:
-#if defined(NCCL_VERSION_CODE) && NCCL_VERSION_CODE >= 21000
+#if EPL_NCCL_HAS_AVG
       *out = ncclAvg;
-      return Status::OK();
 #else
-      return tensorflow::errors::Unimplemented(
-          "EPL all_reduce(mean) on GPU needs NCCL >= 2.10 (ncclAvg); use sum.");
+      *out = ncclSum;
+      *scale = true;
 #endif
+      return Status::OK();
   }
+  return Status::OK();
+}
+
+// x *= 1/n on the kernel's stream, after the sum (the mean without ncclAvg): BLAS scal
+// of TensorFlow's stream executor, for float and double.
+Status ScaleOutput(OpKernelContext* ctx, Tensor* t, int n) {
+  if (t->NumElements() == 0) return Status::OK();
+  auto* stream = ctx->op_device_context()->stream();
+  switch (t->dtype()) {
+    case tensorflow::DT_FLOAT: {
+      stream_executor::DeviceMemory<float> mem(stream_executor::DeviceMemoryBase(
+          const_cast<char*>(t->tensor_data().data()), t->TotalBytes()));
+      stream->ThenBlasScal(t->NumElements(), 1.0f / n, &mem, 1);
+      break;
+    }
+    case tensorflow::DT_DOUBLE: {
+      stream_executor::DeviceMemory<double> mem(stream_executor::DeviceMemoryBase(
+          const_cast<char*>(t->tensor_data().data()), t->TotalBytes()));
+      stream->ThenBlasScal(t->NumElements(), 1.0 / n, &mem, 1);
+      break;
+    }
+    default:
+      return tensorflow::errors::Unimplemented(
+          "EPL mean of ", tensorflow::DataTypeString(t->dtype()), " on GPU needs NCCL >= 2.10 "
+          "(ncclAvg; this build has NCCL ", NCCL_MAJOR, ".", NCCL_MINOR, "): reduce with sum "
+          "and divide, or update NCCL.");
+  }
+  if (!stream->ok()) return Internal("EPL: scaling the mean on the GPU stream failed");
   return Status::OK();
 }
 
@@ -144,7 +185,7 @@ class NcclAllReduce : public NcclKernel {
     ReduceOp op;
     OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &name));
     OP_REQUIRES_OK(c, ParseReduceOp(name, &op));
-    OP_REQUIRES_OK(c, NcclOp(op, &op_));
+    OP_REQUIRES_OK(c, NcclOp(op, &op_, &scale_));
   }
 
  protected:
@@ -169,11 +210,118 @@ class NcclAllReduce : public NcclKernel {
                       NcclType(dtype_), op_, comms[r], StreamOf((*all)[r].ctx));
       }
     }
-    return NcclStatus(ncclGroupEnd(), "ncclGroupEnd");
+    TF_RETURN_IF_ERROR(NcclStatus(ncclGroupEnd(), "ncclGroupEnd"));
+    if (scale_)
+      for (size_t r = 0; r < all->size(); ++r)
+        for (int i = 0; i < n_in; ++i)
+          TF_RETURN_IF_ERROR(ScaleOutput((*all)[r].ctx, outs[r][i], size_));
+    return Status::OK();
   }
 
  private:
   ncclRedOp_t op_;
+  bool scale_ = false;
+};
+
+// A kernel with a reduce_op attr.
+class NcclReducing : public NcclKernel {
+ public:
+  explicit NcclReducing(OpKernelConstruction* c) : NcclKernel(c) {
+    string name;
+    ReduceOp op;
+    OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &name));
+    OP_REQUIRES_OK(c, ParseReduceOp(name, &op));
+    OP_REQUIRES_OK(c, NcclOp(op, &op_, &scale_));
+  }
+
+ protected:
+  ncclRedOp_t op_;
+  bool scale_ = false;
+};
+
+// EplReduce: the reduction on the root, zeros on the other ranks.
+class NcclReduce : public NcclReducing {
+ public:
+  explicit NcclReduce(OpKernelConstruction* c) : NcclReducing(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("root", &root_));
+  }
+
+ protected:
+  string Describe() const override { return "nccl_reduce"; }
+  Status Launch(std::vector<Arrival>* all, const std::vector<ncclComm_t>& comms) override {
+    std::vector<Tensor*> outs(all->size());
+    for (size_t r = 0; r < all->size(); ++r) {
+      const Tensor& in = (*all)[r].inputs[0];
+      if (in.shape() != (*all)[0].inputs[0].shape())
+        return InvalidArgument("EPL nccl reduce: rank ", r, " has a different shape");
+      TF_RETURN_IF_ERROR((*all)[r].ctx->allocate_output(0, in.shape(), &outs[r]));
+      if (static_cast<int>(r) != root_ && outs[r]->TotalBytes())
+        cudaMemsetAsync(const_cast<char*>(outs[r]->tensor_data().data()), 0,
+                        outs[r]->TotalBytes(), StreamOf((*all)[r].ctx));
+    }
+    TF_RETURN_IF_ERROR(NcclStatus(ncclGroupStart(), "ncclGroupStart"));
+    for (size_t r = 0; r < all->size(); ++r) {
+      const Tensor& in = (*all)[r].inputs[0];
+      ncclReduce(in.tensor_data().data(), const_cast<char*>(outs[r]->tensor_data().data()),
+                 in.NumElements(), NcclType(dtype_), op_, root_, comms[r],
+                 StreamOf((*all)[r].ctx));
+    }
+    TF_RETURN_IF_ERROR(NcclStatus(ncclGroupEnd(), "ncclGroupEnd"));
+    if (scale_) return ScaleOutput((*all)[root_].ctx, outs[root_], size_);
+    return Status::OK();
+  }
+
+ private:
+  int root_ = 0;
+};
+
+// EplReduceScatter: rank r gets its rows (split like numpy.array_split) of the
+// reduction.  Equal blocks are one ncclReduceScatter; unequal ones a reduce per block
+// to its owner (NCCL's reduce-scatter needs equal counts).
+class NcclReduceScatter : public NcclReducing {
+ public:
+  using NcclReducing::NcclReducing;
+
+ protected:
+  string Describe() const override { return "nccl_reduce_scatter"; }
+  Status Launch(std::vector<Arrival>* all, const std::vector<ncclComm_t>& comms) override {
+    const Tensor& in0 = (*all)[0].inputs[0];
+    if (in0.dims() == 0) return InvalidArgument("reduce_scatter needs rank >= 1");
+    const int64 rows = in0.dim_size(0), base = rows / size_, extra = rows % size_;
+    const int64 row_elems = rows ? in0.NumElements() / rows : 0;
+    std::vector<Tensor*> outs(all->size());
+    std::vector<int64> first(size_ + 1, 0);
+    for (int r = 0; r < size_; ++r) {
+      const Tensor& in = (*all)[r].inputs[0];
+      if (in.shape() != in0.shape())
+        return InvalidArgument("EPL nccl reduce_scatter: rank ", r, " has a different shape");
+      const int64 count = base + (r < extra ? 1 : 0);
+      first[r + 1] = first[r] + count * row_elems;
+      TensorShape shape = in0.shape();
+      shape.set_dim(0, count);
+      TF_RETURN_IF_ERROR((*all)[r].ctx->allocate_output(0, shape, &outs[r]));
+    }
+    const int64 es = tensorflow::DataTypeSize(dtype_);
+    TF_RETURN_IF_ERROR(NcclStatus(ncclGroupStart(), "ncclGroupStart"));
+    for (int r = 0; r < size_; ++r) {
+      const char* src = (*all)[r].inputs[0].tensor_data().data();
+      char* dst = const_cast<char*>(outs[r]->tensor_data().data());
+      if (extra == 0) {
+        ncclReduceScatter(src, dst, base * row_elems, NcclType(dtype_), op_, comms[r],
+                          StreamOf((*all)[r].ctx));
+        continue;
+      }
+      for (int owner = 0; owner < size_; ++owner)
+        ncclReduce(src + first[owner] * es, owner == r ? dst : nullptr,
+                   first[owner + 1] - first[owner], NcclType(dtype_), op_, owner, comms[r],
+                   StreamOf((*all)[r].ctx));
+    }
+    TF_RETURN_IF_ERROR(NcclStatus(ncclGroupEnd(), "ncclGroupEnd"));
+    if (scale_)
+      for (int r = 0; r < size_; ++r)
+        TF_RETURN_IF_ERROR(ScaleOutput((*all)[r].ctx, outs[r], size_));
+    return Status::OK();
+  }
 };
 
 class NcclAllGather : public NcclKernel {
@@ -249,30 +397,59 @@ class NcclAllToAll : public NcclKernel {
  protected:
   string Describe() const override { return "nccl_all_to_all"; }
   Status Launch(std::vector<Arrival>* all, const std::vector<ncclComm_t>& comms) override {
-    // Equal splits only on GPU (split sizes live in host memory on the CPU path).
+    // counts[src][dst]: rows rank src sends rank dst (equal splits, or the explicit
+    // split sizes, which live in host memory).
     const int n = size_;
+    std::vector<std::vector<int64>> counts(n, std::vector<int64>(n));
+    for (int src = 0; src < n; ++src) {
+      const Tensor& in = (*all)[src].inputs[0];
+      const Tensor& splits = (*all)[src].inputs[1];
+      if (in.dims() == 0) return InvalidArgument("all_to_all needs rank >= 1");
+      if (splits.NumElements() == 0) {
+        if (in.dim_size(0) % n)
+          return InvalidArgument("EPL all_to_all: rank ", src, " has ", in.dim_size(0),
+                                 " rows, which do not split evenly over ", n,
+                                 " ranks; pass explicit split sizes.");
+        for (int dst = 0; dst < n; ++dst) counts[src][dst] = in.dim_size(0) / n;
+      } else {
+        if (splits.NumElements() != n)
+          return InvalidArgument("EPL all_to_all: ", splits.NumElements(), " split sizes for ",
+                                 n, " ranks");
+        int64 total = 0;
+        for (int dst = 0; dst < n; ++dst) total += (counts[src][dst] = splits.vec<int64>()(dst));
+        if (total != in.dim_size(0))
+          return InvalidArgument("EPL all_to_all: split sizes of rank ", src, " add up to ",
+                                 total, " but the input has ", in.dim_size(0), " rows");
+      }
+    }
+    const Tensor& in0 = (*all)[0].inputs[0];
+    const int64 row_bytes = in0.dim_size(0) ? in0.TotalBytes() / in0.dim_size(0)
+                                            : tensorflow::DataTypeSize(dtype_);
     std::vector<Tensor*> outs(n);
     for (int r = 0; r < n; ++r) {
-      const Tensor& in = (*all)[r].inputs[0];
-      if (in.dim_size(0) % n)
-        return InvalidArgument("EPL nccl all_to_all needs rows divisible by ", n);
-      TF_RETURN_IF_ERROR((*all)[r].ctx->allocate_output(0, in.shape(), &outs[r]));
+      int64 rows = 0;
+      for (int src = 0; src < n; ++src) rows += counts[src][r];
+      TensorShape shape = (*all)[r].inputs[0].shape();
+      shape.set_dim(0, rows);
+      TF_RETURN_IF_ERROR((*all)[r].ctx->allocate_output(0, shape, &outs[r]));
       Tensor* recv = nullptr;
       tensorflow::AllocatorAttributes host;
       host.set_on_host(true);
       TF_RETURN_IF_ERROR((*all)[r].ctx->allocate_output(1, tensorflow::TensorShape({n}), &recv,
                                                         host));
-      for (int k = 0; k < n; ++k) recv->vec<int64>()(k) = in.dim_size(0) / n;
+      for (int src = 0; src < n; ++src) recv->vec<int64>()(src) = counts[src][r];
     }
     TF_RETURN_IF_ERROR(NcclStatus(ncclGroupStart(), "ncclGroupStart"));
     for (int r = 0; r < n; ++r) {
-      const Tensor& in = (*all)[r].inputs[0];
-      const int64 part = in.TotalBytes() / n;
+      const char* in = (*all)[r].inputs[0].tensor_data().data();
+      char* out = const_cast<char*>(outs[r]->tensor_data().data());
+      int64 send_off = 0, recv_off = 0;
       for (int peer = 0; peer < n; ++peer) {
-        ncclSend(in.tensor_data().data() + peer * part, part, ncclChar, peer, comms[r],
-                 StreamOf((*all)[r].ctx));
-        ncclRecv(const_cast<char*>(outs[r]->tensor_data().data()) + peer * part, part, ncclChar,
-                 peer, comms[r], StreamOf((*all)[r].ctx));
+        const int64 send = counts[r][peer] * row_bytes, recv = counts[peer][r] * row_bytes;
+        if (send) ncclSend(in + send_off, send, ncclChar, peer, comms[r], StreamOf((*all)[r].ctx));
+        if (recv) ncclRecv(out + recv_off, recv, ncclChar, peer, comms[r], StreamOf((*all)[r].ctx));
+        send_off += send;
+        recv_off += recv;
       }
     }
     return NcclStatus(ncclGroupEnd(), "ncclGroupEnd");
@@ -286,6 +463,8 @@ REGISTER_KERNEL_BUILDER(Name("EplAllReduceN").Device(DEVICE_GPU), NcclAllReduce)
 REGISTER_KERNEL_BUILDER(Name("EplAllGather").Device(DEVICE_GPU).HostMemory("sizes"),
                         NcclAllGather);
 REGISTER_KERNEL_BUILDER(Name("EplBroadcast").Device(DEVICE_GPU), NcclBroadcast);
+REGISTER_KERNEL_BUILDER(Name("EplReduce").Device(DEVICE_GPU), NcclReduce);
+REGISTER_KERNEL_BUILDER(Name("EplReduceScatter").Device(DEVICE_GPU), NcclReduceScatter);
 REGISTER_KERNEL_BUILDER(Name("EplAllToAll")
                             .Device(DEVICE_GPU)
                             .HostMemory("split_sizes")

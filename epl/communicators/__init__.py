@@ -10,9 +10,13 @@ from epl.communicators.base import Communicator  # noqa: F401
 from epl.communicators.in_graph import InGraphCommunicator
 
 
-def create(devices, name="epl_comm", timeout_seconds=600, cluster=None):
+def create(devices, name="epl_comm", timeout_seconds=600, cluster=None, placer=None):
     """The communicator for ``devices`` of this process (and, in a multi-worker
-    job, the same devices of every other worker)."""
+    job, the same devices of every other worker).  The backend follows from what the
+    devices are: other processes -> hierarchical over shm (one host) or tcp; GPUs of
+    this process -> nccl; CPU devices of this process -> inprocess; without EPL's C++
+    library -> in_graph (TF ops).  ``placer(rank)``, if given, scopes rank's ops
+    instead of its device (a split layer's shards)."""
     from epl import native
     if cluster is not None and cluster.worker_num > 1:
         if not native.available():
@@ -25,9 +29,9 @@ def create(devices, name="epl_comm", timeout_seconds=600, cluster=None):
                                         cluster.cross_worker_transport())
     if native.available():
         from epl.communicators.native import NativeCommunicator
-        return NativeCommunicator(devices, name, timeout_seconds)
+        return NativeCommunicator(devices, name, timeout_seconds, placer=placer)
     _warn_fallback(native.missing_reason())
-    return InGraphCommunicator(devices, name)
+    return InGraphCommunicator(devices, name, placer)
 
 
 _warned = []

@@ -13,6 +13,8 @@ from epl.communicators.native import NativeCommunicator
 
 
 class HierarchicalCommunicator(Communicator):
+    """all_reduce(_n), all_gather and broadcast across workers; the other ops are
+    errors that name this backend (split layers exchange rows across workers in-graph)."""
 
     def __init__(self, devices, name, timeout_seconds, worker_index, worker_num, job_id,
                  transport="shm"):
@@ -25,6 +27,7 @@ class HierarchicalCommunicator(Communicator):
         self.timeout_seconds = timeout_seconds
         self._calls = 0
         self.cross_device = host_device(devices[0])
+        self.backend = "hierarchical(%s)" % transport
 
     def _group(self, what):
         self._calls += 1
@@ -90,10 +93,3 @@ def host_device(device):
     memory, so on GPUs it is the worker's CPU (TensorFlow copies around it)."""
     return device if "CPU" in device.upper() else \
         device[:device.upper().rfind("/DEVICE:")] + "/device:CPU:0"
-
-
-def broadcast_across_workers(value, name, cluster, timeout_seconds):
-    """``value`` of worker 0, on every worker (one rank per worker)."""
-    return native_ops.broadcast(value, "%s/%s" % (cluster.job_id, name), cluster.worker_index,
-                                cluster.worker_num, root=0, timeout_seconds=timeout_seconds,
-                                transport=cluster.cross_worker_transport())

@@ -13,11 +13,18 @@ class NativeCommunicator(Communicator):
     the kernels check that every rank runs the same collective.
     """
 
-    def __init__(self, devices, name, timeout_seconds=600, transport="inprocess"):
-        super(NativeCommunicator, self).__init__(devices, name)
+    def __init__(self, devices, name, timeout_seconds=600, transport="inprocess", placer=None):
+        super(NativeCommunicator, self).__init__(devices, name, placer)
         self.timeout_seconds = timeout_seconds
         self.transport = transport
         self._calls = 0
+
+    @property
+    def backend(self):
+        """nccl on GPUs (the kernels registered for GPU), else the CPU transport."""
+        if any(d and "GPU" in d.upper() for d in self.devices):
+            return "nccl"
+        return self.transport
 
     def _group(self, what):
         self._calls += 1
@@ -27,8 +34,8 @@ class NativeCommunicator(Communicator):
         self._check(tensors, what)
         group = self._group(what)
         outs = []
-        for rank, (dev, t) in enumerate(zip(self.devices, tensors)):
-            with tf.device(dev):
+        for rank, t in enumerate(tensors):
+            with self._on(rank):
                 outs.append(fn(t, group, rank))
         return outs
 
@@ -54,6 +61,10 @@ class NativeCommunicator(Communicator):
     def broadcast(self, tensors, root=0):
         return self._per_rank(tensors, "broadcast", lambda t, g, r: native_ops.broadcast(
             t, g, r, self.size, root, **self._kw()))
+
+    def reduce(self, tensors, root=0, reduce_op="sum"):
+        return self._per_rank(tensors, "reduce", lambda t, g, r: native_ops.reduce(
+            t, g, r, self.size, root, reduce_op, **self._kw()))
 
     def all_to_all(self, tensors, split_sizes=None):
         return self._per_rank(tensors, "all_to_all", lambda t, g, r: native_ops.all_to_all(

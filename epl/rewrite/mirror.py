@@ -44,7 +44,7 @@ def broadcast_initial_values(state, since=-1):
     if state.cluster.worker_num <= 1 or state.in_graph:
         return   # (in-graph: one session initializes every variable)
     import tensorflow as tf
-    from epl.communicators.hierarchical import broadcast_across_workers
+    from epl import communicators
     from epl.rewrite.cloner import new_ops
     timeout = state.config.get("communication.timeout_seconds")
     for v in state.graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES):
@@ -54,7 +54,8 @@ def broadcast_initial_values(state, since=-1):
         if init.type not in ASSIGN_OPS or len(init.inputs) < 2:
             continue
         with new_ops(state.graph), tf.device(state.devices[0]):
-            value = broadcast_across_workers(init.inputs[1], "EPL_INIT/" + v.op.name,
-                                             state.cluster, timeout)
+            comm = communicators.create(state.devices[:1], "EPL_INIT/" + v.op.name, timeout,
+                                        state.cluster)
+            value = comm.broadcast([init.inputs[1]], root=0)[0]
         init._update_input(1, value)  # pylint: disable=protected-access
 

@@ -172,24 +172,24 @@ def _ungroup(y, n, e):
 
 def _all_to_all(per_device, counts, group, back_counts=None):
     """Device j sends rows ``counts[i]`` of its tensor to device i (dispatch), or, for
-    the way back, every device sends block j (``back_counts[i]`` rows each) to device j."""
-    from epl import native
+    the way back, every device sends block j (``back_counts[i]`` rows each) to device j.
+    Through a communicator over the split's shards: EPL's collectives in one process;
+    across workers the rows move in-graph on TF's runtime."""
+    from epl import communicators
+    from epl.communicators.in_graph import InGraphCommunicator
     from epl.env import Env
     n = len(per_device)
     if back_counts is None:
         splits = [list(counts)] * n           # every source splits by expert shard
     else:
         splits = [[back_counts[i]] * n for i in range(n)]   # source i: e_i rows per dest
-    if native.available() and sharding.single_process():
-        # (Across workers the split runs in-graph on TF's runtime: TF moves the rows.)
-        from epl.communicators import native_ops
+    shards = [None] * n
+    if sharding.single_process():
         timeout = Env.get().config.get("communication.timeout_seconds")
-        out = []
-        for j in range(n):
-            with sharding.on_shard(j):
-                out.append(native_ops.all_to_all(per_device[j], group, j, n, splits[j],
-                                                 timeout_seconds=timeout)[0])
-        return out
+        comm = communicators.create(shards, group, timeout, placer=sharding.on_shard)
+    else:
+        comm = InGraphCommunicator(shards, group, placer=sharding.on_shard)
+    return comm.all_to_all(per_device, splits)
     pieces = []
     for j in range(n):
         with sharding.on_shard(j):
