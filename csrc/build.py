@@ -52,6 +52,9 @@ def main():
     if cuda_inc and nccl_inc and tf.test.is_built_with_cuda():
         sources += sorted(glob.glob(os.path.join(HERE, "nccl", "*.cc")))
         defines += ["-DEPL_WITH_NCCL=1", "-DGOOGLE_CUDA=1", "-I" + cuda_inc, "-I" + nccl_inc]
+        # More CUDA header directories (pip's CUDA wheels split them: crt/ is in nvcc's).
+        defines += ["-I" + d for d in os.environ.get("CUDA_EXTRA_INCLUDES", "").split(os.pathsep)
+                    if d]
         for env, default in (("CUDA_LIB_DIR", os.path.join(cuda_home, "lib64")),
                              ("NCCL_LIB_DIR", "")):
             d = os.environ.get(env, default)

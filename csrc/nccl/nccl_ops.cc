@@ -21,8 +21,8 @@
 #include "tensorflow/core/lib/core/errors.h"
 #include "tensorflow/core/lib/strings/strcat.h"
 #include "tensorflow/core/platform/stream_executor.h"
-#include "tensorflow/stream_executor/gpu/gpu_stream.h"
 #include "tensorflow/stream_executor/stream.h"
+#include "tensorflow/stream_executor/stream_executor_internal.h"
 
 // ncclAvg arrived in NCCL 2.10; before it (or with EPL_NCCL_SUM_THEN_SCALE, which the
 // compile check uses to build that path too) a mean is a sum, then a scale on the
@@ -113,7 +113,10 @@ int GpuId(OpKernelContext* ctx) {
 }
 
 cudaStream_t StreamOf(OpKernelContext* ctx) {
-  return stream_executor::gpu::AsGpuStreamValue(ctx->op_device_context()->stream());
+  // (The stream executor's CUDA stream; gpu_stream.h is not among TF 1.15's installed
+  // headers, the implementation's accessor is.)
+  return static_cast<cudaStream_t>(
+      ctx->op_device_context()->stream()->implementation()->GpuStreamHack());
 }
 
 // One NCCL communicator per ordered list of GPUs, created once.
