@@ -76,7 +76,7 @@ def main():
             sys.exit("csrc/build.py: --require-nccl, but %s" % skipped)
     defines += ["-D" + d for d in args.define]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    tmp = args.out + ".tmp"
+    tmp = "%s.%d.tmp" % (args.out, os.getpid())   # (concurrent builds never share it)
     cmd = ([cxx, "-std=c++11", "-shared", "-fPIC", "-O3", "-march=native",
             "-pthread", "-Wall", "-Wno-sign-compare", "-Wno-unused-function",
             "-DEPL_BACKENDS=\"%s\"" % ",".join(backends)]

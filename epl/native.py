@@ -51,11 +51,18 @@ def build(quiet=False):
     lib_dir = os.path.dirname(_LIB)
     out = _LIB if os.access(lib_dir if os.path.isdir(lib_dir) else _HERE, os.W_OK) \
         else _cache_lib()
-    if not quiet:
-        print("EPL: building the C++ op library into %s (once; about a minute)..." % out,
-              file=sys.stderr, flush=True)
-    proc = subprocess.run([sys.executable, os.path.join(src, "build.py"), "--out", out],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    import fcntl
+    with open(out + ".lock", "w") as lock:
+        # The workers of a job start together: one builds, the others wait for it.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(out):
+            return out
+        if not quiet:
+            print("EPL: building the C++ op library into %s (once; about a minute)..." % out,
+                  file=sys.stderr, flush=True)
+        proc = subprocess.run([sys.executable, os.path.join(src, "build.py"), "--out", out],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
         raise RuntimeError("building EPL's C++ op library failed:\n%s"
                            % proc.stdout.decode(errors="replace")[-2000:])
