@@ -9,7 +9,8 @@ BENCHES = [
     ["fusion.py"],
     ["pipeline_bubble.py"],
     ["split_memory.py"],
-    ["collectives.py", "--sizes-mib", "1,16,64,256"],
+    ["collectives.py", "--sizes-mib", "1,16,64,256", "--runs", "5"],
+    ["e2e_dp.py", "--runs", "3", "--steps", "30"],
     ["rewrite_time.py"],
 ]
 
