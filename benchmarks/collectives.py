@@ -133,8 +133,9 @@ def child_in_process(impl, sizes, n):
     return records
 
 
-def child_cross_process(impl, sizes, rank, n, ports, job):
-    """One rank per process; TF's collectives over gRPC need a server per process."""
+def child_cross_process(impl, sizes, rank, n, ports, job, transport="shm"):
+    """One rank per process; TF's collectives over gRPC need a server per process.
+    transport "tcp": EPL's TCP ring between 127.0.0.2 and 127.0.0.3 (scope "tcp")."""
     import tensorflow as tf
     tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
     from tensorflow.python.ops import collective_ops
@@ -161,7 +162,7 @@ def child_cross_process(impl, sizes, rank, n, ports, job):
                 with tf.device(device):
                     group = "%s/%s_%d" % (job, op, si)
                     if impl == "epl":
-                        y = _epl_op(C, op, x, group, rank, n, "shm")
+                        y = _epl_op(C, op, x, group, rank, n, transport)
                     else:
                         key[0] += 1
                         if op == "allreduce":
@@ -176,8 +177,10 @@ def child_cross_process(impl, sizes, rank, n, ports, job):
                     sess.run(x.initializer)
                     nbytes = elems * 4 * (n if op == "allgather" else 1)
                     sec = _timed(sess, step, nbytes)
-            records.append(dict(impl=impl, op=op, scope="cross_process", ranks=n, bytes=nbytes,
-                                seconds=sec, busbw_gbps=busbw(op, nbytes, sec, n)))
+            records.append(dict(impl=impl, op=op,
+                                scope="tcp" if transport == "tcp" else "cross_process",
+                                ranks=n, bytes=nbytes, seconds=sec,
+                                busbw_gbps=busbw(op, nbytes, sec, n)))
     return records
 
 
@@ -239,15 +242,20 @@ def _run_child(args, timeout):
     return json.loads(out.stdout.decode().strip().splitlines()[-1])
 
 
-def _run_cross(impl, sizes_arg, n, timeout):
+def _run_cross(impl, sizes_arg, n, timeout, transport="shm"):
     ports = _free_ports(n)
     job = uuid.uuid4().hex[:12]
+    env = dict(os.environ)
+    if transport == "tcp":   # two "hosts" of the loopback range, TCP between them
+        env["EPL_COMM_ADDRESSES"] = ",".join(
+            "127.0.0.%d:%d" % (2 + r, p) for r, p in enumerate(_free_ports(n)))
     procs = []
     for r in range(n):
         procs.append(subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--child", impl, "--scope",
              "cross_process", "--rank", str(r), "--ranks", str(n), "--sizes-mib", sizes_arg,
-             "--ports", ",".join(map(str, ports)), "--job", job], stdout=subprocess.PIPE))
+             "--ports", ",".join(map(str, ports)), "--job", job, "--transport", transport],
+            stdout=subprocess.PIPE, env=env))
     failure = _watch(procs, timeout)
     outs = [p.stdout.read() for p in procs]
     if failure:
@@ -320,10 +328,11 @@ def main():
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--ports", default="")
     p.add_argument("--job", default="")
+    p.add_argument("--transport", default="shm")
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--runs", type=int, default=5,
                    help="fresh runs of EPL's measurements (min / median / max reported)")
-    p.add_argument("--scopes", default="in_process,cross_process",
+    p.add_argument("--scopes", default="in_process,cross_process,tcp",
                    help="which scopes to measure (the JSON says which were)")
     a = p.parse_args()
     sizes = [int(float(s) * (1 << 20)) for s in a.sizes_mib.split(",")]
@@ -335,7 +344,8 @@ def main():
             recs = child_in_process(a.child, sizes, a.ranks or 4)
         else:
             recs = child_cross_process(a.child, sizes, a.rank, a.ranks or 2,
-                                       [int(x) for x in a.ports.split(",")], a.job)
+                                       [int(x) for x in a.ports.split(",")], a.job,
+                                       a.transport)
         print(json.dumps(recs))
         return
     records = memcpy_records(sizes)
@@ -351,7 +361,11 @@ def main():
             runs = [_run_cross(impl, a.sizes_mib, 2, a.timeout)
                     for _ in range(a.runs if impl == "epl" else 1)]
             records += _aggregate(runs)
+    if "cross_process" in scopes or "tcp" in scopes:
         records += _aggregate([_horovod(a.sizes_mib, a.timeout)])
+    if "tcp" in scopes:
+        records += _aggregate([_run_cross("epl", a.sizes_mib, 2, a.timeout, "tcp")
+                               for _ in range(a.runs)])
     from common import print_table, write_json
     rows = sorted(records, key=lambda r: (r["scope"], r["op"], r["bytes"], r["impl"]))
     for r in rows:
@@ -400,7 +414,14 @@ def _print_goals(records):
     for r in sorted(records, key=lambda r: (r["scope"], r["bytes"], r["op"])):
         if r["impl"] != "epl":
             continue
-        if r["op"] == "allreduce" and r["scope"] == "cross_process":
+        if r["op"] == "allreduce" and r["scope"] == "tcp":
+            hvd = find("horovod", "cross_process", "allreduce", r["bytes"])
+            if not hvd or r["bytes"] < 16 << 20:
+                continue
+            ok = r["busbw_min"] >= hvd["busbw_gbps"]
+            line = "all-reduce over TCP >= Horovod-Gloo (TCP too): %.2f vs %.2f (min over %d)" \
+                % (r["busbw_min"], hvd["busbw_gbps"], r["runs"])
+        elif r["op"] == "allreduce" and r["scope"] == "cross_process":
             ok = r["busbw_min"] >= 5.0
             line = "all-reduce across processes >= 5 GB/s (min over %d runs): %.2f" % (
                 r["runs"], r["busbw_min"])
@@ -408,7 +429,7 @@ def _print_goals(records):
             if hvd and r["bytes"] >= 64 << 20:
                 ok = ok and r["busbw_min"] >= 4 * hvd["busbw_gbps"]
                 line += ", x%.1f Horovod-Gloo (goal x4)" % (r["busbw_min"] / hvd["busbw_gbps"])
-        elif r["op"] != "allreduce":
+        elif r["op"] != "allreduce" and r["scope"] != "tcp":
             ar = find("epl", r["scope"], "allreduce", r["bytes"])
             if not ar:
                 continue

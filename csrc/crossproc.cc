@@ -57,17 +57,10 @@ Status Link::AllReduceSpans(const CrossArgs& a, DataType dtype, ReduceOp op,
   int64 total = 0;
   for (const Span& s : spans) total += s.bytes;
   std::vector<char> packed(total);
-  int64 off = 0;
-  for (const Span& s : spans) {
-    std::memcpy(packed.data() + off, s.in, s.bytes);
-    off += s.bytes;
-  }
+  SpanCursor cursor(spans);
+  cursor.Read(0, total, packed.data());
   TF_RETURN_IF_ERROR(AllReduce(a, dtype, op, packed.data(), packed.data(), total / es));
-  off = 0;
-  for (const Span& s : spans) {
-    std::memcpy(s.out, packed.data() + off, s.bytes);
-    off += s.bytes;
-  }
+  cursor.Write(0, total, packed.data());
   return Status::OK();
 }
 
@@ -112,15 +105,20 @@ void StreamFence() {
 #endif
 }
 
-void SpanCursor::Walk(int64 off, int64 len, char* dst, const char* src) {
+int64 SpanCursor::Seek(int64 off) {
   if (off < start_) {
     i_ = 0;
     start_ = 0;
   }
+  while (off >= start_ + spans_[i_].bytes) start_ += spans_[i_++].bytes;
+  return off - start_;
+}
+
+void SpanCursor::Walk(int64 off, int64 len, char* dst, const char* src) {
   while (len > 0) {
-    while (off >= start_ + spans_[i_].bytes) start_ += spans_[i_++].bytes;
+    const int64 at = Seek(off);
     const Span& s = spans_[i_];
-    const int64 at = off - start_, n = std::min(len, s.bytes - at);
+    const int64 n = std::min(len, s.bytes - at);
     if (dst) std::memcpy(dst, s.in + at, n), dst += n;
     else if (stream_) StreamCopy(s.out + at, src, n), src += n;
     else std::memcpy(s.out + at, src, n), src += n;

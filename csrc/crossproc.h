@@ -62,6 +62,8 @@ class SpanCursor {
   void Write(int64 off, int64 len, const char* src) { Walk(off, len, nullptr, src); }
 
  private:
+  // Moves to the span that holds byte `off`; returns the offset within it.
+  int64 Seek(int64 off);
   void Walk(int64 off, int64 len, char* dst, const char* src);
   const std::vector<Span>& spans_;
   bool stream_;        // Write with StreamCopy

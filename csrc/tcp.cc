@@ -54,9 +54,17 @@ namespace {
 
 constexpr uint32_t kFrameMagic = 0x45504c46;   // "EPLF"
 constexpr uint32_t kData = 1, kAbort = 2;
-constexpr int64 kMaxFrame = 16 << 20;           // larger messages travel as several frames
+constexpr int64 kMaxFrame = 16 << 20;           // the largest frame a reader accepts
+constexpr int64 kSendFrame = 1 << 20;           // larger messages travel as several frames:
+                                                // the receiver copies one while the next arrives
 constexpr int kMaxPending = 8;                   // handshakes in progress at once
 constexpr int kHandshakeSeconds = 5;
+
+// A received payload.
+struct Frame {
+  std::unique_ptr<char[]> data;
+  int64 len;
+};
 
 struct FrameHeader {
   uint32_t magic;
@@ -113,6 +121,13 @@ string Nonce() {
   return n;
 }
 
+// Small frames (a ring step's length, an empty block) go out at once, on both ends of
+// a connection: Nagle's algorithm would hold them until the peer's delayed ACK.
+void NoDelay(int fd) {
+  const int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
 Status SendAll(int fd, const void* p, int64 n) {
   const char* c = static_cast<const char*>(p);
   while (n > 0) {
@@ -140,6 +155,12 @@ Status RecvAll(int fd, void* p, int64 n, bool has_deadline, Clock::time_point de
     if (!(pfd.revents & (POLLIN | POLLHUP | POLLERR))) continue;
     ssize_t k = ::recv(fd, c, std::min<int64>(n, 1 << 20), 0);
     if (k <= 0) return Unavailable(k == 0 ? "the connection was closed" : strerror(errno));
+    // Acknowledge at once: in one-way traffic (broadcast, a ring step whose peer sends
+    // nothing) Linux would otherwise delay the ACK by up to 40 ms once it saw the
+    // request-response pattern, and the sender stalls on a full window.  (Not sticky:
+    // set after every read.)
+    const int one = 1;
+    ::setsockopt(fd, IPPROTO_TCP, TCP_QUICKACK, &one, sizeof(one));
     c += k;
     n -= k;
   }
@@ -167,6 +188,26 @@ string ServerProof(const string& secret, const string& job, int rank, const stri
                    const string& client_nonce) {
   return HmacSha256(secret, StrCat("epl-server|", job, "|", rank, "|") + client_nonce +
                                 server_nonce);
+}
+
+// x[i] /= n for i < count (integers truncate toward zero).
+template <typename T>
+void DivideTyped(char* p, int64 count, int n) {
+  T* x = reinterpret_cast<T*>(p);
+  for (int64 i = 0; i < count; ++i) x[i] = static_cast<T>(x[i] / n);
+}
+
+void DivideRange(DataType dtype, char* p, int64 count, int n) {
+  switch (dtype) {
+    case tensorflow::DT_FLOAT: DivideTyped<float>(p, count, n); break;
+    case tensorflow::DT_DOUBLE: DivideTyped<double>(p, count, n); break;
+    case tensorflow::DT_INT32: DivideTyped<int32_t>(p, count, n); break;
+    case tensorflow::DT_INT64: DivideTyped<int64_t>(p, count, n); break;
+    default: {
+      Eigen::half* h = reinterpret_cast<Eigen::half*>(p);
+      for (int64 i = 0; i < count; ++i) h[i] = Eigen::half(static_cast<float>(h[i]) / n);
+    }
+  }
 }
 
 // ---- one job's connections ----------------------------------------------------------------
@@ -197,7 +238,7 @@ class Mesh {
 
   Status Send(int peer, uint64_t group, const char* p, int64 n, const CrossArgs& a) {
     do {
-      const int64 len = std::min(n, kMaxFrame);
+      const int64 len = std::min(n, kSendFrame);
       Status s = SendFrame(peer, kData, group, p, len);
       if (!s.ok()) return Lost(peer, a, s);
       p += len;
@@ -211,7 +252,7 @@ class Mesh {
     const auto deadline = Clock::now() + std::chrono::seconds(a.timeout_seconds);
     auto key = std::make_pair(peer, group);
     do {
-      std::string frame;
+      Frame frame;
       {
         std::unique_lock<std::mutex> lock(mu_);
         while (mail_[key].empty()) {
@@ -231,12 +272,12 @@ class Mesh {
         frame = std::move(mail_[key].front());
         mail_[key].pop_front();
       }
-      if (static_cast<int64>(frame.size()) > n)
+      if (frame.len > n)
         return Internal("EPL ", a.what, " (group '", a.group, "'): rank ", peer, " sent ",
-                        frame.size(), " bytes where ", n, " were expected");
-      std::memcpy(out, frame.data(), frame.size());
-      out += frame.size();
-      n -= frame.size();
+                        frame.len, " bytes where ", n, " were expected");
+      std::memcpy(out, frame.data.get(), frame.len);
+      out += frame.len;
+      n -= frame.len;
     } while (n > 0);
     return Status::OK();
   }
@@ -294,10 +335,12 @@ class Mesh {
         s = Internal("a malformed frame");
         break;
       }
-      string payload(h.len, '\0');
-      s = RecvAll(fd, &payload[0], h.len, false, Clock::now());
+      Frame frame{std::unique_ptr<char[]>(new char[h.len ? h.len : 1]),
+                  static_cast<int64>(h.len)};   // (not zero-filled: the socket fills it)
+      s = RecvAll(fd, frame.data.get(), h.len, false, Clock::now());
       if (!s.ok()) break;
       if (h.type == kAbort) {
+        const string payload(frame.data.get(), h.len);
         const size_t colon = payload.find(':');
         const int code = std::atoi(payload.substr(0, colon).c_str());
         Status why(static_cast<tensorflow::error::Code>(code ? code : tensorflow::error::ABORTED),
@@ -308,7 +351,7 @@ class Mesh {
         continue;
       }
       std::lock_guard<std::mutex> lock(mu_);
-      mail_[std::make_pair(peer, h.group)].push_back(std::move(payload));
+      mail_[std::make_pair(peer, h.group)].push_back(std::move(frame));
       cv_.notify_all();
     }
     std::lock_guard<std::mutex> lock(mu_);
@@ -323,7 +366,7 @@ class Mesh {
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<Peer> peers_;
-  std::map<std::pair<int, uint64_t>, std::deque<string>> mail_;
+  std::map<std::pair<int, uint64_t>, std::deque<Frame>> mail_;
 };
 
 // ---- the process's listener ------------------------------------------------------------
@@ -379,6 +422,7 @@ class Hub {
     while (true) {
       int fd = ::accept(lfd, nullptr, nullptr);
       if (fd < 0) continue;
+      NoDelay(fd);
       {
         std::lock_guard<std::mutex> lock(mu_);
         if (pending_ >= kMaxPending) {
@@ -484,8 +528,7 @@ Status Mesh::Connect(int peer, Clock::time_point deadline, const CrossArgs& a) {
       const bool connected = ::connect(fd, res->ai_addr, res->ai_addrlen) == 0;
       ::freeaddrinfo(res);
       if (connected) {
-        int one = 1;
-        ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        NoDelay(fd);
         const auto hs = Clock::now() + std::chrono::seconds(kHandshakeSeconds);
         char hello[4 + 16];
         Status s = RecvAll(fd, hello, sizeof(hello), true, hs);
@@ -594,40 +637,40 @@ class TcpLink : public Link {
     return st;
   }
 
+  // Ring all-reduce: size-1 reduce-scatter steps, then size-1 all-gather steps.  The
+  // first step sends straight from the input and every reduction reads this rank's part
+  // of the input in place (no copy of the input into the output first); a mean divides
+  // each rank's fully reduced block once, before it is passed around.
   Status AllReduce(const CrossArgs& a, DataType dtype, ReduceOp op, const char* in, char* out,
                    int64 count) override {
     const int64 es = tensorflow::DataTypeSize(dtype);
-    if (in != out) std::memcpy(out, in, count * es);
-    if (size_ == 1) return Status::OK();
+    if (size_ == 1) {
+      if (in != out) std::memcpy(out, in, count * es);
+      return Status::OK();
+    }
     auto lo = [&](int k) { return count * k / size_; };
-    std::vector<char> buf((count / size_ + 1) * es);
+    const int64 need = (count / size_ + 1) * es;
+    if (buf_bytes_ < need) {   // (kept across runs: no allocation per step)
+      buf_.reset(new char[need]);
+      buf_bytes_ = need;
+    }
+    char* buf = buf_.get();
+    const ReduceOp sum_op = op == ReduceOp::kMean ? ReduceOp::kSum : op;
     for (int s = 0; s < size_ - 1; ++s) {   // reduce-scatter
       const int send = Mod(rank_ - s), recv = Mod(rank_ - s - 1);
       const int64 rn = lo(recv + 1) - lo(recv);
-      TF_RETURN_IF_ERROR(Step(out + lo(send) * es, (lo(send + 1) - lo(send)) * es, buf.data(),
-                              rn * es, a));
-      std::vector<const void*> ins = {out + lo(recv) * es, buf.data()};
-      ReduceRange(dtype, op == ReduceOp::kMean ? ReduceOp::kSum : op, ins, out + lo(recv) * es,
-                  0, rn);
+      TF_RETURN_IF_ERROR(Step((s == 0 ? in : out) + lo(send) * es,
+                              (lo(send + 1) - lo(send)) * es, buf, rn * es, a));
+      std::vector<const void*> ins = {in + lo(recv) * es, buf};
+      ReduceRange(dtype, sum_op, ins, out + lo(recv) * es, 0, rn);
     }
+    const int mine = Mod(rank_ + 1);   // the block this rank now holds reduced
+    if (op == ReduceOp::kMean)
+      DivideRange(dtype, out + lo(mine) * es, lo(mine + 1) - lo(mine), size_);
     for (int s = 0; s < size_ - 1; ++s) {   // all-gather
       const int send = Mod(rank_ + 1 - s), recv = Mod(rank_ - s);
       TF_RETURN_IF_ERROR(Step(out + lo(send) * es, (lo(send + 1) - lo(send)) * es,
                               out + lo(recv) * es, (lo(recv + 1) - lo(recv)) * es, a));
-    }
-    if (op == ReduceOp::kMean) {
-      for (int64 i = 0; i < count; ++i) {
-        switch (dtype) {
-          case tensorflow::DT_FLOAT: reinterpret_cast<float*>(out)[i] /= size_; break;
-          case tensorflow::DT_DOUBLE: reinterpret_cast<double*>(out)[i] /= size_; break;
-          case tensorflow::DT_INT32: reinterpret_cast<int32_t*>(out)[i] /= size_; break;
-          case tensorflow::DT_INT64: reinterpret_cast<int64_t*>(out)[i] /= size_; break;
-          default: {
-            auto* h = reinterpret_cast<Eigen::half*>(out);
-            h[i] = Eigen::half(static_cast<float>(h[i]) / size_);
-          }
-        }
-      }
     }
     return Status::OK();
   }
@@ -671,6 +714,8 @@ class TcpLink : public Link {
   Mesh* mesh_;
   uint64_t group_;
   int rank_, size_;
+  std::unique_ptr<char[]> buf_;   // the all-reduce's receive buffer
+  int64 buf_bytes_ = 0;
 };
 
 }  // namespace

@@ -73,6 +73,13 @@ def test_all_ops_across_processes(size, transport, tmp_path):
             if kind in ("all_reduce", "all_reduce_n"):
                 np.testing.assert_allclose(got.astype(np.float64), wide.sum(0), err_msg=name,
                                            **_tol(dtype))
+            elif kind == "all_reduce_mean":   # (integers truncate toward zero)
+                want = wide.sum(0) / size
+                if np.dtype(dtype).kind == "i":
+                    np.testing.assert_array_equal(got, np.fix(want).astype(dtype), err_msg=name)
+                else:
+                    np.testing.assert_allclose(got.astype(np.float64), want, err_msg=name,
+                                               **_tol(dtype))
             elif kind == "all_reduce_max":
                 np.testing.assert_array_equal(got, np.max(np.stack(xs), 0), err_msg=name)
             elif kind == "all_gather":

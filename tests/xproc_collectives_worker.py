@@ -33,6 +33,7 @@ def cases(size):
     for i, (dtype, shape) in enumerate((d, s) for d in DTYPES for s in SHAPES):
         yield "all_reduce_sum_%d" % i, "all_reduce", dtype, shape, i
         yield "all_reduce_max_%d" % i, "all_reduce_max", dtype, shape, i
+        yield "all_reduce_mean_%d" % i, "all_reduce_mean", dtype, shape, 50 + i
     for i, dtype in enumerate(DTYPES):
         yield "all_reduce_n_%d" % i, "all_reduce_n", dtype, ((1 << 20) + 3,), 700 + i
         yield "all_gather_%d" % i, "all_gather", dtype, None, 100 + i
@@ -56,6 +57,8 @@ BIG_SPLIT = 200003
 def build(kind, x, group, rank, size):
     if kind == "all_reduce":
         return C.all_reduce(x, group, rank, size, "sum", transport=TRANSPORT)
+    if kind == "all_reduce_mean":
+        return C.all_reduce(x, group, rank, size, "mean", transport=TRANSPORT)
     if kind == "all_reduce_max":
         return C.all_reduce(x, group, rank, size, "max", transport=TRANSPORT)
     if kind == "all_reduce_n":   # the tensor, split in three uneven parts, fused

@@ -61,7 +61,7 @@ ncclDataType_t NcclType(DataType t) {
 }
 
 // The NCCL reduction for `op`; *scale is true when a mean must be finished by
-// ScaleOutputs (NCCL without ncclAvg).
+// ScaleOutput (NCCL without ncclAvg).
 Status NcclOp(ReduceOp op, ncclRedOp_t* out, bool* scale) {
   *scale = false;
   switch (op) {
@@ -180,16 +180,26 @@ class NcclKernel : public AsyncOpKernel {
   std::atomic<int64> generation_{0};
 };
 
-// All-reduce of every input (EplAllReduce: one; EplAllReduceN: a fused list).
-class NcclAllReduce : public NcclKernel {
+// A kernel with a reduce_op attr.
+class NcclReducing : public NcclKernel {
  public:
-  explicit NcclAllReduce(OpKernelConstruction* c) : NcclKernel(c) {
+  explicit NcclReducing(OpKernelConstruction* c) : NcclKernel(c) {
     string name;
     ReduceOp op;
     OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &name));
     OP_REQUIRES_OK(c, ParseReduceOp(name, &op));
     OP_REQUIRES_OK(c, NcclOp(op, &op_, &scale_));
   }
+
+ protected:
+  ncclRedOp_t op_;
+  bool scale_ = false;
+};
+
+// All-reduce of every input (EplAllReduce: one; EplAllReduceN: a fused list).
+class NcclAllReduce : public NcclReducing {
+ public:
+  using NcclReducing::NcclReducing;
 
  protected:
   string Describe() const override { return "nccl_all_reduce"; }
@@ -220,26 +230,6 @@ class NcclAllReduce : public NcclKernel {
           TF_RETURN_IF_ERROR(ScaleOutput((*all)[r].ctx, outs[r][i], size_));
     return Status::OK();
   }
-
- private:
-  ncclRedOp_t op_;
-  bool scale_ = false;
-};
-
-// A kernel with a reduce_op attr.
-class NcclReducing : public NcclKernel {
- public:
-  explicit NcclReducing(OpKernelConstruction* c) : NcclKernel(c) {
-    string name;
-    ReduceOp op;
-    OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &name));
-    OP_REQUIRES_OK(c, ParseReduceOp(name, &op));
-    OP_REQUIRES_OK(c, NcclOp(op, &op_, &scale_));
-  }
-
- protected:
-  ncclRedOp_t op_;
-  bool scale_ = false;
 };
 
 // EplReduce: the reduction on the root, zeros on the other ranks.
