@@ -9,6 +9,7 @@ one process only, and says so once.
     python -m epl.native            # which library, which backends, why not the others
     python -m epl.native --build    # build it now
 """
+import fcntl
 import json
 import os
 import subprocess
@@ -42,7 +43,7 @@ def library_path():
     return cached if os.path.exists(cached) else _LIB
 
 
-def build(quiet=False):
+def build():
     """Builds the library (epl/lib if writable, else ~/.cache/epl); returns its path."""
     src = _sources()
     if src is None:
@@ -52,15 +53,13 @@ def build(quiet=False):
     out = _LIB if os.access(lib_dir if os.path.isdir(lib_dir) else _HERE, os.W_OK) \
         else _cache_lib()
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    import fcntl
     with open(out + ".lock", "w") as lock:
         # The workers of a job start together: one builds, the others wait for it.
         fcntl.flock(lock, fcntl.LOCK_EX)
         if os.path.exists(out):
             return out
-        if not quiet:
-            print("EPL: building the C++ op library into %s (once; about a minute)..." % out,
-                  file=sys.stderr, flush=True)
+        print("EPL: building the C++ op library into %s (once; about a minute)..." % out,
+              file=sys.stderr, flush=True)
         proc = subprocess.run([sys.executable, os.path.join(src, "build.py"), "--out", out],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
@@ -88,6 +87,8 @@ def available():
     global _missing_reason
     if _module is not None:
         return True
+    if _missing_reason is not None:
+        return False   # (tried already: a failed build is not retried per call)
     try:
         ops()
         return True

@@ -1,9 +1,6 @@
 """The interface every communicator implements."""
 import tensorflow as tf
 
-OPS = ("all_reduce", "all_reduce_n", "all_gather", "reduce_scatter", "broadcast", "reduce",
-       "all_to_all")
-
 
 class Communicator(object):
     """Collectives over ``devices`` (ordered: list position = rank).

@@ -42,8 +42,9 @@ class InGraphCommunicator(Communicator):
                 outs.append(tf.identity(value, name="%s_rank%d" % (name, rank)))
         return outs
 
-    def _total(self, tensors, reduce_op):
-        with self._on(0):
+    def _total(self, tensors, reduce_op, at=0):
+        """The reduction, made on rank ``at``."""
+        with self._on(at):
             return _reducer(reduce_op)(list(tensors))
 
     def all_reduce(self, tensors, reduce_op="sum"):
@@ -85,8 +86,7 @@ class InGraphCommunicator(Communicator):
     def reduce(self, tensors, root=0, reduce_op="sum"):
         self._check(tensors, "reduce")
         with tf.name_scope(self.name + "/reduce"):
-            with self._on(root):
-                total = _reducer(reduce_op)(list(tensors))
+            total = self._total(tensors, reduce_op, root)
             outs = []
             for rank in range(self.size):
                 with self._on(rank):
