@@ -31,6 +31,7 @@ _NOT_YET = {
     "offload.level": "CPU offload",
     "amp.level": "memory-efficient AMP",
     "auto.auto_parallel": "automatic parallelism",
+    "optimizer.num_apply_group": "grouped apply (updates in groups, to save memory)",
 }
 
 

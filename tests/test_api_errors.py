@@ -81,6 +81,28 @@ def test_impossible_layout_raises_at_rewrite():
 def test_unimplemented_feature_is_loud():
     with pytest.raises(NotImplementedError, match="'zero.level' = 'v1'"):
         epl.init(epl.Config({"zero.level": "v1"}))
+    # A key that did nothing is refused too (it used to be accepted silently).
+    with pytest.raises(NotImplementedError, match="'optimizer.num_apply_group' = 2"):
+        epl.init(epl.Config({"optimizer.num_apply_group": 2}))
+    epl.init(epl.Config({"optimizer.num_apply_group": 1}))   # (the default is fine)
+
+
+def test_micro_batches_without_annotation_refused():
+    """Before: the setting was ignored and every run trained one whole batch."""
+    epl.init(epl.Config({"pipeline.num_micro_batch": 4}))
+    w = tf.compat.v1.get_variable("w", [3, 1])
+    loss = tf.reduce_sum(tf.matmul(tf.ones([8, 3]), w))
+    step = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    with tf.compat.v1.Session() as sess:
+        with pytest.raises(NotImplementedError, match=r"'pipeline.num_micro_batch' = 4 on a "
+                                                      r"model without any EPL annotation"):
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(step)
+    # A graph that does not train (no gradients) is not affected.
+    with tf.Graph().as_default():
+        total = tf.reduce_sum(tf.ones([4]))
+        with tf.compat.v1.Session() as sess:
+            assert sess.run(total) == 4.0
 
 
 def test_eager_mode_rejected():

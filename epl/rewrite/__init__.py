@@ -50,6 +50,7 @@ def rewrite_if_needed(graph):
     if epl_graph.rewritten and not epl_graph.pending:
         return epl_graph.rewrite_result
     if not epl_graph.taskgraphs:
+        _refuse_unannotated_accumulation(epl_graph, Env.get().config)
         epl_graph.rewritten = True
         epl_graph.pending = False
         epl_graph.rewrite_result = RewriteResult()
@@ -71,6 +72,20 @@ def rewrite_if_needed(graph):
     epl_graph.pending = False
     epl_graph.rewrite_result = RewriteResult(state, seconds)
     return epl_graph.rewrite_result
+
+
+def _refuse_unannotated_accumulation(epl_graph, config):
+    """pipeline.num_micro_batch > 1 on a training graph with no annotation asks for
+    gradient accumulation across session runs, which is not implemented: refused, not
+    silently trained with one micro-batch per step."""
+    m = config.get("pipeline.num_micro_batch")
+    if m > 1 and (epl_graph.gradient_records or epl_graph.apply_records):
+        raise NotImplementedError(
+            "epl.Config: 'pipeline.num_micro_batch' = %d on a model without any EPL "
+            "annotation asks for gradient accumulation across session runs, which this EPL "
+            "version does not implement yet. Annotate the model (e.g. "
+            "epl.set_default_strategy(epl.replicate(1))) to accumulate the %d micro-batches "
+            "inside each run, or remove the key." % (m, m))
 
 
 def _rewrite(epl_graph, env):
