@@ -97,6 +97,11 @@ Status AllocateShared(OpKernelContext* ctx, const string& group, DataType dtype,
 
 string DescribeMissing(const std::vector<bool>& seen);
 
+// Rows rank `src` sends each rank in an all-to-all: equal parts when `splits` is empty,
+// else the split sizes (checked: one per rank, none negative, adding up to the rows).
+Status SendCounts(const Tensor& x, const Tensor& splits, int size, int src,
+                  std::vector<int64>* counts);
+
 }  // namespace epl
 
 #endif  // EPL_CSRC_COLLECTIVES_H_

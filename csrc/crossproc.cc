@@ -485,24 +485,8 @@ Status CrossAllToAll(Link* l, const CrossArgs& a, OpKernelContext* ctx) {
   const Tensor& in = ctx->input(0);
   const Tensor& splits = ctx->input(1);
   if (in.dims() == 0) return InvalidArgument("all_to_all needs rank >= 1");
-  const int64 rows = in.dim_size(0);
-  std::vector<int64> counts(a.size);
-  if (splits.NumElements() == 0) {
-    if (rows % a.size)
-      return InvalidArgument("EPL all_to_all: rank ", a.rank, " has ", rows,
-                             " rows, which do not split evenly over ", a.size,
-                             " ranks; pass explicit split sizes.");
-    for (auto& c : counts) c = rows / a.size;
-  } else {
-    if (splits.NumElements() != a.size)
-      return InvalidArgument("EPL all_to_all: ", splits.NumElements(), " split sizes for ",
-                             a.size, " ranks");
-    int64 total = 0;
-    for (int k = 0; k < a.size; ++k) total += (counts[k] = splits.vec<int64>()(k));
-    if (total != rows)
-      return InvalidArgument("EPL all_to_all: split sizes add up to ", total, " but the "
-                             "input has ", rows, " rows");
-  }
+  std::vector<int64> counts;
+  TF_RETURN_IF_ERROR(SendCounts(in, splits, a.size, a.rank, &counts));
   std::vector<std::vector<int64>> meta;
   TF_RETURN_IF_ERROR(l->ExchangeMeta(a, counts, &meta));
   const int64 rb = RowBytesOf(in);

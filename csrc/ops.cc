@@ -485,33 +485,6 @@ class ReduceOpKernel : public ReducingKernel {
 };
 
 // Rows rank `src` sends to each rank, from its split_sizes input (empty: equal split).
-Status SendCounts(const Tensor& x, const Tensor& splits, int size, int src,
-                  std::vector<int64>* counts) {
-  const int64 rows = x.dims() ? x.dim_size(0) : 0;
-  counts->assign(size, 0);
-  if (splits.NumElements() == 0) {
-    if (rows % size)
-      return InvalidArgument("EPL all_to_all: rank ", src, " has ", rows,
-                             " rows, which do not split evenly over ", size,
-                             " ranks; pass explicit split sizes.");
-    for (int r = 0; r < size; ++r) (*counts)[r] = rows / size;
-    return Status::OK();
-  }
-  if (splits.NumElements() != size)
-    return InvalidArgument("EPL all_to_all: rank ", src, " gave ", splits.NumElements(),
-                           " split sizes for ", size, " ranks.");
-  int64 total = 0;
-  for (int r = 0; r < size; ++r) {
-    (*counts)[r] = splits.vec<int64>()(r);
-    if ((*counts)[r] < 0) return InvalidArgument("EPL all_to_all: negative split size");
-    total += (*counts)[r];
-  }
-  if (total != rows)
-    return InvalidArgument("EPL all_to_all: rank ", src, "'s split sizes add up to ", total,
-                           " but its input has ", rows, " rows.");
-  return Status::OK();
-}
-
 class AllToAllOp : public CollectiveKernel {
  public:
   using CollectiveKernel::CollectiveKernel;

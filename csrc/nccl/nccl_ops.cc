@@ -393,27 +393,11 @@ class NcclAllToAll : public NcclKernel {
     // counts[src][dst]: rows rank src sends rank dst (equal splits, or the explicit
     // split sizes, which live in host memory).
     const int n = size_;
-    std::vector<std::vector<int64>> counts(n, std::vector<int64>(n));
+    std::vector<std::vector<int64>> counts(n);
     for (int src = 0; src < n; ++src) {
-      const Tensor& in = (*all)[src].inputs[0];
-      const Tensor& splits = (*all)[src].inputs[1];
-      if (in.dims() == 0) return InvalidArgument("all_to_all needs rank >= 1");
-      if (splits.NumElements() == 0) {
-        if (in.dim_size(0) % n)
-          return InvalidArgument("EPL all_to_all: rank ", src, " has ", in.dim_size(0),
-                                 " rows, which do not split evenly over ", n,
-                                 " ranks; pass explicit split sizes.");
-        for (int dst = 0; dst < n; ++dst) counts[src][dst] = in.dim_size(0) / n;
-      } else {
-        if (splits.NumElements() != n)
-          return InvalidArgument("EPL all_to_all: ", splits.NumElements(), " split sizes for ",
-                                 n, " ranks");
-        int64 total = 0;
-        for (int dst = 0; dst < n; ++dst) total += (counts[src][dst] = splits.vec<int64>()(dst));
-        if (total != in.dim_size(0))
-          return InvalidArgument("EPL all_to_all: split sizes of rank ", src, " add up to ",
-                                 total, " but the input has ", in.dim_size(0), " rows");
-      }
+      if ((*all)[src].inputs[0].dims() == 0) return InvalidArgument("all_to_all needs rank >= 1");
+      TF_RETURN_IF_ERROR(
+          SendCounts((*all)[src].inputs[0], (*all)[src].inputs[1], n, src, &counts[src]));
     }
     const Tensor& in0 = (*all)[0].inputs[0];
     const int64 row_bytes = in0.dim_size(0) ? in0.TotalBytes() / in0.dim_size(0)
