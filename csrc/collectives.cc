@@ -119,19 +119,26 @@ void ParallelCopy(OpKernelContext* ctx, void* dst, const void* src, int64 bytes)
   });
 }
 
+void ForEachPiece(const std::vector<int64>& start, int64 b, int64 e,
+                  const std::function<void(int, int64, int64)>& fn) {
+  int i = static_cast<int>(std::upper_bound(start.begin(), start.end(), b) - start.begin()) - 1;
+  for (int64 pos = b; pos < e; ++i) {
+    const int64 hi = std::min(e, start[i + 1]);
+    if (hi > pos) fn(i, pos - start[i], hi - start[i]);
+    pos = std::max(pos, hi);
+  }
+}
+
 void ParallelCopies(OpKernelContext* ctx, const std::vector<CopyJob>& jobs) {
   std::vector<int64> start(jobs.size() + 1, 0);
   for (size_t i = 0; i < jobs.size(); ++i) start[i + 1] = start[i] + jobs[i].bytes;
   const int64 kUnit = 256 << 10;
   const int64 units = (start.back() + kUnit - 1) / kUnit;
   ParallelFor(ctx, units, kUnit, [&](int64 b, int64 e) {
-    const int64 lo = b * kUnit, hi = std::min(start.back(), e * kUnit);
-    size_t i = std::upper_bound(start.begin(), start.end(), lo) - start.begin() - 1;
-    for (int64 pos = lo; pos < hi; ++i) {
-      const int64 from = pos - start[i], to = std::min(hi, start[i + 1]) - start[i];
-      if (to > from) std::memcpy(jobs[i].dst + from, jobs[i].src + from, to - from);
-      pos = start[i + 1];
-    }
+    ForEachPiece(start, b * kUnit, std::min(start.back(), e * kUnit),
+                 [&](int i, int64 from, int64 to) {
+                   std::memcpy(jobs[i].dst + from, jobs[i].src + from, to - from);
+                 });
   });
 }
 

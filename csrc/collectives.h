@@ -46,6 +46,12 @@ void ParallelFor(OpKernelContext* ctx, int64 total, int64 cost_per_unit,
 // Copies `bytes` from src to dst using several threads for large copies.
 void ParallelCopy(OpKernelContext* ctx, void* dst, const void* src, int64 bytes);
 
+// For consecutive pieces, piece i = [start[i], start[i + 1]): calls fn(i, from, to) with
+// the part [from, to) (relative to the piece) of every piece that [b, e) overlaps.  How
+// one parallel loop over a concatenation reaches its pieces.
+void ForEachPiece(const std::vector<int64>& start, int64 b, int64 e,
+                  const std::function<void(int i, int64 from, int64 to)>& fn);
+
 // Many copies as one parallel loop over their bytes (small pieces share a thread).
 struct CopyJob {
   char* dst;

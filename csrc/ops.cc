@@ -303,20 +303,14 @@ class AllReduceNOp : public ReducingKernel {
     }
     if (s.ok()) {
       // One parallel loop over the concatenation of all tensors.
+      const int64 es = tensorflow::DataTypeSize(dtype_);
       ParallelFor(ctx, offsets[n_], 4 * static_cast<int64>(all->size()), [&](int64 b, int64 e) {
-        int i = static_cast<int>(std::upper_bound(offsets.begin(), offsets.end(), b) -
-                                 offsets.begin()) - 1;
-        const int64 es = tensorflow::DataTypeSize(dtype_);
-        for (int64 pos = b; pos < e; ++i) {
-          const int64 lo = pos - offsets[i], hi = std::min(e, offsets[i + 1]) - offsets[i];
-          if (hi > lo) {
-            std::vector<const void*> ins;
-            for (auto& a : *all) ins.push_back(a.inputs[i].tensor_data().data() + lo * es);
-            ReduceRange(dtype_, op_, ins, const_cast<char*>(outs[i].tensor_data().data()) + lo * es,
-                        0, hi - lo);
-          }
-          pos = offsets[i + 1];
-        }
+        ForEachPiece(offsets, b, e, [&](int i, int64 lo, int64 hi) {
+          std::vector<const void*> ins;
+          for (auto& a : *all) ins.push_back(a.inputs[i].tensor_data().data() + lo * es);
+          ReduceRange(dtype_, op_, ins, const_cast<char*>(outs[i].tensor_data().data()) + lo * es,
+                      0, hi - lo);
+        });
       });
       for (auto& a : *all)
         for (int i = 0; i < n_; ++i) a.ctx->set_output(i, outs[i]);
@@ -399,18 +393,12 @@ class ReduceScatterOp : public ReducingKernel {
     if (s.ok()) {
       // One parallel loop over the whole tensor: every element goes to its rank's output.
       ParallelFor(all->back().ctx, first[size_], 4 * size_, [&](int64 b, int64 e) {
-        int r = static_cast<int>(std::upper_bound(first.begin(), first.end(), b) -
-                                 first.begin()) - 1;
-        for (int64 pos = b; pos < e; ++r) {
-          const int64 hi = std::min(e, first[r + 1]);
-          if (hi > pos) {
-            std::vector<const void*> shifted;
-            for (auto p : ins) shifted.push_back(static_cast<const char*>(p) + first[r] * es);
-            ReduceRange(dtype_, op_, shifted, const_cast<char*>(outs[r].tensor_data().data()),
-                        pos - first[r], hi - first[r]);
-          }
-          pos = std::max(pos, hi);
-        }
+        ForEachPiece(first, b, e, [&](int r, int64 lo, int64 hi) {
+          std::vector<const void*> shifted;
+          for (auto p : ins) shifted.push_back(static_cast<const char*>(p) + first[r] * es);
+          ReduceRange(dtype_, op_, shifted, const_cast<char*>(outs[r].tensor_data().data()),
+                      lo, hi);
+        });
       });
       for (int r = 0; r < size_; ++r) (*all)[r].ctx->set_output(0, outs[r]);
     }
