@@ -26,7 +26,7 @@ class Env(object):
 # Features whose rewrite passes have not landed yet.  Setting one of these keys
 # to a non-default value must fail loudly rather than be silently ignored.
 _NOT_YET = {
-    "gradient_checkpoint.type": "gradient checkpointing",
+    "gradient_checkpoint.check_gradients": "checking the recomputed gradients",
     "zero.level": "ZeRO",
     "offload.level": "CPU offload",
     "amp.level": "memory-efficient AMP",

@@ -10,7 +10,9 @@ Patch points (all installed by :func:`install`, idempotent):
    (graph mode): the whole call is the backward phase (ops not tied to one
    forward op go to the loss's TaskGraph); each call is recorded
    (``ir.GradientRecord``) so the rewriter can find the gradients a variable
-   update consumes, however the update is written.
+   update consumes, however the update is written.  With
+   ``gradient_checkpoint.type`` set, the call's backward ops then recompute
+   activations (``epl.gradient_checkpoint``).
 4. ``optimizer.Optimizer.apply_gradients`` (and ``OptimizerV2.apply_gradients``
    of tf.keras), plus ``Optimizer.__init__`` / ``OptimizerV2.__init__``, which
    route a subclass's own ``apply_gradients`` override through the same
@@ -246,6 +248,10 @@ def _backward_call(ys, xs, compute):
         c.grad_ops.pop()
         c.grad_default.pop()
     if Env.initialized() and graph is not None and not c.rewriting:
+        from epl import gradient_checkpoint
+        config = Env.get().config
+        if gradient_checkpoint.enabled(config) and not c.grad_default and not c.apply:
+            gradient_checkpoint.apply(graph, ys_list, first_id, config)
         grads = nest.flatten(result) if not isinstance(result, list) else list(result)
         ir.Graph.get(graph).gradient_records.append(ir.GradientRecord(
             ys_list, nest.flatten(xs), grads,

@@ -1,0 +1,305 @@
+"""Gradient checkpointing (seed 001 §6.2): the backward pass recomputes forward
+activations from a few kept tensors instead of holding all of them.
+
+It runs when a ``tf.gradients`` call (``compute_gradients``, ``minimize``, keras)
+has built its backward ops (``tf_patches._backward_call``), not among the rewrite
+passes: the recomputed ops then belong to that call like the gradients do, so
+data parallelism, gradient accumulation and pipelines copy and schedule them as
+backward ops of their stage with nothing special.
+
+What it does to the backward ops just built:
+
+1. *Checkpoints*: ``"collection"``: the tensors in ``tf.get_collection("checkpoints")``;
+   ``"auto"``: tensors that separate the forward graph (every later forward op
+   depends on the earlier ones only through them, like a layer's output), about
+   ``sqrt`` of them, spaced by the activation bytes between them (``choose``).
+2. *Recompute*: every forward tensor a backward op reads that is not kept is read
+   from a copy of the forward ops between it and the kept tensors (but not
+   after the last checkpoint, where the backward pass starts at once).  Kept: the
+   checkpoints, and outputs of ops that must not run twice or cannot be copied
+   alone: stateful ops (random numbers: a dropout mask is reused, never redrawn;
+   variable reads), constants, ops inside ``tf.cond`` / ``tf.while_loop`` and
+   ops of ``epl.split`` scopes.  ``Shape``-like readers keep the original tensor
+   (it is freed during the forward pass anyway).
+3. *Order*: each connected group of copies waits (control edges) for the
+   gradients its consumers receive from later layers, excluding those that are
+   themselves computed from the group: a segment is recomputed when the backward
+   pass reaches it, not during the forward pass (which would save nothing).
+"""
+import logging
+
+from epl import ir
+
+log = logging.getLogger("epl")
+
+COLLECTION = "checkpoints"
+_SHAPE_READERS = frozenset(["Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs"])
+_CONTROL_FLOW = frozenset(["Enter", "RefEnter", "Exit", "RefExit", "Merge", "RefMerge",
+                           "Switch", "RefSwitch", "NextIteration", "RefNextIteration",
+                           "LoopCond", "ControlTrigger"])
+_NEVER = frozenset(["Const", "Placeholder", "PlaceholderWithDefault", "VarHandleOp",
+                    "VariableV2", "Variable"])
+
+
+def enabled(config):
+    return bool(config.get("gradient_checkpoint.type"))
+
+
+def apply(graph, ys, first_id, config):
+    """Make the backward ops with ids ``first_id``.. (one tf.gradients call of ``ys``)
+    recompute forward activations; returns the number of ops copied."""
+    epl_graph = ir.Graph.get(graph)
+    backward = _ops_since(graph, first_id)
+    if not backward:
+        return 0
+    in_backward = set(backward)
+    forward = _forward_ops(ys, in_backward)
+    end = config.get("gradient_checkpoint.end_taskgraph")
+    stateful = {}
+
+    def recomputable(op):
+        if op in in_backward or op.type in _NEVER or op.type in _CONTROL_FLOW:
+            return False
+        if op._control_flow_context is not None:  # pylint: disable=protected-access
+            return False
+        if epl_graph.phase_of(op) not in (None, ir.FORWARD):
+            return False
+        tg = epl_graph.taskgraph_of(op)
+        if tg is not None and (tg.kind == "split" or (0 <= end < tg.index)):
+            return False
+        if op.type not in stateful:
+            stateful[op.type] = op.op_def.is_stateful
+        if stateful[op.type]:
+            return False
+        # Not a variable's handle, nor a read of one (``v/read``).
+        return not any(ir.is_state_handle(t) for t in list(op.outputs) + list(op.inputs))
+
+    candidates = [op for op in forward if recomputable(op)]
+    wanted = _read_by(backward, set(candidates))
+    if config.get("gradient_checkpoint.type") == "collection":
+        checkpoints = set(t for t in graph.get_collection(COLLECTION) if hasattr(t, "op"))
+    else:
+        checkpoints = set(choose(candidates, wanted))
+    # After the last checkpoint the backward pass starts at once: nothing to save there.
+    able = _ancestors(checkpoints, set(candidates))
+
+    def kept(t):
+        return t in checkpoints or t.op not in able
+
+    copies = {}     # forward op -> its recomputed copy
+    rewired = []    # (backward op, input index, forward tensor)
+    for b in backward:
+        if b._control_flow_context is not None or b.type in _SHAPE_READERS:  # pylint: disable=protected-access
+            continue
+        for i, t in enumerate(b.inputs):
+            if t.op in able and not kept(t):
+                rewired.append((b, i, t))
+    if not rewired:
+        return 0
+    for _, _, t in rewired:
+        _copy_upstream(t.op, kept, copies, epl_graph)
+    for b, i, t in rewired:
+        b._update_input(i, copies[t.op].outputs[t.value_index])  # pylint: disable=protected-access
+    _order(copies, rewired, in_backward)
+    log.info("EPL gradient checkpoint (%s): %d checkpoint tensors, %d forward ops recomputed",
+             config.get("gradient_checkpoint.type"), len(checkpoints), len(copies))
+    return len(copies)
+
+
+def _ancestors(tensors, ops):
+    """The ops of ``ops`` that ``tensors`` are computed from (through ``ops``)."""
+    seen, stack = set(), [t.op for t in tensors if t.op in ops]
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        stack.extend(t.op for t in op.inputs if t.op in ops)
+    return seen
+
+
+def _ops_since(graph, first_id):
+    nodes = graph._nodes_by_id  # pylint: disable=protected-access
+    return [nodes[i] for i in range(first_id, graph._last_id + 1) if i in nodes]  # pylint: disable=protected-access
+
+
+def _forward_ops(ys, exclude):
+    """The ops ``ys`` are computed from, in creation (= topological) order."""
+    seen, stack = set(), [y.op for y in ys]
+    while stack:
+        op = stack.pop()
+        if op in seen or op in exclude:
+            continue
+        seen.add(op)
+        stack.extend(t.op for t in op.inputs)
+        stack.extend(op.control_inputs)
+    return sorted(seen, key=lambda o: o._id)  # pylint: disable=protected-access
+
+
+def _read_by(backward, ops):
+    """Outputs of ``ops`` that backward ops read (not for their shape only)."""
+    out = set()
+    for b in backward:
+        if b.type in _SHAPE_READERS:
+            continue
+        out.update(t for t in b.inputs if t.op in ops)
+    return out
+
+
+def _nbytes(t):
+    """Bytes of ``t`` per unknown dimension (activations share the batch dimension,
+    so only their ratios matter)."""
+    n = max(t.dtype.size, 1)
+    if t.shape.ndims is None:
+        return n
+    for d in t.shape.dims:
+        n *= d.value if d.value is not None else 1
+    return n
+
+
+def choose(ops, wanted):
+    """Checkpoints for ``"auto"``: among the tensors that separate the forward ops
+    ``ops`` (in topological order), about sqrt(n) spaced evenly by the bytes of the
+    activations the backward pass reads (``wanted``) between them.
+
+    A separator is the one recomputable tensor alive across its position: what
+    comes after reads what came before only through it (a residual stream between
+    blocks, a plain layer's output)."""
+    pos = {op: i for i, op in enumerate(ops)}
+    last = {}
+    for op in ops:
+        for t in op.inputs:
+            if t.op in pos and _float(t):
+                last[t] = max(last.get(t, -1), pos[op])
+    # Live intervals (produced, last read); t separates at p if no other crosses p.
+    crossing = [0] * (len(ops) + 1)
+    for t, end in last.items():
+        start = pos[t.op]
+        if end > start + 1:
+            crossing[start + 1] += 1
+            crossing[end] -= 1
+    live, alone = 0, []
+    for p, op in enumerate(ops):
+        live += crossing[p]
+        # Intervals starting at p were added at p + 1: live counts only older ones.
+        if live == 0:
+            outs = [t for t in op.outputs if t in last and last[t] > p]
+            if len(outs) == 1:
+                alone.append(outs[0])
+    read = [t for t in alone if t in wanted]
+    separators = read or alone
+    if len(separators) < 2:
+        return []
+    # Activation bytes the backward pass reads, up to each op.
+    cum, total = [], 0
+    for op in ops:
+        total += sum(_nbytes(t) for t in op.outputs if t in wanted)
+        cum.append(total)
+    best = None
+    for k in range(1, len(separators) + 1):
+        picks = _spaced(separators, [cum[pos[t.op]] for t in separators], total, k)
+        cost = _cost(picks, pos, cum, total)
+        if best is None or cost < best[0]:
+            best = (cost, picks)
+    return best[1]
+
+
+def _float(t):
+    return t.dtype.is_floating and not ir.is_state_handle(t)
+
+
+def _spaced(separators, at, total, k):
+    """``k`` separators nearest to the k evenly spaced marks of ``total`` bytes."""
+    picks, i = [], 0
+    for j in range(1, k + 1):
+        mark = total * j / float(k + 1)
+        while i + 1 < len(separators) and abs(at[i + 1] - mark) <= abs(at[i] - mark):
+            i += 1
+        if not picks or picks[-1] is not separators[i]:
+            picks.append(separators[i])
+    return picks
+
+
+def _cost(picks, pos, cum, total):
+    """Peak estimate: the checkpoints held plus the largest segment recomputed."""
+    held = sum(_nbytes(t) for t in picks)
+    bounds = [0] + [cum[pos[t.op]] for t in picks] + [total]
+    return held + max(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+def _copy_upstream(op, kept, copies, epl_graph):
+    """Copy ``op`` and the not-kept forward ops it reads (iteratively: deep models)."""
+    from epl import tf_patches
+    stack = [op]
+    while stack:
+        cur = stack[-1]
+        if cur in copies:
+            stack.pop()
+            continue
+        pending = [t.op for t in cur.inputs if not kept(t) and t.op not in copies]
+        if pending:
+            stack.extend(pending)
+            continue
+        stack.pop()
+        inputs = [t if kept(t) else copies[t.op].outputs[t.value_index] for t in cur.inputs]
+        g = cur.graph
+        attrs = dict(cur.node_def.attr.items())
+        with g.name_scope(None), g.control_dependencies(None), \
+                tf_patches.creating_for(epl_graph.taskgraph_of(cur), ir.BACKWARD):
+            new = g._create_op_internal(  # pylint: disable=protected-access
+                cur.type, inputs, [o.dtype for o in cur.outputs],
+                input_types=[t.dtype for t in cur.inputs], name=cur.name + "_recompute",
+                attrs=attrs, op_def=cur.op_def, compute_device=False)
+        new._set_device(cur.device)  # pylint: disable=protected-access
+        if cur.control_inputs:
+            new._add_control_inputs(cur.control_inputs)  # pylint: disable=protected-access
+        copies[cur] = new
+
+
+def _order(copies, rewired, backward):
+    """Each connected group of copies waits for the gradients its readers receive
+    from outside the group (those not computed from it): recomputed when needed."""
+    made = set(copies.values())
+    parent = {op: op for op in made}
+
+    def find(op):
+        while parent[op] is not op:
+            parent[op] = parent[parent[op]]
+            op = parent[op]
+        return op
+    for op in made:
+        for t in op.inputs:
+            if t.op in made:
+                parent[find(t.op)] = find(op)
+    groups = {}
+    for op in made:
+        groups.setdefault(find(op), []).append(op)
+    readers = {}
+    for b, _, t in rewired:
+        readers.setdefault(find(copies[t.op]), set()).add(b)
+    for root, members in sorted(groups.items(), key=lambda kv: -kv[0]._id):  # pylint: disable=protected-access
+        down = _downstream(members)
+        triggers = set()
+        for b in readers.get(root, ()):
+            for t in b.inputs:
+                if t.op in backward and t.op not in made and t.op not in down:
+                    triggers.add(t.op)
+        if not triggers:
+            continue
+        heads = [op for op in members if not any(t.op in made for t in op.inputs)]
+        for h in heads:
+            h._add_control_inputs(sorted(triggers, key=lambda o: o._id))  # pylint: disable=protected-access
+
+
+def _downstream(ops):
+    """Every op reachable from ``ops`` through data and control edges."""
+    seen, stack = set(ops), list(ops)
+    while stack:
+        op = stack.pop()
+        nxt = [c for out in op.outputs for c in out.consumers()]
+        nxt += list(op._control_outputs)  # pylint: disable=protected-access
+        for c in nxt:
+            if c not in seen:
+                seen.add(c)
+                stack.append(c)
+    return seen
