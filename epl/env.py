@@ -31,7 +31,6 @@ _NOT_YET = {
     "offload.level": "CPU offload",
     "amp.level": "memory-efficient AMP",
     "auto.auto_parallel": "automatic parallelism",
-    "optimizer.num_apply_group": "grouped apply (updates in groups, to save memory)",
 }
 
 
@@ -65,6 +64,10 @@ def init(config=None):
                 "epl.Config: %r = %r asks for %s, which this EPL version does not implement "
                 "yet; remove the key (the model then trains without it)."
                 % (key, config.get(key), feature))
+    if config.get("optimizer.num_apply_group") < 1:
+        raise ValueError("epl.Config: 'optimizer.num_apply_group' = %d is invalid; it must be "
+                         ">= 1 (1 applies all updates at once)."
+                         % config.get("optimizer.num_apply_group"))
     again = Env._instance is not None
     Env._instance = Env(config, Cluster(config))
     strategies.reset()

@@ -17,8 +17,10 @@ Patch points (all installed by :func:`install`, idempotent):
    of tf.keras), plus ``Optimizer.__init__`` / ``OptimizerV2.__init__``, which
    route a subclass's own ``apply_gradients`` override through the same
    capture: the apply phase; records the (grad, var) pairs the optimizer got
-   (where ``communication.clip_after_allreduce = False`` reduces them), and
-   densifies sparse gradients when ``communication.sparse_as_dense`` is set.
+   (where ``communication.clip_after_allreduce = False`` reduces them),
+   densifies sparse gradients when ``communication.sparse_as_dense`` is set, and
+   orders the updates in groups with ``optimizer.num_apply_group``
+   (``epl.grouped_apply``).
 5. ``saver.Saver.build``: save/restore ops; ``saver.Saver.save`` writes only on
    the chief.
 6. ``ops.Graph.finalize``: rewrite before the graph is frozen
@@ -340,6 +342,10 @@ def _capture_apply(grads_and_vars, global_step, apply):
     finally:
         c.apply.pop()
         c.apply_depth -= 1
+    groups = Env.get().config.get("optimizer.num_apply_group")
+    if groups > 1:
+        from epl import grouped_apply
+        grouped_apply.apply(graph, grads_and_vars, first_id, groups)
     record.op_ids = range(first_id, graph._last_id + 1)  # pylint: disable=protected-access
     record.result = result
     epl_graph.apply_records.append(record)

@@ -54,6 +54,9 @@ def make_optimizer(name):
         return tf.train.AdamOptimizer(0.01)
     if name == "sgd":
         return tf.train.GradientDescentOptimizer(0.1)
+    if name == "adamw":   # a user's optimizer: its own apply_gradients, update by hand
+        from tests.corpus.bert import AdamWeightDecay
+        return AdamWeightDecay(0.01)
     raise ValueError(name)
 
 

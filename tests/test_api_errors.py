@@ -81,10 +81,15 @@ def test_impossible_layout_raises_at_rewrite():
 def test_unimplemented_feature_is_loud():
     with pytest.raises(NotImplementedError, match="'zero.level' = 'v1'"):
         epl.init(epl.Config({"zero.level": "v1"}))
-    # A key that did nothing is refused too (it used to be accepted silently).
-    with pytest.raises(NotImplementedError, match="'optimizer.num_apply_group' = 2"):
-        epl.init(epl.Config({"optimizer.num_apply_group": 2}))
-    epl.init(epl.Config({"optimizer.num_apply_group": 1}))   # (the default is fine)
+    with pytest.raises(NotImplementedError, match="'gradient_checkpoint.check_gradients' = True"):
+        epl.init(epl.Config({"gradient_checkpoint.check_gradients": True}))
+    epl.init(epl.Config({"gradient_checkpoint.check_gradients": False}))   # (the default)
+
+
+@pytest.mark.parametrize("value", [0, -2])
+def test_apply_groups_must_be_positive(value):
+    with pytest.raises(ValueError, match="'optimizer.num_apply_group' = %d" % value):
+        epl.init(epl.Config({"optimizer.num_apply_group": value}))
 
 
 def test_micro_batches_without_annotation_refused():

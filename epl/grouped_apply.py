@@ -1,0 +1,92 @@
+"""Grouped apply (seed 001 §6.6, ``optimizer.num_apply_group``): the optimizer's
+updates run in groups, one group after another, so the temporaries one group
+allocates are freed before the next allocates its own.  Numbers do not change:
+each update reads the same gradient, variable and slots as before.
+
+It runs when an ``apply_gradients`` call has built its ops
+(``tf_patches._capture_apply``), on whatever ops the optimizer made (its own
+``_apply_dense``, a user's override computing its update by hand, a keras
+optimizer): the ops of a group are the ones computed from that group's gradients
+only; ops computed from several groups' gradients (a global-norm, the step
+counter, Adam's beta powers) are left as they are.  Group k + 1's first ops wait
+(control edges) for group k's last ones.
+"""
+import logging
+
+from epl import ir
+
+log = logging.getLogger("epl")
+
+
+def apply(graph, grads_and_vars, first_id, num_groups):
+    """Order the update ops (ids ``first_id``..) of ``grads_and_vars`` in
+    ``num_groups`` groups; returns the groups' sizes (variables per group)."""
+    nodes = graph._nodes_by_id  # pylint: disable=protected-access
+    made = [nodes[i] for i in range(first_id, graph._last_id + 1) if i in nodes]  # pylint: disable=protected-access
+    if num_groups <= 1 or not made:
+        return []
+    mine = set(made)
+    pairs = [(g, v) for g, v in grads_and_vars if g is not None]
+    # The order the backward pass makes the gradients in: the last layers' first.
+    pairs.reverse()
+    groups = _balanced(pairs, num_groups)
+    if len(groups) < 2:
+        return []
+    owner = {}      # op -> group index, or -1 when computed from several groups
+    for k, group in enumerate(groups):
+        starts = [t.op for g, _ in group for t in ir.components(g)]
+        readers = [c for g, _ in group for t in ir.components(g) for c in t.consumers()]
+        for op in _downstream(readers, mine):
+            owner[op] = k if owner.get(op, k) == k else -1
+        for op in starts:
+            if op in mine:
+                owner[op] = k if owner.get(op, k) == k else -1
+    members = [[op for op in made if owner.get(op) == k] for k in range(len(groups))]
+    for k in range(1, len(groups)):
+        if not members[k] or not members[k - 1]:
+            continue
+        previous = set(members[k - 1])
+        current = set(members[k])
+        lasts = [op for op in members[k - 1]
+                 if not any(c in previous for t in op.outputs for c in t.consumers())
+                 and not any(c in previous for c in op._control_outputs)]  # pylint: disable=protected-access
+        firsts = [op for op in members[k]
+                  if not any(t.op in current for t in op.inputs)
+                  and not any(c in current for c in op.control_inputs)]
+        for op in firsts:
+            op._add_control_inputs(lasts)  # pylint: disable=protected-access
+    sizes = [len(group) for group in groups]
+    log.info("EPL grouped apply: %d variables in %d groups %s", len(pairs), len(groups), sizes)
+    return sizes
+
+
+def _balanced(pairs, num_groups):
+    """Consecutive groups of about equal variable bytes (at most one per variable)."""
+    sizes = [max(v.shape.num_elements() or 1, 1) * max(v.dtype.base_dtype.size, 1)
+             for _, v in pairs]
+    total = float(sum(sizes))
+    n = min(num_groups, len(pairs))
+    groups, cur, acc = [], [], 0.0
+    for (pair, size), left in zip(zip(pairs, sizes), range(len(pairs), 0, -1)):
+        cur.append(pair)
+        acc += size
+        need = n - len(groups) - 1      # groups still to open after this one
+        if need > 0 and (acc >= total * (len(groups) + 1) / n or left - 1 == need):
+            groups.append(cur)
+            cur = []
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def _downstream(ops, within):
+    """Ops of ``within`` reachable from ``ops`` (data and control edges)."""
+    seen, stack = set(), [op for op in ops if op in within]
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        nxt = [c for t in op.outputs for c in t.consumers()] + list(op._control_outputs)  # pylint: disable=protected-access
+        stack.extend(c for c in nxt if c in within and c not in seen)
+    return seen

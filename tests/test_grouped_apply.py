@@ -1,0 +1,60 @@
+"""optimizer.num_apply_group: the updates run in groups, one after another, and no
+number changes (oracle: the same program without EPL / with one group)."""
+import pytest
+import tensorflow as tf
+
+import epl
+from tests import models
+from tests.test_gradient_checkpoint import assert_same, program
+
+
+def _reaches(src, dst):
+    """``dst`` runs after ``src`` (a path of data or control edges)."""
+    seen, stack = set(), [src]
+    while stack:
+        op = stack.pop()
+        if op is dst:
+            return True
+        if op in seen:
+            continue
+        seen.add(op)
+        stack.extend(c for t in op.outputs for c in t.consumers())
+        stack.extend(op._control_outputs)  # pylint: disable=protected-access
+    return False
+
+
+@pytest.mark.parametrize("optimizer", ["momentum", "adam", "adamw"])
+@pytest.mark.parametrize("groups", [2, 3, 5])
+def test_groups_equal_plain_program(groups, optimizer):
+    want = program(None, 16, optimizer, dropout=False)
+    got = program({"optimizer.num_apply_group": groups}, 16, optimizer, dropout=False)
+    assert_same(got, want)
+
+
+def test_data_parallel_groups():
+    config = {"cluster.devices_per_worker": 2}
+    want = program(dict(config), 32, "adam", dropout=False)
+    got = program(dict(config, **{"optimizer.num_apply_group": 3}), 32, "adam", dropout=False)
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 3, 5, 40])
+def test_updates_run_group_after_group(groups):
+    """The momentum updates (12 variables) form ``groups`` groups in sequence: the last
+    layers' (whose gradients come first) before the first layers'."""
+    models.reset()
+    epl.init(epl.Config({"optimizer.num_apply_group": groups}))
+    px = tf.compat.v1.placeholder(tf.float32, [None, models.IN])
+    py = tf.compat.v1.placeholder(tf.int64, [None])
+    from tests.test_gradient_checkpoint import deep_forward
+    loss = deep_forward(px, py, dropout=False)
+    tf.compat.v1.train.MomentumOptimizer(0.1, 0.9).minimize(loss)
+    graph = tf.compat.v1.get_default_graph()
+    updates = [op for op in graph.get_operations() if op.type == "ApplyMomentum"]
+    assert len(updates) == 12
+    var = {op: op.inputs[0].op.name for op in updates}
+    order = sorted(updates, key=lambda op: -[v.op.name for v in tf.trainable_variables()]
+                   .index(var[op]))
+    chained = [_reaches(a, b) for a, b in zip(order, order[1:])]
+    assert sum(chained) == min(groups, 12) - 1, [var[op] for op in order]
+    assert not any(_reaches(b, a) for a, b in zip(order, order[1:]))
