@@ -11,6 +11,7 @@ BENCHES = [
     ["split_memory.py"],
     ["collectives.py", "--sizes-mib", "1,16,64,256", "--runs", "5"],
     ["e2e_dp.py", "--runs", "3", "--steps", "30"],
+    ["memory.py"],
     ["rewrite_time.py"],
 ]
 

@@ -7,8 +7,8 @@ It runs when an ``apply_gradients`` call has built its ops
 (``tf_patches._capture_apply``), on whatever ops the optimizer made (its own
 ``_apply_dense``, a user's override computing its update by hand, a keras
 optimizer): the ops of a group are the ones computed from that group's gradients
-only; ops computed from several groups' gradients (a global-norm, the step
-counter, Adam's beta powers) are left as they are.  Group k + 1's first ops wait
+only, and the ops only those read; ops computed from several groups' gradients
+(a global-norm, the step counter, Adam's beta powers) are left as they are.  Group k + 1's first ops wait
 (control edges) for group k's last ones.
 """
 import logging
@@ -41,6 +41,7 @@ def apply(graph, grads_and_vars, first_id, num_groups):
         for op in starts:
             if op in mine:
                 owner[op] = k if owner.get(op, k) == k else -1
+    _pull_in_feeders(made, owner)
     members = [[op for op in made if owner.get(op) == k] for k in range(len(groups))]
     for k in range(1, len(groups)):
         if not members[k] or not members[k - 1]:
@@ -58,6 +59,26 @@ def apply(graph, grads_and_vars, first_id, num_groups):
     sizes = [len(group) for group in groups]
     log.info("EPL grouped apply: %d variables in %d groups %s", len(pairs), len(groups), sizes)
     return sizes
+
+
+def _pull_in_feeders(made, owner):
+    """An op of the call that only one group's ops read (``0.9 * m`` of a slot, the
+    weight-decay term ``c * w``) runs with that group: it would otherwise run for
+    every variable at once, as soon as it can, and hold its temporary until its
+    group comes.  Reads of a variable stay out of the groups (fetching a variable
+    must not wait for anyone's update), as do constants."""
+    changed = True
+    while changed:
+        changed = False
+        for op in reversed(made):
+            if op in owner or op.type == "Const" or not op.inputs \
+                    or any(ir.is_state_handle(t) for t in list(op.inputs) + list(op.outputs)):
+                continue
+            users = [c for t in op.outputs for c in t.consumers()] + list(op._control_outputs)  # pylint: disable=protected-access
+            kinds = set(owner.get(u) for u in users)
+            if len(kinds) == 1 and None not in kinds and -1 not in kinds:
+                owner[op] = kinds.pop()
+                changed = True
 
 
 def _balanced(pairs, num_groups):

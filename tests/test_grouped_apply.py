@@ -58,3 +58,32 @@ def test_updates_run_group_after_group(groups):
     chained = [_reaches(a, b) for a, b in zip(order, order[1:])]
     assert sum(chained) == min(groups, 12) - 1, [var[op] for op in order]
     assert not any(_reaches(b, a) for a, b in zip(order, order[1:]))
+
+
+def test_feeders_join_their_group_but_reads_stay_free():
+    """A hand-written AdamW's ``beta * m`` temporaries run with their group (else they
+    would all be held at once); reading a weight or a slot still runs no update."""
+    models.reset()
+    epl.init(epl.Config({"optimizer.num_apply_group": 2}))
+    x, y = models.data(8)
+    from tests.test_gradient_checkpoint import deep_forward
+    loss = deep_forward(tf.constant(x), tf.constant(y), dropout=False)
+    variables = tf.compat.v1.trainable_variables()
+    grads = tf.gradients(loss, variables)
+    models.make_optimizer("adamw").apply_gradients(list(zip(grads, variables)))
+    graph = tf.compat.v1.get_default_graph()
+    first, last = variables[-1].op.name, variables[0].op.name   # groups: last layers first
+    decay = graph.get_operation_by_name(first + "/adam_m/read").outputs[0].consumers()
+    scaled = [op for op in decay if op.type == "Mul"]
+    assert scaled
+    late = graph.get_operation_by_name(last + "/adam_m/read").outputs[0].consumers()
+    late = [op for op in late if op.type == "Mul"]
+    assert any(_reaches(w, late[0]) for w in graph.get_operations()
+               if w.type == "Assign" and w.inputs[0].op.name == first)
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        before = sess.run(variables)
+        sess.run([graph.get_tensor_by_name(v.op.name + "/adam_m/read:0") for v in variables])
+        after = sess.run(variables)
+    for a, b in zip(before, after):
+        assert (a == b).all()

@@ -1,0 +1,224 @@
+"""Memory features side by side: peak bytes of one training step and step time, each
+feature vs the same model without it (each case in its own process).
+
+Peak: the step runs with FULL_TRACE and its allocation records (every allocator,
+time-ordered, +/- bytes) are replayed; the running sum's maximum is the step's
+peak (PLATFORM_NOTES "Memory on CPU").  Variables allocated before the step
+(weights, slots) are not in it: it is what the step itself allocates.
+
+Tables:
+* gc:     24-layer MLP (activations dominate) and a 12-layer transformer, plain
+          vs gradient_checkpoint auto / collection.  Goal (MLP): peak <= 0.5x,
+          step time <= 1.4x.
+* depth:  MLP of depth 8/16/32/64, plain vs auto GC: plain grows like n, GC
+          like sqrt(n) (the "gc/sqrt(n)" column stays about flat).
+* groups: optimizer.num_apply_group 1/2/4/8 with a hand-written AdamW whose
+          temporaries (several per weight) dominate the step.
+
+    python benchmarks/memory.py [--steps 5] [--json FILE]
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from common import median, print_table, time_calls, write_json  # noqa: E402
+
+MIB = float(1 << 20)
+
+
+def peak_bytes(run_metadata):
+    """The step's peak: replay of its allocation records in time order."""
+    events = []
+    for dev in run_metadata.step_stats.dev_stats:
+        for node in dev.node_stats:
+            for mem in node.memory:
+                events.extend((r.alloc_micros, r.alloc_bytes) for r in mem.allocation_records)
+    events.sort()
+    cur = peak = 0
+    for _, b in events:
+        cur += b
+        peak = max(peak, cur)
+    return peak
+
+
+def mlp(tf, x, depth, width):
+    rng = np.random.RandomState(0)
+    h = x
+    for i in range(depth):
+        w = (rng.randn(width, width) * (1.2 / np.sqrt(width))).astype(np.float32)
+        h = tf.layers.dense(h, width, activation=tf.nn.relu, name="layer_%d" % i,
+                            kernel_initializer=tf.constant_initializer(w))
+        if i % 5 == 4:
+            tf.compat.v1.add_to_collection("checkpoints", h)
+    return tf.reduce_mean(tf.square(h))
+
+
+def transformer(tf, x, layers, heads):
+    """Pre-norm blocks: self-attention and a 4x feed-forward, residual stream."""
+    batch, seq, d = x.shape.as_list()
+    init = tf.compat.v1.glorot_uniform_initializer(seed=1)
+    h = x
+    for i in range(layers):
+        with tf.compat.v1.variable_scope("block_%d" % i):
+            a = _norm(tf, h)
+            q, k, v = [tf.layers.dense(a, d, kernel_initializer=init, name=n) for n in "qkv"]
+
+            def split(t):
+                return tf.transpose(tf.reshape(t, [batch, seq, heads, d // heads]), [0, 2, 1, 3])
+            s = tf.matmul(split(q), split(k), transpose_b=True) / np.sqrt(d // heads)
+            o = tf.matmul(tf.nn.softmax(s), split(v))
+            o = tf.reshape(tf.transpose(o, [0, 2, 1, 3]), [batch, seq, d])
+            h = h + tf.layers.dense(o, d, kernel_initializer=init, name="o")
+            f = tf.layers.dense(_norm(tf, h), 4 * d, activation=tf.nn.relu,
+                                kernel_initializer=init, name="ff1")
+            h = h + tf.layers.dense(f, d, kernel_initializer=init, name="ff2")
+            tf.compat.v1.add_to_collection("checkpoints", h)
+    return tf.reduce_mean(tf.square(h))
+
+
+def _norm(tf, h):
+    mean, var = tf.nn.moments(h, [-1], keep_dims=True)
+    return (h - mean) * tf.math.rsqrt(var + 1e-6)
+
+
+class AdamW(object):
+    """Built on demand (needs TensorFlow): an optimizer that computes its update by
+    hand with several weight-sized temporaries."""
+
+    @staticmethod
+    def make(tf, lr=1e-3):
+        class _AdamW(tf.compat.v1.train.Optimizer):
+            def __init__(self):
+                super(_AdamW, self).__init__(False, "AdamW")
+
+            def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+                out = []
+                for g, p in grads_and_vars:
+                    m = tf.compat.v1.get_variable(p.op.name + "/m", p.shape, trainable=False,
+                                                  initializer=tf.zeros_initializer())
+                    v = tf.compat.v1.get_variable(p.op.name + "/v", p.shape, trainable=False,
+                                                  initializer=tf.zeros_initializer())
+                    nm = 0.9 * m + 0.1 * g
+                    nv = 0.999 * v + 0.001 * tf.square(g)
+                    upd = nm / (tf.sqrt(nv) + 1e-6) + 0.01 * p
+                    out += [p.assign(p - lr * upd), m.assign(nm), v.assign(nv)]
+                return tf.group(*out, name=name)
+        return _AdamW()
+
+
+def run_case(case, steps):
+    import tensorflow as tf
+    import epl
+    tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+    model, feature, arg = case["model"], case["feature"], case.get("arg")
+    cfg = {}
+    if feature == "gc":
+        cfg["gradient_checkpoint.type"] = arg
+    elif feature == "groups":
+        cfg["optimizer.num_apply_group"] = arg
+    elif feature == "offload":
+        cfg["offload.level"] = "v0"
+    epl.init(epl.Config(cfg))
+    rng = np.random.RandomState(0)
+    if model == "mlp":
+        x = tf.constant(rng.randn(case["batch"], case["width"]).astype(np.float32))
+        loss = mlp(tf, x, case["depth"], case["width"])
+    elif model == "transformer":
+        x = tf.constant(rng.randn(case["batch"], case["seq"], case["width"]).astype(np.float32))
+        loss = transformer(tf, x, case["depth"], 4)
+    else:
+        raise ValueError(model)
+    if case.get("optimizer") == "adamw":
+        opt = AdamW.make(tf)
+    else:
+        opt = tf.compat.v1.train.MomentumOptimizer(0.01, 0.9)
+    # The updates wait for every gradient: with ref variables an update running while
+    # the backward pass still reads its weight would race (PLATFORM_NOTES).
+    variables = tf.compat.v1.trainable_variables()
+    grads = tf.gradients(loss, variables)
+    with tf.control_dependencies(grads):
+        op = opt.apply_gradients(list(zip(grads, variables)))
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        peaks = []
+        for _ in range(3):
+            md = tf.compat.v1.RunMetadata()
+            sess.run(op, options=tf.compat.v1.RunOptions(
+                trace_level=tf.compat.v1.RunOptions.FULL_TRACE), run_metadata=md)
+            peaks.append(peak_bytes(md))
+        times = time_calls(lambda: sess.run(op), steps, warmup=1)
+        final = float(sess.run(loss))
+    return dict(case, peak_bytes=min(peaks), step_ms=1000 * median(times), loss=final)
+
+
+def _child(case, steps):
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--case", json.dumps(case),
+                          "--steps", str(steps)], stdout=subprocess.PIPE, check=True)
+    return json.loads(out.stdout.decode().strip().splitlines()[-1])
+
+
+def _ratio(rows, base):
+    for r in rows:
+        r["peak_MiB"] = r["peak_bytes"] / MIB
+        r["peak_x"] = r["peak_bytes"] / float(base["peak_bytes"])
+        r["time_x"] = r["step_ms"] / base["step_ms"]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--json")
+    p.add_argument("--case", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.case:
+        print(json.dumps(run_case(json.loads(args.case), args.steps)))
+        return
+    records = []
+    cols = ["model", "feature", "arg", "peak_MiB", "peak_x", "step_ms", "time_x"]
+
+    mlp24 = {"model": "mlp", "depth": 24, "width": 256, "batch": 1024}
+    tr12 = {"model": "transformer", "depth": 12, "width": 128, "seq": 128, "batch": 16}
+    for base in (mlp24, tr12):
+        rows = [_child(dict(base, feature=f, arg=a), args.steps)
+                for f, a in (("plain", None), ("gc", "auto"), ("gc", "collection"))]
+        _ratio(rows, rows[0])
+        goal = " (goal for the MLP: peak_x <= 0.5, time_x <= 1.4)" if base is mlp24 else ""
+        print_table(rows, cols, "gradient checkpoint, %s depth %d%s" % (
+            base["model"], base["depth"], goal))
+        records += [dict(r, table="gc") for r in rows]
+
+    rows = []
+    for depth in (8, 16, 32, 64):
+        case = {"model": "mlp", "depth": depth, "width": 256, "batch": 1024}
+        plain = _child(dict(case, feature="plain"), args.steps)
+        gc = _child(dict(case, feature="gc", arg="auto"), args.steps)
+        rows.append({"depth": depth, "plain_MiB": plain["peak_bytes"] / MIB,
+                     "gc_MiB": gc["peak_bytes"] / MIB,
+                     "gc_x": gc["peak_bytes"] / float(plain["peak_bytes"]),
+                     "plain/n": plain["peak_bytes"] / MIB / depth,
+                     "gc/sqrt(n)": gc["peak_bytes"] / MIB / np.sqrt(depth),
+                     "time_x": gc["step_ms"] / plain["step_ms"]})
+    print_table(rows, ["depth", "plain_MiB", "gc_MiB", "gc_x", "plain/n", "gc/sqrt(n)",
+                       "time_x"], "auto GC peak vs depth (MLP 256 wide, batch 1024)")
+    records += [dict(r, table="depth") for r in rows]
+
+    big = {"model": "mlp", "depth": 8, "width": 1024, "batch": 32, "optimizer": "adamw"}
+    rows = [_child(dict(big, feature="groups", arg=n), args.steps) for n in (1, 2, 4, 8)]
+    _ratio(rows, rows[0])
+    print_table(rows, cols, "grouped apply, hand-written AdamW, 8 layers 1024x1024 "
+                "(goal: the peak drops with more groups, the loss is unchanged)")
+    for r in rows:
+        print("  groups %d: loss after the steps %.7g" % (r["arg"], r["loss"]))
+    records += [dict(r, table="groups") for r in rows]
+    write_json("memory", records, args.json)
+
+
+if __name__ == "__main__":
+    main()
