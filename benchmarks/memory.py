@@ -14,6 +14,8 @@ Tables:
           like sqrt(n) (the "gc/sqrt(n)" column stays about flat).
 * groups: optimizer.num_apply_group 1/2/4/8 with a hand-written AdamW whose
           temporaries (several per weight) dominate the step.
+* offload: offload.level v0: bytes on the training device (variables resident
+          there + the step's peak there) with and without.
 
     python benchmarks/memory.py [--steps 5] [--json FILE]
 """
@@ -33,10 +35,13 @@ from common import median, print_table, time_calls, write_json  # noqa: E402
 MIB = float(1 << 20)
 
 
-def peak_bytes(run_metadata):
-    """The step's peak: replay of its allocation records in time order."""
+def peak_bytes(run_metadata, device=None):
+    """The step's peak: replay of its allocation records in time order (of the ops
+    that ran on ``device``, default all)."""
     events = []
     for dev in run_metadata.step_stats.dev_stats:
+        if device is not None and dev.device != device:
+            continue
         for node in dev.node_stats:
             for mem in node.memory:
                 events.extend((r.alloc_micros, r.alloc_bytes) for r in mem.allocation_records)
@@ -147,15 +152,22 @@ def run_case(case, steps):
         op = opt.apply_gradients(list(zip(grads, variables)))
     with tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
-        peaks = []
+        peaks, device_peaks = [], []
+        device = "/job:localhost/replica:0/task:0/device:CPU:0"
         for _ in range(3):
             md = tf.compat.v1.RunMetadata()
             sess.run(op, options=tf.compat.v1.RunOptions(
                 trace_level=tf.compat.v1.RunOptions.FULL_TRACE), run_metadata=md)
             peaks.append(peak_bytes(md))
+            device_peaks.append(peak_bytes(md, device))
+        # Variables (weights, slots) resident on the training device between steps.
+        resident = sum(int(np.prod(v.shape)) * v.dtype.base_dtype.size
+                       for v in tf.compat.v1.global_variables()
+                       if v.op.device in ("", device) or v.op.device.endswith("CPU:0"))
         times = time_calls(lambda: sess.run(op), steps, warmup=1)
         final = float(sess.run(loss))
-    return dict(case, peak_bytes=min(peaks), step_ms=1000 * median(times), loss=final)
+    return dict(case, peak_bytes=min(peaks), step_ms=1000 * median(times), loss=final,
+                device_peak_bytes=min(device_peaks), device_resident_bytes=resident)
 
 
 def _child(case, steps):
@@ -217,6 +229,18 @@ def main():
     for r in rows:
         print("  groups %d: loss after the steps %.7g" % (r["arg"], r["loss"]))
     records += [dict(r, table="groups") for r in rows]
+    rows = [_child(dict(big, optimizer="momentum", feature=f), args.steps)
+            for f in ("plain", "offload")]
+    _ratio(rows, rows[0])
+    for r in rows:
+        r["resident_MiB"] = r["device_resident_bytes"] / MIB
+        r["device_peak_MiB"] = r["device_peak_bytes"] / MIB
+        r["device_MiB"] = r["resident_MiB"] + r["device_peak_MiB"]
+    print_table(rows, ["model", "feature", "resident_MiB", "device_peak_MiB", "device_MiB",
+                       "step_ms", "time_x"],
+                "offload v0, 8 layers 1024x1024, Momentum: bytes on the training device "
+                "(variables resident + the step's peak there); the host holds the variables")
+    records += [dict(r, table="offload") for r in rows]
     write_json("memory", records, args.json)
 
 

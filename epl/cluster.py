@@ -59,6 +59,12 @@ class Cluster(object):
         else:
             self.gpu_num_per_worker = per_worker or 1
         self.total_gpu_num = self.gpu_num_per_worker * self.worker_num
+        # offload.level = v0: variables live in host memory.  On CPU the host is one
+        # more virtual device after the training devices, so device and host bytes
+        # stay apart as they are on GPUs.
+        self.offload = bool(config.get("offload.level"))
+        self.cpu_device_count = self.gpu_num_per_worker + (
+            1 if self.offload and self.device_type == "cpu" else 0)
 
     def job_of(self, worker):
         job, index, _ = self.workers[worker]
@@ -70,6 +76,14 @@ class Cluster(object):
         worker, local = divmod(global_index, self.gpu_num_per_worker)
         kind = "GPU" if self.device_type == "gpu" else "CPU"
         return "%s/device:%s:%d" % (self.job_of(worker), kind, local)
+
+    def host_device(self, worker=None):
+        """The host memory of ``worker`` (offloaded variables): its CPU, or on a CPU
+        cluster the virtual device after its training devices.  ``worker`` None: this
+        worker as its own session names it."""
+        index = self.gpu_num_per_worker if self.device_type == "cpu" else 0
+        job = self.job_of(worker) if worker is not None else "/job:localhost/replica:0/task:0"
+        return "%s/device:CPU:%d" % (job, index)
 
     def local_device(self, local_index):
         """A device of this worker as its own (local) session names it."""

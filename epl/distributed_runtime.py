@@ -61,7 +61,7 @@ def server():
         spec = {job: list(addrs) for job, addrs in cluster.cluster_spec.items()}
         config = tf.compat.v1.ConfigProto()
         if cluster.device_type == "cpu":
-            config.device_count["CPU"] = cluster.gpu_num_per_worker
+            config.device_count["CPU"] = cluster.cpu_device_count
         _server[0] = tf.compat.v1.train.Server(tf.compat.v1.train.ClusterSpec(spec),
                                                job_name=cluster.task_type,
                                                task_index=cluster.task_index, config=config,

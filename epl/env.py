@@ -28,7 +28,6 @@ class Env(object):
 _NOT_YET = {
     "gradient_checkpoint.check_gradients": "checking the recomputed gradients",
     "zero.level": "ZeRO",
-    "offload.level": "CPU offload",
     "amp.level": "memory-efficient AMP",
     "auto.auto_parallel": "automatic parallelism",
 }

@@ -22,7 +22,7 @@ def session_config(config):
         merged.CopyFrom(config)
     if cluster.device_type == "cpu":
         have = merged.device_count.get("CPU", 1)
-        merged.device_count["CPU"] = max(have, cluster.gpu_num_per_worker)
+        merged.device_count["CPU"] = max(have, cluster.cpu_device_count)
     elif cluster.run_visible_devices:
         merged.gpu_options.visible_device_list = cluster.run_visible_devices
     return merged

@@ -51,6 +51,8 @@ def rewrite_if_needed(graph):
         return epl_graph.rewrite_result
     if not epl_graph.taskgraphs:
         _refuse_unannotated_accumulation(epl_graph, Env.get().config)
+        if Env.get().cluster.offload:
+            _offload_unplaced(graph, Env.get().cluster)
         epl_graph.rewritten = True
         epl_graph.pending = False
         epl_graph.rewrite_result = RewriteResult()
@@ -88,11 +90,26 @@ def _refuse_unannotated_accumulation(epl_graph, config):
             "inside each run, or remove the key." % (m, m))
 
 
+def _offload_unplaced(graph, cluster):
+    """``offload.level``: the variables no scope placed (a model without annotation,
+    ``global_step``) go to host memory too; what reads or updates them follows
+    them (TF's colocation)."""
+    from epl.rewrite.updates import VARIABLE_OPS
+    for op in graph.get_operations():
+        if op.type in VARIABLE_OPS and not op.device:
+            op._set_device(cluster.host_device())  # pylint: disable=protected-access
+
+
 def _rewrite(epl_graph, env):
     from epl import plan as planner
     from epl.rewrite import control_flow, selection, split
     from epl.rewrite.state import ReplicaState, share_variables
     layout = planner.plan(env.cluster, epl_graph.taskgraphs, env.config)
+    if env.cluster.offload and layout.split_devices:
+        raise NotImplementedError(
+            "epl.Config: 'offload.level' = %r with an epl.split scope: offloading the shards "
+            "of split variables is not implemented yet. Remove offload.level, or use "
+            "epl.replicate scopes only." % env.config.get("offload.level"))
     replicated = [tg for tg in epl_graph.taskgraphs if tg.kind != "split"]
     control_flow.check_stages(epl_graph, replicated, layout.num_stages)
     sel = selection.select(epl_graph, replicated, share_variables(env.cluster, env.config),
@@ -100,6 +117,8 @@ def _rewrite(epl_graph, env):
     state = ReplicaState(epl_graph, replicated, sel, layout, env.cluster, env.config)
     split.place(state)
     _passes(state, sel, since=-1, first=True)
+    if env.cluster.offload:
+        _offload_unplaced(state.graph, env.cluster)
     return state
 
 

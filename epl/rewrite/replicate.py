@@ -35,7 +35,10 @@ def place_originals(state, sel):
 def _device_for(state, c, inputs, op):
     """Clone c's device for the op's stage, unless the op takes a variable itself (a
     resource read, an update): TF keeps those on the variable's device (a shared
-    variable is on clone 0's)."""
+    variable is on clone 0's).  With ``offload.level`` the variables live in host
+    memory; their readers send each value to the device that uses it."""
+    if op.type in VARIABLE_OPS and state.cluster.offload:
+        return state.host_device(c)
     for t in inputs:
         if ir.is_state_handle(t) and t.op.type in VARIABLE_OPS and t.op.device:
             return t.op.device
@@ -109,6 +112,8 @@ def _describe(state, ops):
             if ir.is_state_handle(t) and t.op.type in VARIABLE_OPS:
                 where = ("variable", t.op, t.op in members, state.stage_of(op))
                 break
+        if op.type in VARIABLE_OPS and state.cluster.offload:
+            where = ("host",)
         out.append((op, base, own, inputs, op.control_inputs,
                     where or ("stage", state.stage_of(op))))
     return members, out
@@ -219,12 +224,19 @@ class _Segment(object):
         state = self.state
         if where[0] == "stage":
             return state.stage_devices[c][where[1]]
+        if where[0] == "host":
+            return state.host_device(c)
         _, var, member, stage = where
         if member:
             # Copied in this segment: in clone c, or in its replica's copy
             # (micro-batches share the replica's variables); on its stage's device.
             cc = c if var not in self.skip else state.reps[c]
-            dev = var.device if cc == 0 else state.stage_devices[cc][state.stage_of(var)]
+            if cc == 0:
+                dev = var.device
+            elif state.cluster.offload:
+                dev = state.host_device(cc)
+            else:
+                dev = state.stage_devices[cc][state.stage_of(var)]
         else:
             dev = state.op(c, var).device
         return dev or state.stage_devices[c][stage]

@@ -161,6 +161,12 @@ class ReplicaState(object):
         """Where clone c runs ``op``: the device of the op's stage."""
         return self.stage_devices[c][self.stage_of(op)]
 
+    def host_device(self, c):
+        """Host memory of clone c's worker (``offload.level``: the variables live there)."""
+        if self.in_graph:
+            return self.cluster.host_device(self.clones[c][2] // self.cluster.gpu_num_per_worker)
+        return self.cluster.host_device()
+
     def is_rep(self, c):
         """Clone c owns its replica's variables and update (micro-batch 0)."""
         return self.reps[c] == c

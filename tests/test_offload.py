@@ -1,0 +1,129 @@
+"""offload.level = v0: every variable (and optimizer slot) lives in host memory and
+nothing else changes (oracle: the same program without offload / without EPL).
+
+On CPU the host is one more virtual device after the training devices."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import epl
+from epl.rewrite.updates import VARIABLE_OPS
+from tests import models
+from tests.test_gradient_checkpoint import assert_same, program
+
+OFFLOAD = {"offload.level": "v0"}
+
+
+def _variables(graph):
+    return [op for op in graph.get_operations() if op.type in VARIABLE_OPS]
+
+
+def _traced_devices(config, graph_fn):
+    """{op name: device it ran on} for one traced step of ``graph_fn()``'s op."""
+    models.reset()
+    epl.init(epl.Config(config))
+    op = graph_fn()
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        md = tf.compat.v1.RunMetadata()
+        sess.run(op, options=tf.compat.v1.RunOptions(
+            trace_level=tf.compat.v1.RunOptions.FULL_TRACE), run_metadata=md)
+    # ("/host:CPU" entries are the tracer's own records of the same kernels.)
+    return {n.node_name: d.device for d in md.step_stats.dev_stats for n in d.node_stats
+            if not d.device.startswith("/host:")}
+
+
+@pytest.mark.parametrize("optimizer", ["momentum", "adam"])
+def test_one_device_equals_plain_program(optimizer):
+    want = program(None, 16, optimizer, dropout=False)
+    got = program(dict(OFFLOAD), 16, optimizer, dropout=False, default=False)
+    assert_same(got, want)
+    variables = _variables(got[2])
+    assert variables and all(op.device.endswith("CPU:1") for op in variables), \
+        [(op.name, op.device) for op in variables if not op.device.endswith("CPU:1")]
+
+
+@pytest.mark.parametrize("copies", ["per_worker", "per_device"])
+@pytest.mark.parametrize("devices", [2, 4])
+def test_data_parallel(devices, copies):
+    config = {"cluster.devices_per_worker": devices, "cluster.variable_copies": copies}
+    want = program(dict(config), 8 * devices, "adam", dropout=False)
+    got = program(dict(config, **OFFLOAD), 8 * devices, "adam", dropout=False)
+    assert_same(got, want)
+    host = "CPU:%d" % devices
+    variables = _variables(got[2])
+    slots = [op for op in variables if "Adam" in op.name]
+    assert slots and all(op.device.endswith(host) for op in variables), \
+        [(op.name, op.device) for op in variables if not op.device.endswith(host)]
+    if copies == "per_device":    # every replica's copy, on the host too
+        last = [op for op in slots if op.name.startswith("EPL_REPLICA_%d/" % (devices - 1))]
+        assert len(last) * devices == len(slots)
+
+
+def test_pipeline():
+    config = {"cluster.devices_per_worker": 2, "pipeline.num_micro_batch": 2}
+    want = program(dict(config), 16, "momentum", stages=2, dropout=False)
+    got = program(dict(config, **OFFLOAD), 16, "momentum", stages=2, dropout=False)
+    assert_same(got, want)
+    assert all(op.device.endswith("CPU:2") for op in _variables(got[2]))
+
+
+def test_compute_stays_on_the_devices():
+    """The updates run beside the variables (host); the layers and their gradients on
+    the devices, each replica on its own."""
+    def build():
+        epl.set_default_strategy(epl.replicate(1))
+        x, y = models.input_batch(*models.data(16), batch=8)
+        _, loss = models.forward(x, y)
+        return tf.compat.v1.train.MomentumOptimizer(0.1, 0.9).minimize(loss)
+    ran = _traced_devices({"cluster.devices_per_worker": 2, "offload.level": "v0"}, build)
+    host = "CPU:2"
+    layers = [(n, d) for n, d in ran.items() if "dense" in n and "Momentum" not in n
+              and not n.endswith(("/read", "/kernel", "/bias"))]
+    updates = [d for n, d in ran.items() if "ApplyMomentum" in n]
+    assert len(updates) == 4 and all(d.endswith(host) for d in updates), updates
+    assert layers and not [(n, d) for n, d in layers if d.endswith(host)]
+    assert set(d[-5:] for _, d in layers) == {"CPU:0", "CPU:1"}
+
+
+@pytest.mark.parametrize("first, second", [(OFFLOAD, {}), ({}, OFFLOAD)])
+def test_checkpoints_interchange(tmp_path, first, second):
+    """Written with offload, restored without it (and the other way): the restored
+    run continues exactly where the first stopped (oracle: 4 steps in one go)."""
+    x, y = models.data(64)
+    want, _ = models.train_local(x, y, 16, 4, "momentum")
+    path = str(tmp_path / "ckpt")
+
+    def run(config, restore, steps, start):
+        models.reset()
+        epl.init(epl.Config(dict(config, **{"cluster.devices_per_worker": 2})))
+        epl.set_default_strategy(epl.replicate(1))
+        px = tf.compat.v1.placeholder(tf.float32, [None, models.IN])
+        py = tf.compat.v1.placeholder(tf.int64, [None])
+        _, loss = models.forward(px, py)
+        op = models.train_op(loss, "momentum", tf.compat.v1.train.get_or_create_global_step())
+        saver = tf.compat.v1.train.Saver()
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            if restore:
+                saver.restore(sess, path)
+            for i in range(start, start + steps):
+                sess.run(op, {px: x[16 * i:16 * (i + 1)], py: y[16 * i:16 * (i + 1)]})
+            saver.save(sess, path)
+            return models.weights(sess)
+    run(first, False, 2, 0)
+    got = run(second, True, 2, 2)
+    models.assert_weights_close(got, want)
+
+
+def test_split_is_refused():
+    models.reset()
+    epl.init(epl.Config({"cluster.devices_per_worker": 2, "offload.level": "v0"}))
+    with epl.split(2):
+        h = tf.layers.dense(tf.ones([4, 8]), 8)
+        loss = tf.reduce_sum(h)
+    op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    with pytest.raises(NotImplementedError, match="'offload.level' = 'v0' with an epl.split"):
+        with tf.compat.v1.Session() as sess:
+            sess.run(op)
+
