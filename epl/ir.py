@@ -60,6 +60,7 @@ class ApplyRecord(object):
         self.grads_and_vars = grads_and_vars  # [(grad Tensor/IndexedSlices, variable)]
         self.global_step = global_step
         self.result = None                    # the op apply_gradients returned
+        self.across_runs = False              # accumulates across session runs
         self.op_ids = range(0)                # ids of the ops it created
 
 

@@ -20,9 +20,11 @@ Patch points (all installed by :func:`install`, idempotent):
    (where ``communication.clip_after_allreduce = False`` reduces them),
    densifies sparse gradients when ``communication.sparse_as_dense`` is set, and
    orders the updates in groups with ``optimizer.num_apply_group``
-   (``epl.grouped_apply``).
-5. ``saver.Saver.build``: save/restore ops; ``saver.Saver.save`` writes only on
-   the chief.
+   (``epl.grouped_apply``); with ``pipeline.num_micro_batch > 1`` on a model
+   without annotation, the optimizer applies gradients accumulated across runs
+   (``epl.accumulate``).
+5. ``saver.Saver.build``: save/restore ops (a default Saver leaves EPL's run
+   accumulators out); ``saver.Saver.save`` writes only on the chief.
 6. ``ops.Graph.finalize``: rewrite before the graph is frozen
    (MonitoredTrainingSession, Estimator).
 7. ``session.BaseSession.__init__``: the session sees EPL's devices; for a pipeline
@@ -337,12 +339,21 @@ def _capture_apply(grads_and_vars, global_step, apply):
     c.apply.append(tg)
     c.apply_depth += 1
     first_id = graph._last_id + 1  # pylint: disable=protected-access
+    config = Env.get().config
+    across = None
+    if config.get("pipeline.num_micro_batch") > 1 and not epl_graph.taskgraphs:
+        from epl.accumulate import AcrossRuns
+        across = AcrossRuns(grads_and_vars, config.get("pipeline.num_micro_batch"),
+                            config.get("communication.gradients_reduce_method"))
     try:
-        result = apply(grads_and_vars)
+        result = apply(across.grads_and_vars if across is not None else grads_and_vars)
+        if across is not None:
+            result = across.finish(result)
     finally:
         c.apply.pop()
         c.apply_depth -= 1
-    groups = Env.get().config.get("optimizer.num_apply_group")
+    record.across_runs = across is not None
+    groups = config.get("optimizer.num_apply_group")
     if groups > 1:
         from epl import grouped_apply
         grouped_apply.apply(graph, grads_and_vars, first_id, groups)
@@ -355,6 +366,11 @@ def _capture_apply(grads_and_vars, global_step, apply):
 def _saver_build(self, *args, **kwargs):
     c = _c()
     c.save += 1
+    if self._var_list is None and not self._is_built:  # pylint: disable=protected-access
+        from epl import accumulate
+        graph = ops.get_default_graph()
+        if graph.get_collection(accumulate.COLLECTION):
+            self._var_list = accumulate.saveable_default(graph)  # pylint: disable=protected-access
     try:
         return _originals["saver_build"](self, *args, **kwargs)
     finally:

@@ -77,17 +77,47 @@ def rewrite_if_needed(graph):
 
 
 def _refuse_unannotated_accumulation(epl_graph, config):
-    """pipeline.num_micro_batch > 1 on a training graph with no annotation asks for
-    gradient accumulation across session runs, which is not implemented: refused, not
-    silently trained with one micro-batch per step."""
+    """pipeline.num_micro_batch > 1 on a model with no annotation accumulates across
+    session runs what ``apply_gradients`` applies (``epl.accumulate``).  A trainable
+    variable written some other way (an ``assign_sub`` of a gradient by hand) would
+    be updated on every run: refused, not silently trained per micro-batch."""
     m = config.get("pipeline.num_micro_batch")
-    if m > 1 and (epl_graph.gradient_records or epl_graph.apply_records):
+    if m <= 1:
+        return
+    from epl.rewrite.updates import written_variable
+    graph = epl_graph.tf_graph
+    accumulated = set()
+    for rec in epl_graph.apply_records:
+        if rec.across_runs:
+            accumulated.update(rec.op_ids)
+    trainable = set(v.op for v in graph.get_collection("trainable_variables"))
+    for op in graph.get_operations():
+        if op._id in accumulated or written_variable(op) not in trainable \
+                or not _reads_gradients(epl_graph, op):  # pylint: disable=protected-access
+            continue
         raise NotImplementedError(
             "epl.Config: 'pipeline.num_micro_batch' = %d on a model without any EPL "
-            "annotation asks for gradient accumulation across session runs, which this EPL "
-            "version does not implement yet. Annotate the model (e.g. "
-            "epl.set_default_strategy(epl.replicate(1))) to accumulate the %d micro-batches "
-            "inside each run, or remove the key." % (m, m))
+            "annotation accumulates gradients across session runs for what an optimizer's "
+            "apply_gradients / minimize updates, but %r (%s) writes the trainable variable "
+            "%r by other means, so it would change on every run. Update it through an "
+            "optimizer, annotate the model (e.g. epl.set_default_strategy(epl.replicate(1))) "
+            "to accumulate the %d micro-batches inside each run, or remove the key."
+            % (m, op.name, op.type, written_variable(op).name, m))
+
+
+def _reads_gradients(epl_graph, op):
+    """``op`` computes from a tf.gradients result (not an initializer, a restore, a
+    hand-written assign of a constant)."""
+    seen, stack = set(), [op]
+    while stack:
+        cur = stack.pop()
+        if cur in seen:
+            continue
+        seen.add(cur)
+        if epl_graph.phase_of(cur) == ir.BACKWARD:
+            return True
+        stack.extend(t.op for t in cur.inputs)
+    return False
 
 
 def _offload_unplaced(graph, cluster):
@@ -110,6 +140,13 @@ def _rewrite(epl_graph, env):
             "epl.Config: 'offload.level' = %r with an epl.split scope: offloading the shards "
             "of split variables is not implemented yet. Remove offload.level, or use "
             "epl.replicate scopes only." % env.config.get("offload.level"))
+    if any(rec.across_runs for rec in epl_graph.apply_records):
+        raise RuntimeError(
+            "EPL: apply_gradients / minimize was called before the first EPL annotation, "
+            "so it was built to accumulate gradients across session runs "
+            "('pipeline.num_micro_batch' = %d on a model without annotation), but the "
+            "model has annotations. Call epl.set_default_strategy / open the epl.replicate "
+            "scopes before building the optimizer." % env.config.get("pipeline.num_micro_batch"))
     replicated = [tg for tg in epl_graph.taskgraphs if tg.kind != "split"]
     control_flow.check_stages(epl_graph, replicated, layout.num_stages)
     sel = selection.select(epl_graph, replicated, share_variables(env.cluster, env.config),

@@ -1,0 +1,87 @@
+"""Gradient accumulation across session runs: ``pipeline.num_micro_batch = m > 1`` on
+a model without any EPL annotation (the original EPL's behaviour there).
+
+Each ``session.run`` of the train op computes one micro-batch's gradients and adds
+them to accumulators; the m-th run applies their mean (or sum, per
+``communication.gradients_reduce_method``) with the user's optimizer and resets
+them.  ``global_step`` (and every other effect of ``apply_gradients``: slots,
+Adam's beta powers, a keras optimizer's ``iterations``) advances once per m runs.
+The graph holds one copy of the model whatever m is (annotated models instead run
+all m micro-batches inside each run, as copies).
+
+How: built when ``apply_gradients`` is called (``tf_patches._capture_apply``).  The
+optimizer receives each gradient through a ``Switch`` on "this run is the m-th":
+on the other runs its update ops get dead inputs and do not run, like the untaken
+branch of a ``tf.cond`` (the optimizer is built as usual, not inside a cond, so a
+hand-written optimizer may create its variables).  The op ``apply_gradients``
+returns always runs: after the accumulation, and on the m-th run after the update
+and the reset.
+
+The accumulators and the run counter are graph state of EPL, not of the model:
+initialized with the other global variables but left out of checkpoints written by
+a default ``tf.train.Saver`` (``COLLECTION``), so checkpoints interchange with the
+same program trained without accumulation.
+"""
+import tensorflow as tf
+
+COLLECTION = "epl_accumulators"
+
+
+class AcrossRuns(object):
+    """The accumulation around one ``apply_gradients`` call."""
+
+    def __init__(self, grads_and_vars, num_micro_batch, reduce_method):
+        self.m = num_micro_batch
+        pairs = [(g, v) for g, v in grads_and_vars]
+        with tf.compat.v1.name_scope("EPL_ACCUMULATE"):
+            self.counter = _state("run_counter", lambda: tf.zeros([], tf.int64))
+            count = self.counter.assign_add(1, read_value=True)
+            self.pred = tf.equal(count % self.m, 0, name="apply_now")
+            self.accumulators, self.grads_and_vars = [], []
+            for g, v in pairs:
+                if g is None:
+                    self.grads_and_vars.append((g, v))
+                    continue
+                g = tf.convert_to_tensor(g)   # an embedding's IndexedSlices, densified
+                acc = _state(v.op.name + "/accumulator", _zeros_like(v, g))
+                total = acc.assign_add(g, read_value=True)
+                if reduce_method == "mean":
+                    total = total / tf.cast(self.m, total.dtype)
+                _, on_apply = tf.raw_ops.Switch(data=total, pred=self.pred)
+                self.accumulators.append(acc)
+                self.grads_and_vars.append((on_apply, v))
+
+    def finish(self, applied):
+        """The op to return to the user: accumulated (and, on the m-th run, applied
+        and reset)."""
+        with tf.compat.v1.name_scope("EPL_ACCUMULATE"):
+            with tf.control_dependencies([applied]):
+                resets = [acc.assign(tf.zeros_like(acc), read_value=False)
+                          for acc in self.accumulators]
+            skipped, taken = tf.raw_ops.Switch(data=self.pred, pred=self.pred)
+            with tf.control_dependencies(resets or [applied]):
+                taken = tf.identity(taken)
+            done, _ = tf.raw_ops.Merge(inputs=[skipped, taken])
+            return tf.group(done, name="step")
+
+
+def _state(name, initial):
+    """A variable of EPL's: its initializer must not wait for the user's control
+    dependencies (``apply_gradients`` is often built under the gradients')."""
+    with tf.control_dependencies(None):
+        return tf.compat.v1.Variable(initial(), trainable=False, name=name, use_resource=True,
+                                     collections=[tf.compat.v1.GraphKeys.GLOBAL_VARIABLES,
+                                                  COLLECTION])
+
+
+def _zeros_like(v, g):
+    if g.shape.is_fully_defined():
+        return lambda: tf.zeros(g.shape, g.dtype)
+    return lambda: tf.zeros(tf.shape(v.initialized_value()), g.dtype)
+
+
+def saveable_default(graph):
+    """What a default ``tf.train.Saver`` saves: every saveable but the accumulators."""
+    from tensorflow.python.ops import variables
+    mine = set(id(v) for v in graph.get_collection(COLLECTION))
+    return [v for v in variables._all_saveable_objects() if id(v) not in mine]  # pylint: disable=protected-access
