@@ -127,3 +127,31 @@ def test_split_is_refused():
         with tf.compat.v1.Session() as sess:
             sess.run(op)
 
+
+
+def test_memory_features_together():
+    """Auto GC, offload and 3 apply groups at once, on 2 devices with 2 micro-batches:
+    the numbers of the same program without them."""
+    config = {"cluster.devices_per_worker": 2, "pipeline.num_micro_batch": 2}
+    want = program(dict(config), 32, "adam")
+    got = program(dict(config, **{"offload.level": "v0", "gradient_checkpoint.type": "auto",
+                                  "optimizer.num_apply_group": 3}), 32, "adam")
+    assert_same(got, want)
+
+
+def test_accumulation_across_runs_with_gc_and_offload():
+    """No annotation, 4 micro-batches across runs, with GC and offload: the big-batch
+    steps of the local model."""
+    steps, m, mb = 3, 4, 8
+    x, y = models.data(steps * m * mb)
+    want, _ = models.train_local(x, y, m * mb, steps, "adam")
+    models.reset()
+    epl.init(epl.Config({"pipeline.num_micro_batch": m, "offload.level": "v0",
+                         "gradient_checkpoint.type": "auto"}))
+    bx, by = models.input_batch(x, y, mb)
+    _, loss = models.forward(bx, by)
+    op = models.train_op(loss, "adam", tf.compat.v1.train.get_or_create_global_step())
+    got = models.run_steps(op, steps * m, {n: models.value_tensor(
+        tf.compat.v1.get_default_graph(), n) for n in models.initial_weights()})
+    models.assert_weights_close(got, want)
+    assert all(op.device.endswith("CPU:1") for op in _variables(tf.compat.v1.get_default_graph()))
