@@ -132,24 +132,28 @@ def run_case(case, steps):
         cfg["offload.level"] = "v0"
     epl.init(epl.Config(cfg))
     rng = np.random.RandomState(0)
-    if model == "mlp":
-        x = tf.constant(rng.randn(case["batch"], case["width"]).astype(np.float32))
-        loss = mlp(tf, x, case["depth"], case["width"])
-    elif model == "transformer":
-        x = tf.constant(rng.randn(case["batch"], case["seq"], case["width"]).astype(np.float32))
-        loss = transformer(tf, x, case["depth"], 4)
+    adamw = case.get("optimizer") == "adamw"
+    # Resource variables: an update may run as soon as its gradient is ready (a ref
+    # variable's update would race with the backward pass still reading it).
+    with tf.compat.v1.variable_scope("", use_resource=not adamw):
+        if model == "mlp":
+            x = tf.constant(rng.randn(case["batch"], case["width"]).astype(np.float32))
+            loss = mlp(tf, x, case["depth"], case["width"])
+        elif model == "transformer":
+            x = tf.constant(rng.randn(case["batch"], case["seq"], case["width"])
+                            .astype(np.float32))
+            loss = transformer(tf, x, case["depth"], 4)
+        else:
+            raise ValueError(model)
+    if adamw:
+        # The updates wait for every gradient (ref variables, PLATFORM_NOTES), so every
+        # update's temporaries could be alive at once: what grouped apply is for.
+        variables = tf.compat.v1.trainable_variables()
+        grads = tf.gradients(loss, variables)
+        with tf.control_dependencies(grads):
+            op = AdamW.make(tf).apply_gradients(list(zip(grads, variables)))
     else:
-        raise ValueError(model)
-    if case.get("optimizer") == "adamw":
-        opt = AdamW.make(tf)
-    else:
-        opt = tf.compat.v1.train.MomentumOptimizer(0.01, 0.9)
-    # The updates wait for every gradient: with ref variables an update running while
-    # the backward pass still reads its weight would race (PLATFORM_NOTES).
-    variables = tf.compat.v1.trainable_variables()
-    grads = tf.gradients(loss, variables)
-    with tf.control_dependencies(grads):
-        op = opt.apply_gradients(list(zip(grads, variables)))
+        op = tf.compat.v1.train.MomentumOptimizer(0.01, 0.9).minimize(loss)
     with tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         peaks, device_peaks = [], []

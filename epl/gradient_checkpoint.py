@@ -21,10 +21,12 @@ What it does to the backward ops just built:
    variable reads), constants, ops inside ``tf.cond`` / ``tf.while_loop`` and
    ops of ``epl.split`` scopes.  ``Shape``-like readers keep the original tensor
    (it is freed during the forward pass anyway).
-3. *Order*: each connected group of copies waits (control edges) for the
-   gradients its consumers receive from later layers, excluding those that are
-   themselves computed from the group: a segment is recomputed when the backward
-   pass reaches it, not during the forward pass (which would save nothing).
+3. *Order*: each connected group of copies (a segment) waits (control edges)
+   for the gradients its consumers receive from later layers and for the
+   consumers of the later segment, excluding ops computed from the group itself:
+   a segment is recomputed when the backward pass reaches it, not during the
+   forward pass (which would save nothing), and not while the later segment's
+   recomputed activations are still held.
 """
 import logging
 
@@ -257,9 +259,15 @@ def _copy_upstream(op, kept, copies, epl_graph):
 
 
 def _order(copies, rewired, backward):
-    """Each connected group of copies waits for the gradients its readers receive
-    from outside the group (those not computed from it): recomputed when needed."""
+    """Each connected group of copies (a segment) waits for the gradients its readers
+    receive from outside the group (not computed from it), and for the readers of
+    the segment after it: recomputed when the backward pass reaches it, once the
+    later segment's recomputed activations are freed (else the weight gradients of
+    one segment, off the critical path, keep its activations alive while the next
+    is recomputed).  Edges from ops computed from the group itself would close a
+    cycle: left out."""
     made = set(copies.values())
+    origin = dict((new, old) for old, new in copies.items())
     parent = {op: op for op in made}
 
     def find(op):
@@ -277,13 +285,18 @@ def _order(copies, rewired, backward):
     readers = {}
     for b, _, t in rewired:
         readers.setdefault(find(copies[t.op]), set()).add(b)
-    for root, members in sorted(groups.items(), key=lambda kv: -kv[0]._id):  # pylint: disable=protected-access
+    # Latest segment (in forward order) first.
+    ordered = sorted(groups.items(), key=lambda kv: -max(origin[op]._id for op in kv[1]))  # pylint: disable=protected-access
+    later = ()
+    for root, members in ordered:
         down = _downstream(members)
-        triggers = set()
-        for b in readers.get(root, ()):
+        mine = readers.get(root, ())
+        triggers = set(b for b in later if b not in down)
+        for b in mine:
             for t in b.inputs:
                 if t.op in backward and t.op not in made and t.op not in down:
                     triggers.add(t.op)
+        later = mine
         if not triggers:
             continue
         heads = [op for op in members if not any(t.op in made for t in op.inputs)]
