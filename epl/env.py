@@ -26,7 +26,6 @@ class Env(object):
 # Features whose rewrite passes have not landed yet.  Setting one of these keys
 # to a non-default value must fail loudly rather than be silently ignored.
 _NOT_YET = {
-    "gradient_checkpoint.check_gradients": "checking the recomputed gradients",
     "zero.level": "ZeRO",
     "amp.level": "memory-efficient AMP",
     "auto.auto_parallel": "automatic parallelism",

@@ -39,6 +39,7 @@ _SHAPE_READERS = frozenset(["Shape", "ShapeN", "Size", "Rank", "BroadcastGradien
 _CONTROL_FLOW = frozenset(["Enter", "RefEnter", "Exit", "RefExit", "Merge", "RefMerge",
                            "Switch", "RefSwitch", "NextIteration", "RefNextIteration",
                            "LoopCond", "ControlTrigger"])
+_DRAWS = frozenset(["Multinomial", "TruncatedNormal", "ParameterizedTruncatedNormal"])
 _NEVER = frozenset(["Const", "Placeholder", "PlaceholderWithDefault", "VarHandleOp",
                     "VariableV2", "Variable"])
 
@@ -118,6 +119,106 @@ def _ancestors(tensors, ops):
         seen.add(op)
         stack.extend(t.op for t in op.inputs if t.op in ops)
     return seen
+
+
+def add_check(graph, recomputed, plain):
+    """``gradient_checkpoint.check_gradients``: the largest difference between the
+    gradients computed with recomputation and the same gradients computed from the
+    kept activations, fetched with the first run of each session (``pending_checks``)
+    and logged.  The plain gradients run only then: with the first run that computes
+    the recomputed ones (a training step, not the initializer)."""
+    import tensorflow as tf
+    from epl import tf_patches
+    diffs = []
+    # EPL's own ops: they read the replica's gradients, not the all-reduced ones.
+    with tf.compat.v1.name_scope("EPL_GC_CHECK"), tf_patches.rewriting():
+        for a, b in zip(recomputed, plain):
+            if a is None or b is None:
+                continue
+            a, b = tf.convert_to_tensor(a), tf.convert_to_tensor(b)
+            if not a.dtype.is_floating:
+                continue
+            diffs.append(tf.reduce_max(tf.abs(tf.cast(a - b, tf.float32))))
+            diffs.append(tf.reduce_max(tf.abs(tf.cast(b, tf.float32))))
+    if diffs:
+        sources = set(tf.convert_to_tensor(g).op for g in recomputed if g is not None)
+        ir.Graph.get(graph).gc_checks.append((tf.stack(diffs), sources))
+
+
+def pending_checks(session, fetches):
+    """(when, checks) for this run of ``session``: each session checks once, at its
+    first run that computes the checked gradients.
+
+    ``when`` is how the check can run without changing training: "before" (its own
+    run with the same feeds, when nothing upstream has state a run advances: fed
+    inputs, no random op), "with" (fetched with the step: a run of its own would
+    advance an input pipeline or a random stream; the weights are resource
+    variables, whose reads are snapshots), else "skip": the plain gradients would
+    read ref variables while the step updates them in place (PLATFORM_NOTES), so
+    their numbers would be meaningless.
+    """
+    epl_graph = ir.Graph.get(session.graph)
+    if getattr(session, "_epl_gc_checked", False) or not epl_graph.gc_checks:
+        return None, []
+    sources = set().union(*(s for _, s in epl_graph.gc_checks))
+    if not _computes(session.graph, fetches, sources):
+        return None, []
+    session._epl_gc_checked = True  # pylint: disable=protected-access
+    checks = [t for t, _ in epl_graph.gc_checks]
+    upstream = _upstream([t.op for t in checks])
+    if not any(_advanced_by_a_run(op) for op in upstream):
+        return "before", checks
+    if not any(t.dtype._is_ref_dtype for op in upstream for t in op.inputs):  # pylint: disable=protected-access
+        return "with", checks
+    log.warning("EPL gradient checkpoint check skipped: the model reads ref variables "
+                "(tf.Variable / get_variable without use_resource) and draws from an input "
+                "pipeline or random ops, so the plain gradients could only be computed in "
+                "the training step, racing with its in-place updates. Use resource "
+                "variables (or fed inputs and no dropout) to check.")
+    return "skip", []
+
+
+def _advanced_by_a_run(op):
+    """Each run of ``op`` moves some state on: an input pipeline, a random stream."""
+    return op.type in ir.SOURCE_OPS or op.type in _DRAWS or (
+        "Random" in op.type and not op.type.startswith("Stateless"))
+
+
+def _upstream(ops):
+    seen, stack = set(), list(ops)
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        stack.extend(t.op for t in op.inputs)
+        stack.extend(op.control_inputs)
+    return seen
+
+
+def _computes(graph, fetches, wanted):
+    """Running ``fetches`` runs one of the ops ``wanted``."""
+    from tensorflow.python.util import nest
+    ops = []
+    for f in nest.flatten(fetches):
+        try:
+            f = graph.as_graph_element(f, allow_tensor=True, allow_operation=True)
+        except (TypeError, ValueError, KeyError):
+            continue
+        ops.append(getattr(f, "op", f))
+    return bool(_upstream(ops) & wanted)
+
+
+def report(values):
+    """Log the checks' results: the max difference, relative to the max gradient."""
+    import numpy as np
+    for v in values:
+        diff, scale = np.max(v[0::2]), np.max(v[1::2])
+        rel = diff / scale if scale > 0 else diff
+        level = logging.INFO if np.isfinite(rel) and rel <= 1e-4 else logging.WARNING
+        log.log(level, "EPL gradient checkpoint check: recomputed vs plain gradients, max "
+                "difference %.3g (max gradient %.3g, relative %.3g)", diff, scale, rel)
+    return values
 
 
 def _ops_since(graph, first_id):

@@ -111,6 +111,7 @@ class Graph(object):
         self.rewrite_result = None
         self.rewrite_error = None   # the exception a failed rewrite raised
         self.pending = False        # model ops were added since the last rewrite
+        self.gc_checks = []         # gradient_checkpoint.check_gradients tensors
 
     @staticmethod
     def get(tf_graph=None):

@@ -32,7 +32,8 @@ Patch points (all installed by :func:`install`, idempotent):
    workers serve (``epl.distributed_runtime``).
 8. ``session.BaseSession.run``, ``make_callable`` and ``_make_callable_from_options``
    (tf.keras): rewrite before the first run, and the ops built since before a later
-   one (``epl.runtime.before_run``); map fetches of merged tensors (epl.GraphKeys).
+   one (``epl.runtime.before_run``); map fetches of merged tensors (epl.GraphKeys);
+   the first ``run`` of a session also fetches the gradient checkpoint checks.
 9. ``writer.FileWriter.add_event``: summaries are written only by the chief.
 10. ``readers.{TFRecord,TextLine,FixedLengthRecord}DatasetV2.__init__``: with
     ``io.slicing`` each worker reads its share of the files (``epl.io_slicing``).
@@ -243,19 +244,25 @@ def _backward_call(ys, xs, compute):
         tg = ir.Graph.get(y.graph).taskgraph_of(y.op)
         if tg is not None:
             break
-    c.grad_default.append(tg)
-    c.grad_ops.append(None)
+
+    def backward():
+        c.grad_default.append(tg)
+        c.grad_ops.append(None)
+        try:
+            return compute()
+        finally:
+            c.grad_ops.pop()
+            c.grad_default.pop()
     first_id = graph._last_id + 1 if graph is not None else 0  # pylint: disable=protected-access
-    try:
-        result = compute()
-    finally:
-        c.grad_ops.pop()
-        c.grad_default.pop()
+    result = backward()
     if Env.initialized() and graph is not None and not c.rewriting:
         from epl import gradient_checkpoint
         config = Env.get().config
         if gradient_checkpoint.enabled(config) and not c.grad_default and not c.apply:
             gradient_checkpoint.apply(graph, ys_list, first_id, config)
+            if config.get("gradient_checkpoint.check_gradients"):
+                # The same gradients without recomputation, compared once.
+                gradient_checkpoint.add_check(graph, nest.flatten(result), nest.flatten(backward()))
         grads = nest.flatten(result) if not isinstance(result, list) else list(result)
         ir.Graph.get(graph).gradient_records.append(ir.GradientRecord(
             ys_list, nest.flatten(xs), grads,
@@ -520,8 +527,17 @@ def _session_init(self, target="", graph=None, config=None):
 
 def _session_run(self, fetches, feed_dict=None, options=None, run_metadata=None):
     from epl.runtime import before_run, map_fetches
+    from epl import gradient_checkpoint
     before_run(self)
     fetches = map_fetches(self.graph, fetches)
+    when, checks = gradient_checkpoint.pending_checks(self, fetches)
+    if when == "before":
+        gradient_checkpoint.report(_originals["session_run"](self, checks, feed_dict))
+    elif when == "with":
+        out, values = _originals["session_run"](self, (fetches, checks), feed_dict, options,
+                                                run_metadata)
+        gradient_checkpoint.report(values)
+        return out
     return _originals["session_run"](self, fetches, feed_dict, options, run_metadata)
 
 

@@ -216,7 +216,46 @@ def test_lstm(kind):
     assert all(op._control_flow_context is None for op in copies)  # pylint: disable=protected-access
 
 
-def test_check_gradients_is_refused():
-    with pytest.raises(NotImplementedError, match="gradient_checkpoint.check_gradients"):
-        epl.init(epl.Config({"gradient_checkpoint.type": "auto",
-                             "gradient_checkpoint.check_gradients": True}))
+@pytest.mark.parametrize("config", [{}, {"cluster.devices_per_worker": 2}])
+def test_check_gradients_logs_the_difference_once(config, caplog):
+    """Fed inputs, no random op: check_gradients computes the plain gradients in a run
+    of its own before the first training run of each session (not before the
+    initializer) and logs their largest difference; training is unchanged."""
+    import logging
+    want = program(dict(config), 32, dropout=False)
+    caplog.set_level(logging.INFO, logger="epl")
+    got = program(dict(config, **{"gradient_checkpoint.type": "auto",
+                                  "gradient_checkpoint.check_gradients": True}), 32,
+                  dropout=False)
+    assert_same(got, want)
+    lines = [r.getMessage() for r in caplog.records if "check: recomputed vs plain" in r.message]
+    assert len(lines) == 1, lines
+    diff = float(lines[0].split("max difference ")[1].split(" ")[0])
+    assert diff <= 1e-6, lines
+
+
+@pytest.mark.parametrize("resource", [True, False])
+def test_check_gradients_with_an_input_pipeline(resource, caplog):
+    """Input from an iterator: the check is fetched with the first step (a run of its
+    own would take a batch) when the weights are resource variables, skipped with a
+    warning for ref variables (their in-place updates would race the plain
+    gradients); the numbers equal the local model's either way."""
+    import logging
+    x, y = models.data(48)
+    want, _ = models.train_local(x, y, 16, 3, "momentum", use_resource=resource)
+    caplog.set_level(logging.INFO, logger="epl")
+    epl.init(epl.Config({"gradient_checkpoint.type": "auto",
+                         "gradient_checkpoint.check_gradients": True}))
+    bx, by = models.input_batch(x, y, 16)
+    h = bx
+    with tf.compat.v1.variable_scope("", use_resource=resource):
+        for i in range(3):   # a few layers before the model's, so there is a checkpoint
+            h = tf.identity(tf.nn.relu(h) - tf.nn.relu(-h), name="pre_%d" % i)
+        _, loss = models.forward(h, by, use_resource=resource)
+    op = models.train_op(loss, "momentum", tf.compat.v1.train.get_or_create_global_step())
+    got = models.run_steps(op, 3, {n: models.value_tensor(tf.compat.v1.get_default_graph(), n)
+                                   for n in models.initial_weights()})
+    models.assert_weights_close(got, want)
+    checked = [r for r in caplog.records if "check: recomputed vs plain" in r.message]
+    skipped = [r for r in caplog.records if "check skipped" in r.message]
+    assert (len(checked), len(skipped)) == ((1, 0) if resource else (0, 1))
