@@ -16,6 +16,7 @@ Tables:
           temporaries (several per weight) dominate the step.
 * offload: offload.level v0: bytes on the training device (variables resident
           there + the step's peak there) with and without.
+* amp:    amp.level O1 (and O1 + auto GC) vs float32: the step's peak and time.
 
     python benchmarks/memory.py [--steps 5] [--json FILE]
 """
@@ -130,6 +131,10 @@ def run_case(case, steps):
         cfg["optimizer.num_apply_group"] = arg
     elif feature == "offload":
         cfg["offload.level"] = "v0"
+    elif feature == "amp":
+        cfg["amp.level"] = "O1"
+        if arg:
+            cfg["gradient_checkpoint.type"] = arg
     epl.init(epl.Config(cfg))
     rng = np.random.RandomState(0)
     adamw = case.get("optimizer") == "adamw"
@@ -243,6 +248,14 @@ def main():
                 "offload v0, 8 layers 1024x1024, Momentum: bytes on the training device "
                 "(variables resident + the step's peak there); the host holds the variables")
     records += [dict(r, table="offload") for r in rows]
+
+    amp_case = {"model": "mlp", "depth": 8, "width": 256, "batch": 1024}
+    rows = [_child(dict(amp_case, feature=f, arg=a), args.steps)
+            for f, a in (("plain", None), ("amp", None), ("amp", "auto"))]
+    _ratio(rows, rows[0])
+    print_table(rows, cols, "AMP O1 (arg: with GC), MLP 8 x 256, batch 1024: the step's peak "
+                "(float16 activations of the products) and time (CPU float16 kernels are slow)")
+    records += [dict(r, table="amp") for r in rows]
     write_json("memory", records, args.json)
 
 

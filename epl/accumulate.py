@@ -17,14 +17,14 @@ hand-written optimizer may create its variables).  The op ``apply_gradients``
 returns always runs: after the accumulation, and on the m-th run after the update
 and the reset.
 
-The accumulators and the run counter are graph state of EPL, not of the model:
+The accumulators and the run counter are EPL's own state (``epl.internal_state``):
 initialized with the other global variables but left out of checkpoints written by
-a default ``tf.train.Saver`` (``COLLECTION``), so checkpoints interchange with the
-same program trained without accumulation.
+a default ``tf.train.Saver``, so checkpoints interchange with the same program
+trained without accumulation.
 """
 import tensorflow as tf
 
-COLLECTION = "epl_accumulators"
+from epl.internal_state import variable as _state
 
 
 class AcrossRuns(object):
@@ -65,23 +65,7 @@ class AcrossRuns(object):
             return tf.group(done, name="step")
 
 
-def _state(name, initial):
-    """A variable of EPL's: its initializer must not wait for the user's control
-    dependencies (``apply_gradients`` is often built under the gradients')."""
-    with tf.control_dependencies(None):
-        return tf.compat.v1.Variable(initial(), trainable=False, name=name, use_resource=True,
-                                     collections=[tf.compat.v1.GraphKeys.GLOBAL_VARIABLES,
-                                                  COLLECTION])
-
-
 def _zeros_like(v, g):
     if g.shape.is_fully_defined():
         return lambda: tf.zeros(g.shape, g.dtype)
     return lambda: tf.zeros(tf.shape(v.initialized_value()), g.dtype)
-
-
-def saveable_default(graph):
-    """What a default ``tf.train.Saver`` saves: every saveable but the accumulators."""
-    from tensorflow.python.ops import variables
-    mine = set(id(v) for v in graph.get_collection(COLLECTION))
-    return [v for v in variables._all_saveable_objects() if id(v) not in mine]  # pylint: disable=protected-access

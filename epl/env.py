@@ -27,7 +27,6 @@ class Env(object):
 # to a non-default value must fail loudly rather than be silently ignored.
 _NOT_YET = {
     "zero.level": "ZeRO",
-    "amp.level": "memory-efficient AMP",
     "auto.auto_parallel": "automatic parallelism",
 }
 

@@ -23,8 +23,8 @@ Patch points (all installed by :func:`install`, idempotent):
    (``epl.grouped_apply``); with ``pipeline.num_micro_batch > 1`` on a model
    without annotation, the optimizer applies gradients accumulated across runs
    (``epl.accumulate``).
-5. ``saver.Saver.build``: save/restore ops (a default Saver leaves EPL's run
-   accumulators out); ``saver.Saver.save`` writes only on the chief.
+5. ``saver.Saver.build``: save/restore ops (a default Saver leaves EPL's own
+   state out, ``epl.internal_state``); ``saver.Saver.save`` writes only on the chief.
 6. ``ops.Graph.finalize``: rewrite before the graph is frozen
    (MonitoredTrainingSession, Estimator).
 7. ``session.BaseSession.__init__``: the session sees EPL's devices; for a pipeline
@@ -271,6 +271,27 @@ def _backward_call(ys, xs, compute):
 
 
 def _gradients_helper(ys, xs, *args, **kwargs):
+    from epl.env import Env
+    c = _c()
+    if Env.initialized() and not (c.rewriting or c.grad_default or c.apply):
+        from epl import amp
+        config = Env.get().config
+        if amp.enabled(config):
+            # Mixed precision: half-precision forward math, a scaled backward pass.
+            from tensorflow.python.util import nest
+            ys_list = [y for y in nest.flatten(ys) if hasattr(y, "op")]
+            if ys_list:
+                amp.convert(ys_list[0].graph, ys_list)
+                scale, _ = amp.loss_scale(ys_list[0].graph, config)
+                args, kwargs = amp.scaled_gradients(ys, args, kwargs, scale)
+                graph = ys_list[0].graph
+
+                def compute():
+                    first = graph._last_id + 1  # pylint: disable=protected-access
+                    grads = _originals["gradients_helper"](ys, xs, *args, **kwargs)
+                    amp.recast_weights(graph, first)
+                    return amp.unscale(grads, scale)
+                return _backward_call(ys, xs, compute)
     return _backward_call(ys, xs, lambda: _originals["gradients_helper"](ys, xs, *args, **kwargs))
 
 
@@ -347,19 +368,29 @@ def _capture_apply(grads_and_vars, global_step, apply):
     c.apply_depth += 1
     first_id = graph._last_id + 1  # pylint: disable=protected-access
     config = Env.get().config
-    across = None
+    gates = []      # each wraps the gradients the optimizer gets, and its result
     if config.get("pipeline.num_micro_batch") > 1 and not epl_graph.taskgraphs:
         from epl.accumulate import AcrossRuns
-        across = AcrossRuns(grads_and_vars, config.get("pipeline.num_micro_batch"),
-                            config.get("communication.gradients_reduce_method"))
+        gates.append(AcrossRuns(grads_and_vars, config.get("pipeline.num_micro_batch"),
+                                config.get("communication.gradients_reduce_method")))
+    amp_state = getattr(epl_graph, "amp_state", None)
+    if amp_state is not None:
+        from epl.amp import SkipOnOverflow
+        if gates:
+            raise NotImplementedError(
+                "epl.Config: 'amp.loss_scale' = 'dynamic' with 'pipeline.num_micro_batch' = %d "
+                "on a model without annotation (accumulation across runs) is not implemented "
+                "yet: use a fixed amp.loss_scale, or annotate the model to accumulate inside "
+                "each run." % config.get("pipeline.num_micro_batch"))
+        gates.append(SkipOnOverflow(grads_and_vars, amp_state, config.get("amp.debug_log")))
     try:
-        result = apply(across.grads_and_vars if across is not None else grads_and_vars)
-        if across is not None:
-            result = across.finish(result)
+        result = apply(gates[-1].grads_and_vars if gates else grads_and_vars)
+        for gate in reversed(gates):
+            result = gate.finish(result)
     finally:
         c.apply.pop()
         c.apply_depth -= 1
-    record.across_runs = across is not None
+    record.across_runs = any(type(g).__name__ == "AcrossRuns" for g in gates)
     groups = config.get("optimizer.num_apply_group")
     if groups > 1:
         from epl import grouped_apply
@@ -374,10 +405,10 @@ def _saver_build(self, *args, **kwargs):
     c = _c()
     c.save += 1
     if self._var_list is None and not self._is_built:  # pylint: disable=protected-access
-        from epl import accumulate
+        from epl import internal_state
         graph = ops.get_default_graph()
-        if graph.get_collection(accumulate.COLLECTION):
-            self._var_list = accumulate.saveable_default(graph)  # pylint: disable=protected-access
+        if graph.get_collection(internal_state.COLLECTION):
+            self._var_list = internal_state.saveable_default(graph)  # pylint: disable=protected-access
     try:
         return _originals["saver_build"](self, *args, **kwargs)
     finally:

@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import epl
-from epl import accumulate
+from epl import internal_state
 from tests import models
 
 M, MB, STEPS = 4, 8, 4
@@ -113,7 +113,7 @@ def test_accumulators_are_initialized_but_not_saved():
     x, y = models.data(8)
     _, loss = models.forward(tf.constant(x), tf.constant(y))
     tf.compat.v1.train.MomentumOptimizer(0.1, 0.9).minimize(loss)
-    mine = tf.compat.v1.get_collection(accumulate.COLLECTION)
+    mine = tf.compat.v1.get_collection(internal_state.COLLECTION)
     assert len(mine) == 5      # 4 accumulators and the run counter
     assert all(v in tf.compat.v1.global_variables() for v in mine)
     saver = tf.compat.v1.train.Saver()

@@ -1,0 +1,240 @@
+"""Memory-efficient automatic mixed precision, O1 (seed 001 §6.5, ``amp.level``).
+
+Three pieces, each applied where the user's program builds the part it changes:
+
+1. *Half-precision math* (``convert``, before a ``tf.gradients`` call builds the
+   backward pass): every allow-listed forward op the loss depends on (``ALLOW``:
+   matrix products and convolutions) is rebuilt in float16 between casts; its
+   consumers read the float32 cast of its result.  The backward pass TensorFlow
+   then builds for it is float16 too.  Weights stay float32 variables: each use
+   casts the value it reads, no float16 copy of a variable exists.  Everything
+   else (softmax cross-entropy, reductions, exp/log, normalization statistics,
+   the optimizer) stays float32.
+2. *Loss scaling* (``scaled_gradients``, around the same call): the backward pass
+   starts from ``scale`` instead of 1 and the gradients it returns are divided by
+   it, so small float16 gradients do not flush to zero.  ``amp.loss_scale``: a
+   number (fixed) or ``"dynamic"``: start 2^15, halve on overflow, double after
+   2,000 clean steps.
+3. *Skipping overflowed steps* (``SkipOnOverflow``, around ``apply_gradients``,
+   dynamic scale only): the optimizer receives each gradient through a ``Switch``
+   on "every gradient is finite"; on an overflow its updates (``global_step``
+   included) do not run, like the untaken branch of a ``tf.cond``.  The flag is
+   computed from the gradients the update reads — with data parallelism the
+   all-reduced ones — so every replica and micro-batch takes the same decision.
+"""
+import logging
+
+import tensorflow as tf
+
+from epl import ir
+
+log = logging.getLogger("epl")
+
+ALLOW = frozenset(["MatMul", "BatchMatMul", "BatchMatMulV2", "Conv2D"])
+INITIAL_SCALE = 2.0 ** 15
+GROWTH_INTERVAL = 2000
+COLLECTION = "epl_amp_state"
+
+
+def enabled(config):
+    return bool(config.get("amp.level"))
+
+
+def convert(graph, ys):
+    """Rebuild the allow-listed float32 ops ``ys`` depend on in float16."""
+    from epl import tf_patches
+    epl_graph = ir.Graph.get(graph)
+    converted = getattr(epl_graph, "amp_converted", None)
+    if converted is None:
+        converted = epl_graph.amp_converted = {}   # float32 op -> its float16 rebuild
+    todo = [op for op in _upstream([y.op for y in ys])
+            if op.type in ALLOW and op not in converted and _convertible(epl_graph, op)]
+    for op in sorted(todo, key=lambda o: o._id):  # pylint: disable=protected-access
+        tg = epl_graph.taskgraph_of(op)
+        g = op.graph
+        with g.name_scope(None), g.control_dependencies(None), \
+                tf_patches.creating_for(tg, ir.FORWARD), tf.compat.v1.device(op.device or None):
+            halves = [_half(t, converted) for t in op.inputs]
+            attrs = dict(op.node_def.attr.items())
+            attrs["T"] = tf.compat.v1.AttrValue(type=tf.float16.as_datatype_enum)
+            new = g._create_op_internal(  # pylint: disable=protected-access
+                op.type, halves, [tf.float16], input_types=[tf.float16] * len(halves),
+                name=op.name + "_fp16", attrs=attrs, op_def=op.op_def, compute_device=False)
+            if op.control_inputs:
+                new._add_control_inputs(op.control_inputs)  # pylint: disable=protected-access
+            back = tf.cast(new.outputs[0], tf.float32, name=op.name + "_fp32")
+        for consumer in list(op.outputs[0].consumers()):
+            if consumer is back.op:
+                continue
+            for i, t in enumerate(consumer.inputs):
+                if t is op.outputs[0]:
+                    consumer._update_input(i, back)  # pylint: disable=protected-access
+        converted[op] = new
+    return len(todo)
+
+
+def recast_weights(graph, first_id):
+    """The backward ops (ids ``first_id``..) that read a weight's float16 cast made in
+    the forward pass read a new cast of the same float32 value instead, made when
+    their gradient input is ready: the forward pass's half copy of each weight is
+    freed after its forward use instead of living until the backward pass."""
+    nodes = graph._nodes_by_id  # pylint: disable=protected-access
+    backward = [nodes[i] for i in range(first_id, graph._last_id + 1) if i in nodes]  # pylint: disable=protected-access
+    mine = set(backward)
+    made = 0
+    for b in backward:
+        if b._control_flow_context is not None:  # pylint: disable=protected-access
+            continue
+        for i, t in enumerate(b.inputs):
+            if not _weight_cast(t) or t.op in mine:
+                continue
+            triggers = [x.op for x in b.inputs if x.op in mine]
+            with graph.name_scope(None), graph.control_dependencies(triggers), \
+                    tf.compat.v1.device(t.op.device or None):
+                again = tf.cast(t.op.inputs[0], tf.float16, name=t.op.name + "_again")
+            b._update_input(i, again)  # pylint: disable=protected-access
+            made += 1
+    return made
+
+
+def _weight_cast(t):
+    """``t`` is a float16 cast of a variable's value (a ref variable's read, a resource
+    read)."""
+    if t.op.type != "Cast" or t.dtype != tf.float16:
+        return False
+    src = t.op.inputs[0].op
+    if src.type == "ReadVariableOp":
+        return True
+    return src.type == "Identity" and src.inputs and src.inputs[0].dtype._is_ref_dtype  # pylint: disable=protected-access
+
+
+def _convertible(epl_graph, op):
+    if op._control_flow_context is not None:  # pylint: disable=protected-access
+        return False
+    if epl_graph.phase_of(op) not in (None, ir.FORWARD):
+        return False
+    tg = epl_graph.taskgraph_of(op)
+    if tg is not None and tg.kind == "split":
+        return False
+    return op.get_attr("T") == tf.float32
+
+
+def _half(t, converted):
+    """``t`` in float16: the source of our own float32 cast (two converted ops in a row
+    pass float16 along), else a cast at use (of a weight: no float16 copy is kept)."""
+    if t.op.type == "Cast" and t.op.name.endswith("_fp32") and t.op.inputs[0].dtype == tf.float16:
+        return t.op.inputs[0]
+    return tf.cast(t, tf.float16)
+
+
+def _upstream(ops):
+    seen, stack = set(), list(ops)
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        stack.extend(t.op for t in op.inputs)
+    return seen
+
+
+def loss_scale(graph, config):
+    """The loss scale tensor (a variable for "dynamic", a constant otherwise) and, for
+    "dynamic", the variables that steer it: (scale, state or None)."""
+    value = config.get("amp.loss_scale")
+    if value != "dynamic":
+        return tf.constant(float(value), tf.float32, name="EPL_AMP/loss_scale"), None
+    from epl.internal_state import variable
+    epl_graph = ir.Graph.get(graph)
+    state = getattr(epl_graph, "amp_state", None)
+    if state is None:
+        with graph.name_scope("EPL_AMP/"):
+            scale = variable("loss_scale", lambda: tf.constant(INITIAL_SCALE))
+            good = variable("good_steps", lambda: tf.constant(0, tf.int64))
+        state = epl_graph.amp_state = (scale, good)
+    return state[0].read_value(), state
+
+
+def scaled_gradients(ys, args, kwargs, scale):
+    """The ``_GradientsHelper`` arguments with the backward pass started from
+    ``scale`` (``grad_ys`` times the scale, or the scale itself)."""
+    from tensorflow.python.util import nest
+    args, kwargs = list(args), dict(kwargs)
+    given = args[0] if args else kwargs.get("grad_ys")
+    ys_list = nest.flatten(ys)
+    given = nest.flatten(given) if given is not None else [None] * len(ys_list)
+    start = []
+    for y, g in zip(ys_list, given):
+        s = tf.cast(scale, y.dtype)
+        start.append(tf.fill(tf.shape(y), s) if g is None else g * s)
+    if args:
+        args[0] = start
+    else:
+        kwargs["grad_ys"] = start
+    return args, kwargs
+
+
+def unscale(grads, scale):
+    """The gradients of a scaled backward pass, divided by the scale."""
+    out = []
+    for g in grads:
+        if g is None:
+            out.append(g)
+        elif isinstance(g, tf.IndexedSlices):
+            out.append(tf.IndexedSlices(g.values / tf.cast(scale, g.values.dtype), g.indices,
+                                        g.dense_shape))
+        else:
+            out.append(g / tf.cast(scale, g.dtype))
+    return out
+
+
+class SkipOnOverflow(object):
+    """The gate around one ``apply_gradients`` call (dynamic loss scale)."""
+
+    def __init__(self, grads_and_vars, state, debug_log):
+        self.scale, self.good = state
+        self.debug_log = debug_log
+        with tf.compat.v1.name_scope("EPL_AMP"):
+            checks = [tf.reduce_all(tf.math.is_finite(_values(g)))
+                      for g, _ in grads_and_vars if g is not None]
+            self.finite = tf.reduce_all(tf.stack(checks), name="all_finite") if checks \
+                else tf.constant(True)
+            self.grads_and_vars = []
+            for g, v in grads_and_vars:
+                if g is not None:
+                    g = _switched(g, self.finite)
+                self.grads_and_vars.append((g, v))
+
+    def finish(self, applied):
+        """The op to return: the update (or not) and the loss scale's next value."""
+        with tf.compat.v1.name_scope("EPL_AMP"):
+            skipped, taken = tf.raw_ops.Switch(data=self.finite, pred=self.finite)
+            with tf.control_dependencies([applied]):
+                taken = tf.identity(taken)
+            done, _ = tf.raw_ops.Merge(inputs=[skipped, taken])
+            with tf.control_dependencies([done]):
+                scale, good = self.scale.read_value(), self.good.read_value()
+                grown = good + 1 >= GROWTH_INTERVAL
+                new_scale = tf.where(self.finite, tf.where(grown, scale * 2.0, scale),
+                                     scale * 0.5)
+                new_good = tf.where(self.finite, tf.where(grown, tf.zeros_like(good), good + 1),
+                                    tf.zeros_like(good))
+                updates = [self.scale.assign(new_scale, read_value=False),
+                           self.good.assign(new_good, read_value=False)]
+                if self.debug_log:
+                    updates.append(tf.print("EPL AMP: loss scale", scale, "->", new_scale,
+                                            "step skipped (overflow):",
+                                            tf.logical_not(self.finite)))
+            return tf.group(*updates, name="step")
+
+
+def _values(g):
+    return g.values if isinstance(g, tf.IndexedSlices) else g
+
+
+def _switched(g, pred):
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.raw_ops.Switch(data=g.values, pred=pred)[1],
+                                tf.raw_ops.Switch(data=g.indices, pred=pred)[1],
+                                g.dense_shape)
+    return tf.raw_ops.Switch(data=g, pred=pred)[1]

@@ -1,0 +1,28 @@
+"""EPL's own variables in the user's graph (run accumulators, the AMP loss scale).
+
+They are initialized with the global variables (the user's
+``global_variables_initializer`` covers them) but are not part of the model: a
+default ``tf.train.Saver`` leaves them out (``tf_patches`` patch 5), so checkpoints
+interchange with the same program trained without the feature.
+"""
+import tensorflow as tf
+
+COLLECTION = "epl_internal_state"
+
+
+def variable(name, initial, dtype=None):
+    """A resource variable of EPL's.  ``initial``: a callable building the initial
+    value; neither waits for the user's control dependencies (optimizers are often
+    built under the gradients')."""
+    with tf.control_dependencies(None):
+        return tf.compat.v1.Variable(initial(), trainable=False, name=name, use_resource=True,
+                                     dtype=dtype,
+                                     collections=[tf.compat.v1.GraphKeys.GLOBAL_VARIABLES,
+                                                  COLLECTION])
+
+
+def saveable_default(graph):
+    """What a default ``tf.train.Saver`` saves: every saveable but EPL's own state."""
+    from tensorflow.python.ops import variables
+    mine = set(id(v) for v in graph.get_collection(COLLECTION))
+    return [v for v in variables._all_saveable_objects() if id(v) not in mine]  # pylint: disable=protected-access
