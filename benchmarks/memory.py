@@ -249,11 +249,11 @@ def main():
                 "(variables resident + the step's peak there); the host holds the variables")
     records += [dict(r, table="offload") for r in rows]
 
-    amp_case = {"model": "mlp", "depth": 8, "width": 256, "batch": 1024}
+    amp_case = {"model": "mlp", "depth": 4, "width": 256, "batch": 256}
     rows = [_child(dict(amp_case, feature=f, arg=a), args.steps)
             for f, a in (("plain", None), ("amp", None), ("amp", "auto"))]
     _ratio(rows, rows[0])
-    print_table(rows, cols, "AMP O1 (arg: with GC), MLP 8 x 256, batch 1024: the step's peak "
+    print_table(rows, cols, "AMP O1 (arg: with GC), MLP 4 x 256, batch 256: the step's peak "
                 "(float16 activations of the products) and time (CPU float16 kernels are slow)")
     records += [dict(r, table="amp") for r in rows]
     write_json("memory", records, args.json)

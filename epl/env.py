@@ -26,7 +26,6 @@ class Env(object):
 # Features whose rewrite passes have not landed yet.  Setting one of these keys
 # to a non-default value must fail loudly rather than be silently ignored.
 _NOT_YET = {
-    "zero.level": "ZeRO",
     "auto.auto_parallel": "automatic parallelism",
 }
 

@@ -51,6 +51,16 @@ def test_two_workers_two_devices_equal_local_model(tmp_path):
     _check_workers(tmp_path, 2, 2)
 
 
+def test_zero_two_workers_two_devices(tmp_path, monkeypatch):
+    """zero.level v1 on 2 workers x 2 devices: each worker's optimizer state over its
+    two devices; the numbers of the local model."""
+    monkeypatch.setenv("EPL_ZERO_LEVEL", "v1")
+    code, out = launch(["--num_workers", "2", "--gpu_per_worker", "2",
+                        os.path.join(HERE, "mw_train.py"), str(tmp_path)])
+    assert code == 0, out[-5000:]
+    _check_workers(tmp_path, 2, 2)
+
+
 @pytest.mark.parametrize("devices", [1, 2])
 def test_pipeline_spanning_two_workers_equals_local(tmp_path, devices):
     """Stage 0 on worker 0, stage 1 on worker 1 (TF's distributed runtime): the local

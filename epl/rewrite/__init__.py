@@ -152,6 +152,14 @@ def _rewrite(epl_graph, env):
     sel = selection.select(epl_graph, replicated, share_variables(env.cluster, env.config),
                            env.config.get("communication.clip_after_allreduce"))
     state = ReplicaState(epl_graph, replicated, sel, layout, env.cluster, env.config)
+    if env.config.get("zero.level"):
+        from epl.rewrite import zero
+        if env.cluster.offload:
+            raise NotImplementedError(
+                "epl.Config: 'zero.level' = %r with 'offload.level' = %r: both decide where the "
+                "variables live; remove one of the two keys."
+                % (env.config.get("zero.level"), env.config.get("offload.level")))
+        state.zero_owners = zero.plan_owners(state, sel)
     split.place(state)
     _passes(state, sel, since=-1, first=True)
     if env.cluster.offload:

@@ -39,6 +39,8 @@ def _device_for(state, c, inputs, op):
     memory; their readers send each value to the device that uses it."""
     if op.type in VARIABLE_OPS and state.cluster.offload:
         return state.host_device(c)
+    if op in state.zero_owners:
+        return state.zero_owners[op]
     for t in inputs:
         if ir.is_state_handle(t) and t.op.type in VARIABLE_OPS and t.op.device:
             return t.op.device

@@ -68,6 +68,7 @@ class ReplicaState(object):
         self.batch_ops = None      # ops computed from an input batch (split.py)
         self.copied_contexts = set()  # loops / conditions the clones have copies of
         self.templates = {}       # op -> its NodeDef template (replicate.place_originals)
+        self.zero_owners = {}     # shared variable op -> its device (zero.level)
 
     @property
     def num_clones(self):
@@ -193,6 +194,8 @@ def share_variables(cluster, config):
     On CPU every virtual device of a worker lives in one address space, so one
     copy and one update per worker is the fast choice; GPUs mirror.
     """
+    if config.get("zero.level"):
+        return True     # ZeRO places each shared variable with its owner (rewrite/zero.py)
     mode = config.get("cluster.variable_copies")
     if mode == "auto":
         return cluster.device_type == "cpu"

@@ -1,0 +1,65 @@
+"""ZeRO v1 (seed 001 §6.3, ``zero.level = "v1"``): the optimizer state is partitioned
+over the data-parallel replicas instead of kept by every one.
+
+The clones of a worker share one copy of each variable (``cluster.variable_copies
+= per_worker`` semantics, forced on): this pass only decides *where* each shared
+variable lives.  Every variable and the state beside it (optimizer slots, Adam's
+beta powers: the variables colocated with it) is owned by one of the devices that
+run the variable's pipeline stage, balanced by bytes (largest first onto the least
+loaded device: no device holds more than the mean plus the largest variable).  The
+update of a variable runs on its owner, beside its slots (``replicate._device_for``);
+the other devices read the new value from there at their next use.  The gradient
+is reduced as in plain data parallelism and read by the owner's update.
+
+Checkpoints do not record devices: one written with ZeRO restores into the plain
+program and into any other number of devices.  Across workers each worker keeps
+its own copy of the state (partitioned over its own devices).
+"""
+import logging
+
+from epl.rewrite.updates import VARIABLE_OPS
+
+log = logging.getLogger("epl")
+
+
+def plan_owners(state, sel):
+    """{variable op: device} for the worker's shared variables (``sel.shared``)."""
+    variables = [op for op in sel.shared if op.type in VARIABLE_OPS]
+    names = dict((op.name, op) for op in variables)
+    groups = {}     # primary variable -> the variables kept beside it
+    for op in variables:
+        primary = op
+        for group in op.colocation_groups():
+            target = names.get(group.decode()[len("loc:@"):])
+            if target is not None:
+                primary = target
+                break
+        groups.setdefault(primary, []).append(op)
+    by_stage = {}
+    for primary, members in groups.items():
+        by_stage.setdefault(state.stage_of(primary), []).append(
+            (sum(_nbytes(op) for op in members), primary, members))
+    owners = {}
+    for stage, items in by_stage.items():
+        devices = []
+        for c in range(state.num_clones):
+            dev = state.stage_devices[c][stage]
+            if state.is_rep(c) and dev not in devices:
+                devices.append(dev)
+        load = dict((d, 0) for d in devices)
+        for size, primary, members in sorted(items, key=lambda x: (-x[0], x[1].name)):
+            device = min(devices, key=lambda d: (load[d], devices.index(d)))
+            load[device] += size
+            for op in members:
+                owners[op] = device
+        log.info("EPL ZeRO: stage %d's variables over %d devices, bytes %s",
+                 stage, len(devices), [load[d] for d in devices])
+    return owners
+
+
+def _nbytes(op):
+    """Bytes of the variable ``op`` makes (its ``shape`` and ``dtype`` attributes)."""
+    import tensorflow as tf
+    shape = tf.TensorShape(op.get_attr("shape"))
+    n = shape.num_elements() or 1
+    return n * tf.as_dtype(op.get_attr("dtype")).base_dtype.size
