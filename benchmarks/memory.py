@@ -16,6 +16,8 @@ Tables:
           temporaries (several per weight) dominate the step.
 * offload: offload.level v0: bytes on the training device (variables resident
           there + the step's peak there) with and without.
+* zero:   zero.level v1 vs one state per device / per worker: optimizer bytes on the
+          fullest device vs 8 bytes x params / N, step time (4 devices, Adam).
 * amp:    amp.level O1 (and O1 + auto GC) vs float32: the step's peak and time.
 
     python benchmarks/memory.py [--steps 5] [--json FILE]
@@ -135,7 +137,15 @@ def run_case(case, steps):
         cfg["amp.level"] = "O1"
         if arg:
             cfg["gradient_checkpoint.type"] = arg
+    elif feature in ("per_device", "per_worker", "zero"):
+        cfg["cluster.devices_per_worker"] = case["devices"]
+        if feature == "zero":
+            cfg["zero.level"] = "v1"
+        else:
+            cfg["cluster.variable_copies"] = feature
     epl.init(epl.Config(cfg))
+    if "devices" in case:
+        epl.set_default_strategy(epl.replicate(1))
     rng = np.random.RandomState(0)
     adamw = case.get("optimizer") == "adamw"
     # Resource variables: an update may run as soon as its gradient is ready (a ref
@@ -150,7 +160,9 @@ def run_case(case, steps):
             loss = transformer(tf, x, case["depth"], 4)
         else:
             raise ValueError(model)
-    if adamw:
+    if case.get("optimizer") == "adam":
+        op = tf.compat.v1.train.AdamOptimizer(1e-3).minimize(loss)
+    elif adamw:
         # The updates wait for every gradient (ref variables, PLATFORM_NOTES), so every
         # update's temporaries could be alive at once: what grouped apply is for.
         variables = tf.compat.v1.trainable_variables()
@@ -175,8 +187,21 @@ def run_case(case, steps):
                        if v.op.device in ("", device) or v.op.device.endswith("CPU:0"))
         times = time_calls(lambda: sess.run(op), steps, warmup=1)
         final = float(sess.run(loss))
+        # Optimizer state (slots, beta powers) per device, from where the variables live.
+        state = {}
+        for v in tf.compat.v1.global_variables():
+            if "Adam" in v.op.name or "_power" in v.op.name:
+                dev = v.op.device[-5:] if v.op.device else "CPU:0"
+                state[dev] = state.get(dev, 0) + int(np.prod(v.shape)) * 4
+        for op in sess.graph.get_operations():   # the replicas' copies
+            if op.type in ("VariableV2", "VarHandleOp") and op.name.startswith("EPL_REPLICA_") \
+                    and ("/Adam" in op.name or "_power" in op.name):
+                dev = op.device[-5:]
+                shape = tf.TensorShape(op.get_attr("shape"))
+                state[dev] = state.get(dev, 0) + (shape.num_elements() or 1) * 4
     return dict(case, peak_bytes=min(peaks), step_ms=1000 * median(times), loss=final,
-                device_peak_bytes=min(device_peaks), device_resident_bytes=resident)
+                device_peak_bytes=min(device_peaks), device_resident_bytes=resident,
+                optimizer_bytes_per_device=state)
 
 
 def _child(case, steps):
@@ -248,6 +273,26 @@ def main():
                 "offload v0, 8 layers 1024x1024, Momentum: bytes on the training device "
                 "(variables resident + the step's peak there); the host holds the variables")
     records += [dict(r, table="offload") for r in rows]
+
+    zcase = {"model": "mlp", "depth": 8, "width": 512, "batch": 256, "optimizer": "adam",
+             "devices": 4}
+    rows = [_child(dict(zcase, feature=f), args.steps)
+            for f in ("per_device", "per_worker", "zero")]
+    params = zcase["depth"] * (zcase["width"] ** 2 + zcase["width"]) * 4
+    for r in rows:
+        per = r["optimizer_bytes_per_device"]
+        r["max_state_MiB"] = max(per.values()) / MIB
+        r["devices_holding"] = len(per)
+        r["formula_MiB"] = 2 * params / zcase["devices"] / MIB     # Adam: 8 bytes/param / N
+        r["largest_var_MiB"] = 2 * zcase["width"] ** 2 * 4 / MIB   # (its two slots)
+    base = rows[0]
+    for r in rows:
+        r["time_x"] = r["step_ms"] / base["step_ms"]
+    print_table(rows, ["feature", "max_state_MiB", "devices_holding", "formula_MiB",
+                       "largest_var_MiB", "step_ms", "time_x"],
+                "ZeRO v1, Adam, MLP 8 x 512 on 4 devices: optimizer state on the fullest "
+                "device (goal: <= formula 8 B x params / N + the largest variable's slots)")
+    records += [dict(r, table="zero") for r in rows]
 
     amp_case = {"model": "mlp", "depth": 4, "width": 256, "batch": 256}
     rows = [_child(dict(amp_case, feature=f, arg=a), args.steps)
