@@ -26,7 +26,6 @@ class Env(object):
 # Features whose rewrite passes have not landed yet.  Setting one of these keys
 # to a non-default value must fail loudly rather than be silently ignored.
 _NOT_YET = {
-    "auto.auto_parallel": "automatic parallelism",
 }
 
 
@@ -60,6 +59,8 @@ def init(config=None):
                 "epl.Config: %r = %r asks for %s, which this EPL version does not implement "
                 "yet; remove the key (the model then trains without it)."
                 % (key, config.get(key), feature))
+    from epl import auto_stages
+    auto_stages.check_config(config)
     if config.get("optimizer.num_apply_group") < 1:
         raise ValueError("epl.Config: 'optimizer.num_apply_group' = %d is invalid; it must be "
                          ">= 1 (1 applies all updates at once)."

@@ -265,30 +265,10 @@ def choose(ops, wanted):
     ``ops`` (in topological order), about sqrt(n) spaced evenly by the bytes of the
     activations the backward pass reads (``wanted``) between them.
 
-    A separator is the one recomputable tensor alive across its position: what
-    comes after reads what came before only through it (a residual stream between
-    blocks, a plain layer's output)."""
+    The separators: ``ir.separators`` (a residual stream between blocks, a plain
+    layer's output)."""
     pos = {op: i for i, op in enumerate(ops)}
-    last = {}
-    for op in ops:
-        for t in op.inputs:
-            if t.op in pos and _float(t):
-                last[t] = max(last.get(t, -1), pos[op])
-    # Live intervals (produced, last read); t separates at p if no other crosses p.
-    crossing = [0] * (len(ops) + 1)
-    for t, end in last.items():
-        start = pos[t.op]
-        if end > start + 1:
-            crossing[start + 1] += 1
-            crossing[end] -= 1
-    live, alone = 0, []
-    for p, op in enumerate(ops):
-        live += crossing[p]
-        # Intervals starting at p were added at p + 1: live counts only older ones.
-        if live == 0:
-            outs = [t for t in op.outputs if t in last and last[t] > p]
-            if len(outs) == 1:
-                alone.append(outs[0])
+    alone = ir.separators(ops)
     read = [t for t in alone if t in wanted]
     separators = read or alone
     if len(separators) < 2:
@@ -305,10 +285,6 @@ def choose(ops, wanted):
         if best is None or cost < best[0]:
             best = (cost, picks)
     return best[1]
-
-
-def _float(t):
-    return t.dtype.is_floating and not ir.is_state_handle(t)
 
 
 def _spaced(separators, at, total, k):

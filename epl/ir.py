@@ -32,6 +32,35 @@ def is_state_handle(t):
     return t.dtype._is_ref_dtype or t.dtype.base_dtype.name == "resource"  # pylint: disable=protected-access
 
 
+def separators(ops):
+    """The tensors that separate ``ops`` (a topological order): each is the only
+    floating-point tensor among ``ops`` alive across its position, so what comes after
+    reads what came before only through it (a plain layer's output, the residual
+    stream between transformer blocks).  In order."""
+    pos = {op: i for i, op in enumerate(ops)}
+    last = {}
+    for op in ops:
+        for t in op.inputs:
+            if t.op in pos and t.dtype.is_floating and not is_state_handle(t):
+                last[t] = max(last.get(t, -1), pos[op])
+    # Live intervals (produced, last read); t separates at p if no other crosses p.
+    crossing = [0] * (len(ops) + 1)
+    for t, end in last.items():
+        start = pos[t.op]
+        if end > start + 1:
+            crossing[start + 1] += 1
+            crossing[end] -= 1
+    live, alone = 0, []
+    for p, op in enumerate(ops):
+        live += crossing[p]
+        # Intervals starting at p were added at p + 1: live counts only older ones.
+        if live == 0:
+            outs = [t for t in op.outputs if t in last and last[t] > p]
+            if len(outs) == 1:
+                alone.append(outs[0])
+    return alone
+
+
 class TaskGraph(object):
     """The ops of one strategy annotation (seed 001 §4)."""
 

@@ -239,6 +239,9 @@ def _backward_call(ys, xs, compute):
     c = _c()
     ys_list = [y for y in nest.flatten(ys) if hasattr(y, "op")]
     graph = ys_list[0].graph if ys_list else None
+    if graph is not None and Env.initialized() and not (c.rewriting or c.grad_default or c.apply) \
+            and Env.get().config.get("auto.auto_parallel"):
+        _auto_stages(graph, ys_list)
     tg = None
     for y in ys_list:
         tg = ir.Graph.get(y.graph).taskgraph_of(y.op)
@@ -268,6 +271,23 @@ def _backward_call(ys, xs, compute):
             ys_list, nest.flatten(xs), grads,
             range(first_id, graph._last_id + 1)))  # pylint: disable=protected-access
     return result
+
+
+def _auto_stages(graph, ys):
+    """auto.auto_parallel: the first backward pass cuts the unannotated forward pass into
+    pipeline stages (``epl.auto_stages``) before its ops are attributed to them."""
+    from epl import auto_stages
+    from epl.env import Env
+    epl_graph = ir.Graph.get(graph)
+    if any(tg.strategy.name and tg.strategy.name.startswith("auto_stage_")
+           for tg in epl_graph.taskgraphs):
+        return
+    if epl_graph.taskgraphs:
+        raise ValueError(
+            "epl.Config: 'auto.auto_parallel' = True cuts an unannotated model into stages, "
+            "but this model has epl.replicate / epl.split annotations (%r). Remove the "
+            "annotations or auto.auto_parallel." % (epl_graph.taskgraphs[0].strategy,))
+    auto_stages.partition(graph, ys, Env.get().config.get("pipeline.num_stages"))
 
 
 def _gradients_helper(ys, xs, *args, **kwargs):
