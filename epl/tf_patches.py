@@ -384,33 +384,34 @@ def _capture_apply(grads_and_vars, global_step, apply):
         tg = epl_graph.taskgraph_of(v.op)
         if tg is not None:
             break
+    config = Env.get().config
+    across = config.get("pipeline.num_micro_batch") > 1 and not epl_graph.taskgraphs
+    amp_state = getattr(epl_graph, "amp_state", None)
+    if across and amp_state is not None:
+        raise NotImplementedError(
+            "epl.Config: 'amp.loss_scale' = 'dynamic' with 'pipeline.num_micro_batch' = %d "
+            "on a model without annotation (accumulation across runs) is not implemented "
+            "yet: use a fixed amp.loss_scale, or annotate the model to accumulate inside "
+            "each run." % config.get("pipeline.num_micro_batch"))
     c.apply.append(tg)
     c.apply_depth += 1
     first_id = graph._last_id + 1  # pylint: disable=protected-access
-    config = Env.get().config
     gates = []      # each wraps the gradients the optimizer gets, and its result
-    if config.get("pipeline.num_micro_batch") > 1 and not epl_graph.taskgraphs:
-        from epl.accumulate import AcrossRuns
-        gates.append(AcrossRuns(grads_and_vars, config.get("pipeline.num_micro_batch"),
-                                config.get("communication.gradients_reduce_method")))
-    amp_state = getattr(epl_graph, "amp_state", None)
-    if amp_state is not None:
-        from epl.amp import SkipOnOverflow
-        if gates:
-            raise NotImplementedError(
-                "epl.Config: 'amp.loss_scale' = 'dynamic' with 'pipeline.num_micro_batch' = %d "
-                "on a model without annotation (accumulation across runs) is not implemented "
-                "yet: use a fixed amp.loss_scale, or annotate the model to accumulate inside "
-                "each run." % config.get("pipeline.num_micro_batch"))
-        gates.append(SkipOnOverflow(grads_and_vars, amp_state, config.get("amp.debug_log")))
     try:
+        if across:
+            from epl.accumulate import AcrossRuns
+            gates.append(AcrossRuns(grads_and_vars, config.get("pipeline.num_micro_batch"),
+                                    config.get("communication.gradients_reduce_method")))
+        if amp_state is not None:
+            from epl.amp import SkipOnOverflow
+            gates.append(SkipOnOverflow(grads_and_vars, amp_state, config.get("amp.debug_log")))
         result = apply(gates[-1].grads_and_vars if gates else grads_and_vars)
         for gate in reversed(gates):
             result = gate.finish(result)
     finally:
         c.apply.pop()
         c.apply_depth -= 1
-    record.across_runs = any(type(g).__name__ == "AcrossRuns" for g in gates)
+    record.across_runs = across
     groups = config.get("optimizer.num_apply_group")
     if groups > 1:
         from epl import grouped_apply

@@ -79,8 +79,6 @@ def test_impossible_layout_raises_at_rewrite():
 
 
 def test_unimplemented_feature_is_loud():
-    with pytest.raises(NotImplementedError, match="'zero.level' = 'v1'"):
-        epl.init(epl.Config({"zero.level": "v1"}))
     with pytest.raises(NotImplementedError, match="'auto.auto_parallel' = True"):
         epl.init(epl.Config({"auto.auto_parallel": True}))
     epl.init(epl.Config({"auto.auto_parallel": False}))   # (the default)
