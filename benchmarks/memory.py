@@ -34,26 +34,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from common import median, print_table, time_calls, write_json  # noqa: E402
+from epl.memory_trace import peak_bytes  # noqa: E402
 
 MIB = float(1 << 20)
-
-
-def peak_bytes(run_metadata, device=None):
-    """The step's peak: replay of its allocation records in time order (of the ops
-    that ran on ``device``, default all)."""
-    events = []
-    for dev in run_metadata.step_stats.dev_stats:
-        if device is not None and dev.device != device:
-            continue
-        for node in dev.node_stats:
-            for mem in node.memory:
-                events.extend((r.alloc_micros, r.alloc_bytes) for r in mem.allocation_records)
-    events.sort()
-    cur = peak = 0
-    for _, b in events:
-        cur += b
-        peak = max(peak, cur)
-    return peak
 
 
 def mlp(tf, x, depth, width):

@@ -5,6 +5,7 @@
     epl.set_default_strategy(epl.replicate(device_count=1))
     ... the unchanged TF1 model and session ...
 """
+from epl import auto
 from epl.collections import GraphKeys, add_to_collection, get_all_collections, get_collection
 from epl.config import Config
 from epl.env import Env, init
@@ -15,6 +16,6 @@ from epl.tensor_parallel.moe import moe_layer
 VERSION = "0.1.0"
 __version__ = VERSION
 
-__all__ = ["Config", "Env", "Graph", "GraphKeys", "VERSION", "add_to_collection",
+__all__ = ["Config", "Env", "Graph", "GraphKeys", "VERSION", "add_to_collection", "auto",
            "get_all_collections", "get_collection", "init", "moe_layer", "replicate",
            "set_default_strategy", "split"]

@@ -1,0 +1,244 @@
+"""Strategy search: ``epl.auto.accelerate`` (seed 004's ``auto_accelerate``, for TF1
+graphs).
+
+A *strategy* is a JSON-serialisable list of optimization methods, each a name or
+``[name, config]``::
+
+    ["data_parallel", ["gradient_checkpoint", "auto"], "zero"]
+    [["pipeline", {"num_stages": 2, "num_micro_batch": 4}]]
+
+Methods (``METHODS``) and what they set:
+
+* ``data_parallel``: ``epl.set_default_strategy(epl.replicate(1))`` on every device;
+* ``accumulation`` ``{"num_micro_batch": m}``: data parallel, m micro-batches per step;
+* ``pipeline`` ``{"num_stages": K, "num_micro_batch": m}``: automatic stages
+  (``auto.auto_parallel``), data parallel over the pipelines;
+* ``gradient_checkpoint`` (``"auto"`` or ``"collection"``), ``zero``, ``amp``,
+  ``offload``: the memory features, on top of one of the above.
+
+Fully automatic mode tries candidates built from the methods not ``excluded``;
+each is *dry-run* for a few steps in a process of its own (graphs, sessions and
+memory do not leak between candidates), measured for samples/s and for the peak
+bytes of a step (``epl.memory_trace``), and is infeasible above
+``memory_limit_bytes``; the fastest feasible one wins.  Candidates are tried in a
+fixed order until ``time_limit`` seconds have passed.  Semi-automatic mode
+(``load_strategy``: the list, its JSON, or a file holding it) skips the search.
+Either way the chosen strategy is then built in the calling process.
+
+The user's functions run in the candidates' processes, so they must be importable
+(defined at module level, as ``multiprocessing``'s spawn requires).
+"""
+import collections
+import json
+import logging
+import multiprocessing
+import os
+import time
+
+log = logging.getLogger("epl")
+
+METHODS = ("data_parallel", "accumulation", "pipeline", "gradient_checkpoint", "zero", "amp",
+           "offload")
+_BASES = ("data_parallel", "accumulation", "pipeline")
+
+Result = collections.namedtuple("Result", "loss train_op global_step config strategy report")
+
+
+def normalize(strategy):
+    """A strategy as a list of [name, config] (config None when not given)."""
+    if isinstance(strategy, (bytes, str)):
+        text = strategy.decode() if isinstance(strategy, bytes) else strategy
+        if os.path.exists(text):
+            with open(text) as f:
+                text = f.read()
+        strategy = json.loads(text)
+    out = []
+    for item in strategy:
+        name, config = (item, None) if isinstance(item, str) else (item[0], item[1])
+        if name not in METHODS:
+            raise ValueError("epl.auto: unknown optimization method %r in the strategy; the "
+                             "methods are %s." % (name, ", ".join(METHODS)))
+        out.append([name, config])
+    if sum(1 for name, _ in out if name in _BASES) > 1:
+        raise ValueError("epl.auto: a strategy has one of %s, got %r." % (", ".join(_BASES), out))
+    return out
+
+
+def config_of(strategy, devices):
+    """(EPL config dict, whether to set replicate(1) as the default strategy)."""
+    cfg = {"cluster.devices_per_worker": devices}
+    default = True
+    for name, arg in normalize(strategy):
+        if name == "accumulation":
+            cfg["pipeline.num_micro_batch"] = int((arg or {}).get("num_micro_batch", 2))
+        elif name == "pipeline":
+            arg = arg or {}
+            cfg["auto.auto_parallel"] = True
+            cfg["pipeline.num_stages"] = int(arg.get("num_stages", 2))
+            cfg["pipeline.num_micro_batch"] = int(arg.get("num_micro_batch", 4))
+            default = False
+        elif name == "gradient_checkpoint":
+            cfg["gradient_checkpoint.type"] = arg or "auto"
+        elif name == "zero":
+            cfg["zero.level"] = "v1"
+        elif name == "amp":
+            cfg["amp.level"] = "O1"
+        elif name == "offload":
+            cfg["offload.level"] = "v0"
+    return cfg, default
+
+
+def candidates(devices, excluded=()):
+    """The strategies the fully automatic mode tries, in order."""
+    excluded = set(excluded or ())
+    bases = []
+    if "data_parallel" not in excluded:
+        bases.append(["data_parallel"])
+    if "accumulation" not in excluded:
+        bases.append([["accumulation", {"num_micro_batch": 2}]])
+    if "pipeline" not in excluded:
+        for k in (2, 4):
+            if k <= devices and devices % k == 0:
+                bases.append([["pipeline", {"num_stages": k, "num_micro_batch": 2 * k}]])
+    out = [list(b) for b in bases]
+    extras = [m for m in ("gradient_checkpoint", "zero", "amp", "offload") if m not in excluded]
+    for base in bases[:1] or [[]]:
+        for extra in extras:
+            if extra == "zero" and devices < 2:
+                continue
+            out.append(list(base) + [extra])
+    return [normalize(s) for s in out if s]
+
+
+def build(model_fn, dataset_fn, optimizer_fn, strategy, devices):
+    """epl.init with the strategy, then the user's model, input and optimizer in the
+    default graph: (loss, train_op, global_step, config)."""
+    import tensorflow as tf
+    import epl
+    cfg, default = config_of(strategy, devices)
+    epl.init(epl.Config(cfg))
+    features = tf.compat.v1.data.make_one_shot_iterator(dataset_fn()).get_next()
+    if default:
+        epl.set_default_strategy(epl.replicate(1))
+    loss = model_fn(features)
+    step = tf.compat.v1.train.get_or_create_global_step()
+    train_op = optimizer_fn().minimize(loss, global_step=step)
+    return loss, train_op, step, cfg
+
+
+def dry_run(model_fn, dataset_fn, optimizer_fn, strategy, devices, steps):
+    """Build and run ``strategy`` for ``steps`` steps: {samples_per_s, peak_bytes, ...}."""
+    import tensorflow as tf
+    from epl import ir
+    from epl.memory_trace import peak_bytes, traced_run
+    tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+    loss, train_op, _, _ = build(model_fn, dataset_fn, optimizer_fn, strategy, devices)
+    graph = tf.compat.v1.get_default_graph()
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        sess.run(train_op)                              # the rewrite and warm-up
+        _, md = traced_run(sess, train_op)
+        peak = peak_bytes(md)
+        start = time.time()
+        for _ in range(steps):
+            sess.run(train_op)
+        seconds = (time.time() - start) / max(steps, 1)
+    state = ir.Graph.get(graph).rewrite_result.state
+    pulls = state.num_clones if state is not None else 1
+    rows = _rows(dataset_fn)
+    return {"samples_per_s": pulls * rows / seconds, "step_s": seconds, "peak_bytes": peak,
+            "rows_per_step": pulls * rows}
+
+
+def _rows(dataset_fn):
+    import tensorflow as tf
+    shapes = tf.compat.v1.data.get_output_shapes(dataset_fn())
+    first = tf.nest.flatten(shapes)[0]
+    if first.ndims and first.dims[0].value is not None:
+        return first.dims[0].value
+    raise ValueError("epl.auto: the dataset's batch dimension must be static (batch with "
+                     "drop_remainder=True) so that candidates can be compared by samples/s.")
+
+
+def _child(conn, fns, strategy, devices, steps):
+    try:
+        conn.send(("ok", dry_run(fns[0], fns[1], fns[2], strategy, devices, steps)))
+    except Exception as e:  # pylint: disable=broad-except
+        conn.send(("error", "%s: %s" % (type(e).__name__, e)))
+    finally:
+        conn.close()
+
+
+def measure(fns, strategy, devices, steps, timeout):
+    """``dry_run`` in a process of its own; (status, figures or message)."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(child, fns, strategy, devices, steps))
+    proc.start()
+    child.close()
+    try:
+        if not parent.poll(timeout):
+            return "timeout", "no result within %.0f s" % timeout
+        return parent.recv()
+    except EOFError:
+        return "error", "the dry run's process died (exit code %s)" % proc.exitcode
+    finally:
+        if proc.is_alive():
+            proc.terminate()
+        proc.join(10)
+
+
+def accelerate(model_fn, dataset_fn, optimizer_fn, devices=1, excluded=None,
+               load_strategy=None, save_strategy_to_file=None, time_limit=None,
+               memory_limit_bytes=None, dry_run_steps=3, candidate_timeout=300,
+               verbose=False):
+    """Search (or load) a strategy and build it: ``(status, result, strategy)``.
+
+    ``model_fn(features) -> loss``, ``dataset_fn() -> tf.data.Dataset`` (each element
+    one batch of a replica, static batch size), ``optimizer_fn() -> tf.compat.v1
+    Optimizer``; ``devices``: devices of this worker to use.  ``result`` is a
+    ``Result`` (loss, train_op, global_step, config, strategy, report) built in the
+    default graph after ``epl.init`` with the chosen config; ``report`` lists every
+    candidate tried with its figures.  ``status`` is False (``result`` and
+    ``strategy`` None) when no candidate was feasible.
+    """
+    report = []
+    if load_strategy is not None:
+        strategy = normalize(load_strategy)
+    else:
+        fns = (model_fn, dataset_fn, optimizer_fn)
+        started = time.time()
+        best = None
+        for cand in candidates(devices, excluded):
+            if time_limit is not None and time.time() - started >= time_limit:
+                report.append({"strategy": cand, "status": "skipped (time limit)"})
+                continue
+            status, out = measure(fns, cand, devices, dry_run_steps, candidate_timeout)
+            entry = {"strategy": cand, "status": status}
+            if status == "ok":
+                entry.update(out)
+                if memory_limit_bytes is not None and out["peak_bytes"] > memory_limit_bytes:
+                    entry["status"] = "infeasible (peak %d > %d bytes)" % (
+                        out["peak_bytes"], memory_limit_bytes)
+                elif best is None or out["samples_per_s"] > best[0]:
+                    best = (out["samples_per_s"], cand)
+            else:
+                entry["message"] = out
+            report.append(entry)
+            line = "EPL auto: %-60s %s" % (json.dumps(cand), _figures(entry))
+            (log.warning if verbose else log.info)(line)
+        if best is None:
+            return False, None, None
+        strategy = best[1]
+    if save_strategy_to_file:
+        with open(save_strategy_to_file, "w") as f:
+            json.dump(strategy, f)
+    loss, train_op, step, cfg = build(model_fn, dataset_fn, optimizer_fn, strategy, devices)
+    return True, Result(loss, train_op, step, cfg, strategy, report), strategy
+
+
+def _figures(entry):
+    if "samples_per_s" not in entry:
+        return "%s %s" % (entry["status"], entry.get("message", ""))
+    return "%.1f samples/s, peak %.1f MiB, %s" % (
+        entry["samples_per_s"], entry["peak_bytes"] / float(1 << 20), entry["status"])

@@ -1,0 +1,31 @@
+"""Model, input and optimizer functions for the strategy search tests (module level:
+the search runs them in processes of their own)."""
+import numpy as np
+import tensorflow as tf
+
+from tests import models
+
+ROWS, BATCH = 256, 16
+
+
+def dataset():
+    x, y = models.data(ROWS)
+    return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(BATCH,
+                                                                    drop_remainder=True)
+
+
+def model(features):
+    x, y = features
+    rng = np.random.RandomState(5)
+    h = x
+    for i in range(4):
+        k = (rng.randn(h.shape[-1].value, 32) * 0.2).astype(np.float32)
+        h = tf.layers.dense(h, 32, activation=tf.nn.tanh, name="layer_%d" % i,
+                            kernel_initializer=tf.constant_initializer(k))
+    logits = tf.layers.dense(h, models.CLASSES, name="logits",
+                             kernel_initializer=tf.constant_initializer(0.1))
+    return tf.losses.sparse_softmax_cross_entropy(labels=y, logits=logits)
+
+
+def optimizer():
+    return tf.compat.v1.train.GradientDescentOptimizer(0.1)
