@@ -12,6 +12,7 @@ BENCHES = [
     ["collectives.py", "--sizes-mib", "1,16,64,256", "--runs", "5"],
     ["e2e_dp.py", "--runs", "3", "--steps", "30"],
     ["memory.py"],
+    ["auto_search.py"],
     ["rewrite_time.py"],
 ]
 

@@ -18,8 +18,9 @@ Methods (``METHODS``) and what they set:
 
 Fully automatic mode tries candidates built from the methods not ``excluded``;
 each is *dry-run* for a few steps in a process of its own (graphs, sessions and
-memory do not leak between candidates), measured for samples/s and for the peak
-bytes of a step (``epl.memory_trace``), and is infeasible above
+memory do not leak between candidates), measured for samples/s and for the bytes
+of its fullest device during a step (the variables placed there plus the step's
+peak there, ``epl.memory_trace``), and is infeasible above
 ``memory_limit_bytes``; the fastest feasible one wins.  Candidates are tried in a
 fixed order until ``time_limit`` seconds have passed.  Semi-automatic mode
 (``load_strategy``: the list, its JSON, or a file holding it) skips the search.
@@ -40,6 +41,7 @@ log = logging.getLogger("epl")
 METHODS = ("data_parallel", "accumulation", "pipeline", "gradient_checkpoint", "zero", "amp",
            "offload")
 _BASES = ("data_parallel", "accumulation", "pipeline")
+MIN_TIMED_SECONDS = 1.0
 
 Result = collections.namedtuple("Result", "loss train_op global_step config strategy report")
 
@@ -127,9 +129,13 @@ def build(model_fn, dataset_fn, optimizer_fn, strategy, devices):
 
 
 def dry_run(model_fn, dataset_fn, optimizer_fn, strategy, devices, steps):
-    """Build and run ``strategy`` for ``steps`` steps: {samples_per_s, peak_bytes, ...}."""
+    """Build and run ``strategy`` for ``steps`` steps: {samples_per_s, peak_bytes, ...}.
+
+    ``peak_bytes``: the fullest training device's bytes during a step: the variables
+    it holds (weights, optimizer state) plus the step's own peak there."""
     import tensorflow as tf
     from epl import ir
+    from epl.env import Env
     from epl.memory_trace import peak_bytes, traced_run
     tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
     loss, train_op, _, _ = build(model_fn, dataset_fn, optimizer_fn, strategy, devices)
@@ -138,16 +144,38 @@ def dry_run(model_fn, dataset_fn, optimizer_fn, strategy, devices, steps):
         sess.run(tf.compat.v1.global_variables_initializer())
         sess.run(train_op)                              # the rewrite and warm-up
         _, md = traced_run(sess, train_op)
-        peak = peak_bytes(md)
-        start = time.time()
-        for _ in range(steps):
+        cluster = Env.get().cluster
+        names = [cluster.local_device(i) for i in range(cluster.gpu_num_per_worker)]
+        held = _variable_bytes(graph, names)
+        peak = max(held[d] + peak_bytes(md, d) for d in names)
+        # At least ``steps`` steps and MIN_TIMED_SECONDS: short steps are noisy.
+        start, done = time.time(), 0
+        while done < steps or time.time() - start < MIN_TIMED_SECONDS:
             sess.run(train_op)
-        seconds = (time.time() - start) / max(steps, 1)
+            done += 1
+        seconds = (time.time() - start) / done
     state = ir.Graph.get(graph).rewrite_result.state
     pulls = state.num_clones if state is not None else 1
     rows = _rows(dataset_fn)
     return {"samples_per_s": pulls * rows / seconds, "step_s": seconds, "peak_bytes": peak,
             "rows_per_step": pulls * rows}
+
+
+def _variable_bytes(graph, devices):
+    """{device: bytes of the variables placed there} (unplaced ones: the first)."""
+    import tensorflow as tf
+    from tensorflow.python.framework import device as pydev
+    out = dict((d, 0) for d in devices)
+    canon = dict((pydev.canonical_name(d), d) for d in devices)
+    for op in graph.get_operations():
+        if op.type not in ("VariableV2", "VarHandleOp"):
+            continue
+        shape = tf.TensorShape(op.get_attr("shape"))
+        size = (shape.num_elements() or 1) * tf.as_dtype(op.get_attr("dtype")).size
+        dev = canon.get(pydev.canonical_name(op.device)) if op.device else devices[0]
+        if dev is not None:
+            out[dev] += size
+    return out
 
 
 def _rows(dataset_fn):
