@@ -47,7 +47,7 @@ def convert(graph, ys):
     converted = getattr(epl_graph, "amp_converted", None)
     if converted is None:
         converted = epl_graph.amp_converted = {}   # float32 op -> its float16 rebuild
-    todo = [op for op in _upstream([y.op for y in ys])
+    todo = [op for op in ir.upstream([y.op for y in ys], control=False)
             if op.type in ALLOW and op not in converted and _convertible(epl_graph, op)]
     for op in sorted(todo, key=lambda o: o._id):  # pylint: disable=protected-access
         tg = epl_graph.taskgraph_of(op)
@@ -125,17 +125,6 @@ def _half(t, converted):
     if t.op.type == "Cast" and t.op.name.endswith("_fp32") and t.op.inputs[0].dtype == tf.float16:
         return t.op.inputs[0]
     return tf.cast(t, tf.float16)
-
-
-def _upstream(ops):
-    seen, stack = set(), list(ops)
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        stack.extend(t.op for t in op.inputs)
-    return seen
 
 
 def loss_scale(graph, config):

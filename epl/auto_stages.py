@@ -79,15 +79,7 @@ def partition(graph, ys, num_stages):
 def _forward(epl_graph, ys):
     """The forward ops ``ys`` depend on, in creation order, without the input pipeline
     (it stays outside the stages, as in hand-annotated programs)."""
-    seen, stack = set(), [y.op for y in ys]
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        stack.extend(t.op for t in op.inputs)
-        stack.extend(op.control_inputs)
-    ops = [op for op in seen if epl_graph.phase_of(op) in (None, ir.FORWARD)
+    ops = [op for op in ir.upstream([y.op for y in ys]) if epl_graph.phase_of(op) in (None, ir.FORWARD)
            and not _input(op)]
     return sorted(ops, key=lambda o: o._id)  # pylint: disable=protected-access
 

@@ -56,7 +56,9 @@ def apply(graph, ys, first_id, config):
     if not backward:
         return 0
     in_backward = set(backward)
-    forward = _forward_ops(ys, in_backward)
+    # The ops ``ys`` are computed from, in creation (= topological) order.
+    forward = sorted(ir.upstream([y.op for y in ys], stop=in_backward),
+                     key=lambda o: o._id)  # pylint: disable=protected-access
     end = config.get("gradient_checkpoint.end_taskgraph")
     stateful = {}
 
@@ -84,7 +86,7 @@ def apply(graph, ys, first_id, config):
     else:
         checkpoints = set(choose(candidates, wanted))
     # After the last checkpoint the backward pass starts at once: nothing to save there.
-    able = _ancestors(checkpoints, set(candidates))
+    able = ir.upstream([t.op for t in checkpoints], control=False, within=set(candidates))
 
     def kept(t):
         return t in checkpoints or t.op not in able
@@ -107,18 +109,6 @@ def apply(graph, ys, first_id, config):
     log.info("EPL gradient checkpoint (%s): %d checkpoint tensors, %d forward ops recomputed",
              config.get("gradient_checkpoint.type"), len(checkpoints), len(copies))
     return len(copies)
-
-
-def _ancestors(tensors, ops):
-    """The ops of ``ops`` that ``tensors`` are computed from (through ``ops``)."""
-    seen, stack = set(), [t.op for t in tensors if t.op in ops]
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        stack.extend(t.op for t in op.inputs if t.op in ops)
-    return seen
 
 
 def add_check(graph, recomputed, plain):
@@ -165,7 +155,7 @@ def pending_checks(session, fetches):
         return None, []
     session._epl_gc_checked = True  # pylint: disable=protected-access
     checks = [t for t, _ in epl_graph.gc_checks]
-    upstream = _upstream([t.op for t in checks])
+    upstream = ir.upstream([t.op for t in checks])
     if not any(_advanced_by_a_run(op) for op in upstream):
         return "before", checks
     if not any(t.dtype._is_ref_dtype for op in upstream for t in op.inputs):  # pylint: disable=protected-access
@@ -184,18 +174,6 @@ def _advanced_by_a_run(op):
         "Random" in op.type and not op.type.startswith("Stateless"))
 
 
-def _upstream(ops):
-    seen, stack = set(), list(ops)
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        stack.extend(t.op for t in op.inputs)
-        stack.extend(op.control_inputs)
-    return seen
-
-
 def _computes(graph, fetches, wanted):
     """Running ``fetches`` runs one of the ops ``wanted``."""
     from tensorflow.python.util import nest
@@ -206,7 +184,7 @@ def _computes(graph, fetches, wanted):
         except (TypeError, ValueError, KeyError):
             continue
         ops.append(getattr(f, "op", f))
-    return bool(_upstream(ops) & wanted)
+    return bool(ir.upstream(ops) & wanted)
 
 
 def report(values):
@@ -224,19 +202,6 @@ def report(values):
 def _ops_since(graph, first_id):
     nodes = graph._nodes_by_id  # pylint: disable=protected-access
     return [nodes[i] for i in range(first_id, graph._last_id + 1) if i in nodes]  # pylint: disable=protected-access
-
-
-def _forward_ops(ys, exclude):
-    """The ops ``ys`` are computed from, in creation (= topological) order."""
-    seen, stack = set(), [y.op for y in ys]
-    while stack:
-        op = stack.pop()
-        if op in seen or op in exclude:
-            continue
-        seen.add(op)
-        stack.extend(t.op for t in op.inputs)
-        stack.extend(op.control_inputs)
-    return sorted(seen, key=lambda o: o._id)  # pylint: disable=protected-access
 
 
 def _read_by(backward, ops):
@@ -366,7 +331,7 @@ def _order(copies, rewired, backward):
     ordered = sorted(groups.items(), key=lambda kv: -max(origin[op]._id for op in kv[1]))  # pylint: disable=protected-access
     later = ()
     for root, members in ordered:
-        down = _downstream(members)
+        down = ir.downstream(members)
         mine = readers.get(root, ())
         triggers = set(b for b in later if b not in down)
         for b in mine:
@@ -379,17 +344,3 @@ def _order(copies, rewired, backward):
         heads = [op for op in members if not any(t.op in made for t in op.inputs)]
         for h in heads:
             h._add_control_inputs(sorted(triggers, key=lambda o: o._id))  # pylint: disable=protected-access
-
-
-def _downstream(ops):
-    """Every op reachable from ``ops`` through data and control edges."""
-    seen, stack = set(ops), list(ops)
-    while stack:
-        op = stack.pop()
-        nxt = [c for out in op.outputs for c in out.consumers()]
-        nxt += list(op._control_outputs)  # pylint: disable=protected-access
-        for c in nxt:
-            if c not in seen:
-                seen.add(c)
-                stack.append(c)
-    return seen

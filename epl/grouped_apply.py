@@ -36,7 +36,7 @@ def apply(graph, grads_and_vars, first_id, num_groups):
     for k, group in enumerate(groups):
         starts = [t.op for g, _ in group for t in ir.components(g)]
         readers = [c for g, _ in group for t in ir.components(g) for c in t.consumers()]
-        for op in _downstream(readers, mine):
+        for op in ir.downstream(readers, mine):
             owner[op] = k if owner.get(op, k) == k else -1
         for op in starts:
             if op in mine:
@@ -98,16 +98,3 @@ def _balanced(pairs, num_groups):
     if cur:
         groups.append(cur)
     return groups
-
-
-def _downstream(ops, within):
-    """Ops of ``within`` reachable from ``ops`` (data and control edges)."""
-    seen, stack = set(), [op for op in ops if op in within]
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        nxt = [c for t in op.outputs for c in t.consumers()] + list(op._control_outputs)  # pylint: disable=protected-access
-        stack.extend(c for c in nxt if c in within and c not in seen)
-    return seen

@@ -32,6 +32,36 @@ def is_state_handle(t):
     return t.dtype._is_ref_dtype or t.dtype.base_dtype.name == "resource"  # pylint: disable=protected-access
 
 
+def upstream(ops, control=True, within=None, stop=()):
+    """``ops`` and every op they are computed from (through data edges, and control
+    edges with ``control``), staying inside ``within`` (a set, default the graph) and
+    not entering ``stop``."""
+    seen, stack = set(), [op for op in ops if within is None or op in within]
+    while stack:
+        op = stack.pop()
+        if op in seen or op in stop:
+            continue
+        seen.add(op)
+        nxt = [t.op for t in op.inputs] + (list(op.control_inputs) if control else [])
+        stack.extend(p for p in nxt if within is None or p in within)
+    return seen
+
+
+def downstream(ops, within=None):
+    """``ops`` and every op that runs after them (data and control edges), staying
+    inside ``within`` (a set, default the graph)."""
+    seen, stack = set(), [op for op in ops if within is None or op in within]
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        nxt = [c for t in op.outputs for c in t.consumers()]
+        nxt += list(op._control_outputs)  # pylint: disable=protected-access
+        stack.extend(c for c in nxt if (within is None or c in within) and c not in seen)
+    return seen
+
+
 def separators(ops):
     """The tensors that separate ``ops`` (a topological order): each is the only
     floating-point tensor among ``ops`` alive across its position, so what comes after

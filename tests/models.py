@@ -126,3 +126,33 @@ def run_steps(op, steps, fetches):
 def assert_weights_close(got, want, rtol=1e-5, atol=1e-6):
     for name in sorted(want):
         np.testing.assert_allclose(got[name], want[name], rtol=rtol, atol=atol, err_msg=name)
+
+
+def checkpoint_handover(tmp_path, first, second, optimizer, devices=2, rows=16):
+    """Train 2 steps under EPL config ``first`` and save; restore under ``second``
+    and train 2 more: the weights after that, and the local model's after 4 steps
+    (they must be equal: the checkpoint carries everything across configs)."""
+    import epl
+    x, y = data(4 * rows)
+    want, _ = train_local(x, y, rows, 4, optimizer)
+    path = str(tmp_path / "ckpt")
+
+    def run(config, restore, start):
+        reset()
+        epl.init(epl.Config(dict(config, **{"cluster.devices_per_worker": devices})))
+        epl.set_default_strategy(epl.replicate(1))
+        px = tf.compat.v1.placeholder(tf.float32, [None, IN])
+        py = tf.compat.v1.placeholder(tf.int64, [None])
+        _, loss = forward(px, py)
+        op = train_op(loss, optimizer, tf.compat.v1.train.get_or_create_global_step())
+        saver = tf.compat.v1.train.Saver()
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            if restore:
+                saver.restore(sess, path)
+            for i in range(start, start + 2):
+                sess.run(op, {px: x[rows * i:rows * (i + 1)], py: y[rows * i:rows * (i + 1)]})
+            saver.save(sess, path)
+            return weights(sess)
+    run(first, False, 0)
+    return run(second, True, 2), want

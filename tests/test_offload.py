@@ -90,29 +90,7 @@ def test_compute_stays_on_the_devices():
 def test_checkpoints_interchange(tmp_path, first, second):
     """Written with offload, restored without it (and the other way): the restored
     run continues exactly where the first stopped (oracle: 4 steps in one go)."""
-    x, y = models.data(64)
-    want, _ = models.train_local(x, y, 16, 4, "momentum")
-    path = str(tmp_path / "ckpt")
-
-    def run(config, restore, steps, start):
-        models.reset()
-        epl.init(epl.Config(dict(config, **{"cluster.devices_per_worker": 2})))
-        epl.set_default_strategy(epl.replicate(1))
-        px = tf.compat.v1.placeholder(tf.float32, [None, models.IN])
-        py = tf.compat.v1.placeholder(tf.int64, [None])
-        _, loss = models.forward(px, py)
-        op = models.train_op(loss, "momentum", tf.compat.v1.train.get_or_create_global_step())
-        saver = tf.compat.v1.train.Saver()
-        with tf.compat.v1.Session() as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
-            if restore:
-                saver.restore(sess, path)
-            for i in range(start, start + steps):
-                sess.run(op, {px: x[16 * i:16 * (i + 1)], py: y[16 * i:16 * (i + 1)]})
-            saver.save(sess, path)
-            return models.weights(sess)
-    run(first, False, 2, 0)
-    got = run(second, True, 2, 2)
+    got, want = models.checkpoint_handover(tmp_path, first, second, "momentum")
     models.assert_weights_close(got, want)
 
 

@@ -76,29 +76,7 @@ def test_two_stage_pipeline_two_replicas():
 
 
 def test_checkpoint_restores_into_plain_program(tmp_path):
-    x, y = models.data(64)
-    want, _ = models.train_local(x, y, 16, 4, "adam")
-    path = str(tmp_path / "ckpt")
-
-    def run(config, restore, start):
-        models.reset()
-        epl.init(epl.Config(dict({"cluster.devices_per_worker": 2}, **config)))
-        epl.set_default_strategy(epl.replicate(1))
-        px = tf.compat.v1.placeholder(tf.float32, [None, models.IN])
-        py = tf.compat.v1.placeholder(tf.int64, [None])
-        _, loss = models.forward(px, py)
-        op = models.train_op(loss, "adam", tf.compat.v1.train.get_or_create_global_step())
-        saver = tf.compat.v1.train.Saver()
-        with tf.compat.v1.Session() as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
-            if restore:
-                saver.restore(sess, path)
-            for i in range(start, start + 2):
-                sess.run(op, {px: x[16 * i:16 * (i + 1)], py: y[16 * i:16 * (i + 1)]})
-            saver.save(sess, path)
-            return models.weights(sess)
-    run(ZERO, False, 0)
-    got = run({}, True, 2)
+    got, want = models.checkpoint_handover(tmp_path, ZERO, {}, "adam")
     models.assert_weights_close(got, want)
 
 

@@ -36,21 +36,8 @@ def order_global_step(state, since=-1):
     for w in writes:
         if not state.editable(w):
             continue
-        after = _downstream(w)
+        after = ir.downstream([w])
         deps = [r for r in readers if r is not w and r not in after
                 and written_variable(r) is None and r not in w.control_inputs]
         if deps:
             w._add_control_inputs(sorted(deps, key=lambda o: o._id))  # pylint: disable=protected-access
-
-
-def _downstream(op):
-    seen, frontier = set([op]), [op]
-    while frontier:
-        cur = frontier.pop()
-        nxt = [c for out in cur.outputs for c in out.consumers()]
-        nxt += list(cur._control_outputs)  # pylint: disable=protected-access
-        for c in nxt:
-            if c not in seen:
-                seen.add(c)
-                frontier.append(c)
-    return seen
