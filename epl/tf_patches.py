@@ -10,8 +10,12 @@ Patch points (all installed by :func:`install`, idempotent):
    (graph mode): the whole call is the backward phase (ops not tied to one
    forward op go to the loss's TaskGraph); each call is recorded
    (``ir.GradientRecord``) so the rewriter can find the gradients a variable
-   update consumes, however the update is written.  With
-   ``gradient_checkpoint.type`` set, the call's backward ops then recompute
+   update consumes, however the update is written.  The memory and auto
+   features that change the backward pass hook the same call: with
+   ``auto.auto_parallel`` the first call cuts the unannotated forward pass into
+   stages (``epl.auto_stages``); with ``amp.level`` the forward products become
+   float16 and the backward pass is loss-scaled (``epl.amp``); with
+   ``gradient_checkpoint.type`` the call's backward ops then recompute
    activations (``epl.gradient_checkpoint``).
 4. ``optimizer.Optimizer.apply_gradients`` (and ``OptimizerV2.apply_gradients``
    of tf.keras), plus ``Optimizer.__init__`` / ``OptimizerV2.__init__``, which
@@ -22,7 +26,8 @@ Patch points (all installed by :func:`install`, idempotent):
    orders the updates in groups with ``optimizer.num_apply_group``
    (``epl.grouped_apply``); with ``pipeline.num_micro_batch > 1`` on a model
    without annotation, the optimizer applies gradients accumulated across runs
-   (``epl.accumulate``).
+   (``epl.accumulate``); with a dynamic AMP loss scale, an overflowed step's
+   updates are skipped (``epl.amp``).
 5. ``saver.Saver.build``: save/restore ops (a default Saver leaves EPL's own
    state out, ``epl.internal_state``); ``saver.Saver.save`` writes only on the chief.
 6. ``ops.Graph.finalize``: rewrite before the graph is frozen
