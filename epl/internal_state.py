@@ -1,7 +1,8 @@
 """EPL's own variables in the user's graph (run accumulators, the AMP loss scale).
 
 They are initialized with the global variables (the user's
-``global_variables_initializer`` covers them) but are not part of the model: a
+``global_variables_initializer`` covers them, and tf.keras, which initializes the
+variables it tracks, tracks them) but are not part of the model: a
 default ``tf.train.Saver`` leaves them out (``tf_patches`` patch 5), so checkpoints
 interchange with the same program trained without the feature.
 """
@@ -14,11 +15,16 @@ def variable(name, initial, dtype=None):
     """A resource variable of EPL's.  ``initial``: a callable building the initial
     value; neither waits for the user's control dependencies (optimizers are often
     built under the gradients')."""
+    from tensorflow.python.keras import backend
     with tf.control_dependencies(None):
-        return tf.compat.v1.Variable(initial(), trainable=False, name=name, use_resource=True,
-                                     dtype=dtype,
-                                     collections=[tf.compat.v1.GraphKeys.GLOBAL_VARIABLES,
-                                                  COLLECTION])
+        v = tf.compat.v1.Variable(initial(), trainable=False, name=name, use_resource=True,
+                                  dtype=dtype,
+                                  collections=[tf.compat.v1.GraphKeys.GLOBAL_VARIABLES,
+                                               COLLECTION])
+    # tf.keras initializes only the variables it tracks (model.fit never runs the global
+    # initializer).
+    backend.track_variable(v)
+    return v
 
 
 def saveable_default(graph):
