@@ -9,13 +9,10 @@ Adam's beta powers, a keras optimizer's ``iterations``) advances once per m runs
 The graph holds one copy of the model whatever m is (annotated models instead run
 all m micro-batches inside each run, as copies).
 
-How: built when ``apply_gradients`` is called (``tf_patches._capture_apply``).  The
-optimizer receives each gradient through a ``Switch`` on "this run is the m-th":
-on the other runs its update ops get dead inputs and do not run, like the untaken
-branch of a ``tf.cond`` (the optimizer is built as usual, not inside a cond, so a
-hand-written optimizer may create its variables).  The op ``apply_gradients``
-returns always runs: after the accumulation, and on the m-th run after the update
-and the reset.
+How: built when ``apply_gradients`` is called (``tf_patches._capture_apply``); the
+optimizer's update is gated on "this run is the m-th" (``epl.apply_gate``).  The
+op ``apply_gradients`` returns always runs: after the accumulation, and on the
+m-th run after the update and the reset.
 
 The accumulators and the run counter are EPL's own state (``epl.internal_state``):
 initialized with the other global variables but left out of checkpoints written by
@@ -24,6 +21,7 @@ trained without accumulation.
 """
 import tensorflow as tf
 
+from epl import apply_gate
 from epl.internal_state import variable as _state
 
 
@@ -47,9 +45,8 @@ class AcrossRuns(object):
                 total = acc.assign_add(g, read_value=True)
                 if reduce_method == "mean":
                     total = total / tf.cast(self.m, total.dtype)
-                _, on_apply = tf.raw_ops.Switch(data=total, pred=self.pred)
                 self.accumulators.append(acc)
-                self.grads_and_vars.append((on_apply, v))
+                self.grads_and_vars.append((apply_gate.when(total, self.pred), v))
 
     def finish(self, applied):
         """The op to return to the user: accumulated (and, on the m-th run, applied
@@ -58,11 +55,7 @@ class AcrossRuns(object):
             with tf.control_dependencies([applied]):
                 resets = [acc.assign(tf.zeros_like(acc), read_value=False)
                           for acc in self.accumulators]
-            skipped, taken = tf.raw_ops.Switch(data=self.pred, pred=self.pred)
-            with tf.control_dependencies(resets or [applied]):
-                taken = tf.identity(taken)
-            done, _ = tf.raw_ops.Merge(inputs=[skipped, taken])
-            return tf.group(done, name="step")
+            return apply_gate.done(self.pred, resets or [applied])
 
 
 def _zeros_like(v, g):

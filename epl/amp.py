@@ -16,8 +16,8 @@ Three pieces, each applied where the user's program builds the part it changes:
    number (fixed) or ``"dynamic"``: start 2^15, halve on overflow, double after
    2,000 clean steps.
 3. *Skipping overflowed steps* (``SkipOnOverflow``, around ``apply_gradients``,
-   dynamic scale only): the optimizer receives each gradient through a ``Switch``
-   on "every gradient is finite"; on an overflow its updates (``global_step``
+   dynamic scale only): the optimizer's update is gated on "every gradient is
+   finite" (``epl.apply_gate``); on an overflow its updates (``global_step``
    included) do not run, like the untaken branch of a ``tf.cond``.  The flag is
    computed from the gradients the update reads — with data parallelism the
    all-reduced ones — so every replica and micro-batch takes the same decision.
@@ -26,7 +26,7 @@ import logging
 
 import tensorflow as tf
 
-from epl import ir
+from epl import apply_gate, ir
 
 log = logging.getLogger("epl")
 
@@ -191,16 +191,13 @@ class SkipOnOverflow(object):
             self.grads_and_vars = []
             for g, v in grads_and_vars:
                 if g is not None:
-                    g = _switched(g, self.finite)
+                    g = apply_gate.when(g, self.finite)
                 self.grads_and_vars.append((g, v))
 
     def finish(self, applied):
         """The op to return: the update (or not) and the loss scale's next value."""
         with tf.compat.v1.name_scope("EPL_AMP"):
-            skipped, taken = tf.raw_ops.Switch(data=self.finite, pred=self.finite)
-            with tf.control_dependencies([applied]):
-                taken = tf.identity(taken)
-            done, _ = tf.raw_ops.Merge(inputs=[skipped, taken])
+            done = apply_gate.done(self.finite, [applied], name="applied")
             with tf.control_dependencies([done]):
                 scale, good = self.scale.read_value(), self.good.read_value()
                 grown = good + 1 >= GROWTH_INTERVAL
@@ -219,11 +216,3 @@ class SkipOnOverflow(object):
 
 def _values(g):
     return g.values if isinstance(g, tf.IndexedSlices) else g
-
-
-def _switched(g, pred):
-    if isinstance(g, tf.IndexedSlices):
-        return tf.IndexedSlices(tf.raw_ops.Switch(data=g.values, pred=pred)[1],
-                                tf.raw_ops.Switch(data=g.indices, pred=pred)[1],
-                                g.dense_shape)
-    return tf.raw_ops.Switch(data=g, pred=pred)[1]

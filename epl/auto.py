@@ -163,18 +163,16 @@ def dry_run(model_fn, dataset_fn, optimizer_fn, strategy, devices, steps):
 
 def _variable_bytes(graph, devices):
     """{device: bytes of the variables placed there} (unplaced ones: the first)."""
-    import tensorflow as tf
     from tensorflow.python.framework import device as pydev
+    from epl import ir
     out = dict((d, 0) for d in devices)
     canon = dict((pydev.canonical_name(d), d) for d in devices)
     for op in graph.get_operations():
         if op.type not in ("VariableV2", "VarHandleOp"):
             continue
-        shape = tf.TensorShape(op.get_attr("shape"))
-        size = (shape.num_elements() or 1) * tf.as_dtype(op.get_attr("dtype")).size
         dev = canon.get(pydev.canonical_name(op.device)) if op.device else devices[0]
         if dev is not None:
-            out[dev] += size
+            out[dev] += ir.variable_bytes(op)
     return out
 
 

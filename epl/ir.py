@@ -32,6 +32,14 @@ def is_state_handle(t):
     return t.dtype._is_ref_dtype or t.dtype.base_dtype.name == "resource"  # pylint: disable=protected-access
 
 
+def variable_bytes(op):
+    """Bytes of the variable a ``VariableV2`` / ``VarHandleOp`` makes (its ``shape``
+    and ``dtype`` attributes; an unknown shape counts one element)."""
+    import tensorflow as tf
+    shape = tf.TensorShape(op.get_attr("shape"))
+    return (shape.num_elements() or 1) * tf.as_dtype(op.get_attr("dtype")).base_dtype.size
+
+
 def upstream(ops, control=True, within=None, stop=()):
     """``ops`` and every op they are computed from (through data edges, and control
     edges with ``control``), staying inside ``within`` (a set, default the graph) and

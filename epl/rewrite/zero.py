@@ -17,6 +17,7 @@ its own copy of the state (partitioned over its own devices).
 """
 import logging
 
+from epl import ir
 from epl.rewrite.updates import VARIABLE_OPS
 
 log = logging.getLogger("epl")
@@ -38,7 +39,7 @@ def plan_owners(state, sel):
     by_stage = {}
     for primary, members in groups.items():
         by_stage.setdefault(state.stage_of(primary), []).append(
-            (sum(_nbytes(op) for op in members), primary, members))
+            (sum(ir.variable_bytes(op) for op in members), primary, members))
     owners = {}
     for stage, items in by_stage.items():
         devices = []
@@ -55,11 +56,3 @@ def plan_owners(state, sel):
         log.info("EPL ZeRO: stage %d's variables over %d devices, bytes %s",
                  stage, len(devices), [load[d] for d in devices])
     return owners
-
-
-def _nbytes(op):
-    """Bytes of the variable ``op`` makes (its ``shape`` and ``dtype`` attributes)."""
-    import tensorflow as tf
-    shape = tf.TensorShape(op.get_attr("shape"))
-    n = shape.num_elements() or 1
-    return n * tf.as_dtype(op.get_attr("dtype")).base_dtype.size
