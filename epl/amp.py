@@ -78,8 +78,7 @@ def recast_weights(graph, first_id):
     the forward pass read a new cast of the same float32 value instead, made when
     their gradient input is ready: the forward pass's half copy of each weight is
     freed after its forward use instead of living until the backward pass."""
-    nodes = graph._nodes_by_id  # pylint: disable=protected-access
-    backward = [nodes[i] for i in range(first_id, graph._last_id + 1) if i in nodes]  # pylint: disable=protected-access
+    backward = ir.ops_since(graph, first_id)
     mine = set(backward)
     made = 0
     for b in backward:

@@ -23,12 +23,6 @@ class Env(object):
         return cls._instance is not None
 
 
-# Features whose rewrite passes have not landed yet.  Setting one of these keys
-# to a non-default value must fail loudly rather than be silently ignored.
-_NOT_YET = {
-}
-
-
 def init(config=None):
     """Initialize EPL for this process (seed 001 §3).
 
@@ -51,14 +45,6 @@ def init(config=None):
     if not isinstance(config, Config):
         raise TypeError("epl.init(config): expected epl.Config, got %r; wrap a dict as "
                         "epl.Config({...})." % type(config).__name__)
-    from epl.config import SCHEMA
-    defaults = {k.name: k.default for k in SCHEMA}
-    for key, feature in _NOT_YET.items():
-        if config.get(key) != defaults[key]:
-            raise NotImplementedError(
-                "epl.Config: %r = %r asks for %s, which this EPL version does not implement "
-                "yet; remove the key (the model then trains without it)."
-                % (key, config.get(key), feature))
     from epl import auto_stages
     auto_stages.check_config(config)
     if config.get("optimizer.num_apply_group") < 1:

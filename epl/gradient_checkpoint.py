@@ -52,7 +52,7 @@ def apply(graph, ys, first_id, config):
     """Make the backward ops with ids ``first_id``.. (one tf.gradients call of ``ys``)
     recompute forward activations; returns the number of ops copied."""
     epl_graph = ir.Graph.get(graph)
-    backward = _ops_since(graph, first_id)
+    backward = ir.ops_since(graph, first_id)
     if not backward:
         return 0
     in_backward = set(backward)
@@ -197,11 +197,6 @@ def report(values):
         log.log(level, "EPL gradient checkpoint check: recomputed vs plain gradients, max "
                 "difference %.3g (max gradient %.3g, relative %.3g)", diff, scale, rel)
     return values
-
-
-def _ops_since(graph, first_id):
-    nodes = graph._nodes_by_id  # pylint: disable=protected-access
-    return [nodes[i] for i in range(first_id, graph._last_id + 1) if i in nodes]  # pylint: disable=protected-access
 
 
 def _read_by(backward, ops):

@@ -21,8 +21,7 @@ log = logging.getLogger("epl")
 def apply(graph, grads_and_vars, first_id, num_groups):
     """Order the update ops (ids ``first_id``..) of ``grads_and_vars`` in
     ``num_groups`` groups; returns the groups' sizes (variables per group)."""
-    nodes = graph._nodes_by_id  # pylint: disable=protected-access
-    made = [nodes[i] for i in range(first_id, graph._last_id + 1) if i in nodes]  # pylint: disable=protected-access
+    made = ir.ops_since(graph, first_id)
     if num_groups <= 1 or not made:
         return []
     mine = set(made)

@@ -32,6 +32,12 @@ def is_state_handle(t):
     return t.dtype._is_ref_dtype or t.dtype.base_dtype.name == "resource"  # pylint: disable=protected-access
 
 
+def ops_since(graph, first_id):
+    """The ops of ``graph`` made since the op id ``first_id``, in creation order."""
+    nodes = graph._nodes_by_id  # pylint: disable=protected-access
+    return [nodes[i] for i in range(first_id, graph._last_id + 1) if i in nodes]  # pylint: disable=protected-access
+
+
 def variable_bytes(op):
     """Bytes of the variable a ``VariableV2`` / ``VarHandleOp`` makes (its ``shape``
     and ``dtype`` attributes; an unknown shape counts one element)."""

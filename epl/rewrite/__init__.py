@@ -108,16 +108,8 @@ def _refuse_unannotated_accumulation(epl_graph, config):
 def _reads_gradients(epl_graph, op):
     """``op`` computes from a tf.gradients result (not an initializer, a restore, a
     hand-written assign of a constant)."""
-    seen, stack = set(), [op]
-    while stack:
-        cur = stack.pop()
-        if cur in seen:
-            continue
-        seen.add(cur)
-        if epl_graph.phase_of(cur) == ir.BACKWARD:
-            return True
-        stack.extend(t.op for t in cur.inputs)
-    return False
+    return any(epl_graph.phase_of(up) == ir.BACKWARD
+               for up in ir.upstream([op], control=False))
 
 
 def _offload_unplaced(graph, cluster):

@@ -233,12 +233,7 @@ class _Segment(object):
             # Copied in this segment: in clone c, or in its replica's copy
             # (micro-batches share the replica's variables); on its stage's device.
             cc = c if var not in self.skip else state.reps[c]
-            if cc == 0:
-                dev = var.device
-            elif state.cluster.offload:
-                dev = state.host_device(cc)
-            else:
-                dev = state.stage_devices[cc][state.stage_of(var)]
+            dev = var.device if cc == 0 else _device_for(state, cc, (), var)
         else:
             dev = state.op(c, var).device
         return dev or state.stage_devices[c][stage]
