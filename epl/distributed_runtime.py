@@ -1,11 +1,16 @@
-"""Pipelines that span workers run in-graph on TensorFlow's distributed runtime.
+"""Pipelines that span workers, split scopes and ZeRO across workers run in-graph on
+TensorFlow's distributed runtime.
 
 EPL trains between-graph (every worker drives its own replicas, collectives span
 the workers) as long as each model replica fits on one worker.  A pipeline
 whose stages are laid out on several workers (more stages than devices per
 worker: stage 0 on worker 0, stage 1 on worker 1, ...) needs one driver that
 sends activations forward and gradients back every micro-batch; TF's own
-runtime does exactly that over gRPC.  So in that layout:
+runtime does exactly that over gRPC.  ZeRO (``zero.level``) over several workers
+needs one copy of each variable and its optimizer state in the whole job, kept
+by one device of one worker, that the chief's checkpoints can read and write:
+TF's runtime keeps a variable placed on another worker's device in that worker's
+memory.  So in those layouts:
 
 * every worker starts a ``tf.train.Server`` from TF_CONFIG (with its virtual
   CPU devices);
@@ -27,7 +32,7 @@ _server = [None]
 
 
 def needed(graph):
-    """True when ``graph``'s layout needs one in-graph driver (see spans_workers)."""
+    """True when ``graph``'s layout needs one in-graph driver (see in_graph)."""
     from epl import ir, plan
     from epl.env import Env
     if not Env.initialized():
@@ -38,8 +43,18 @@ def needed(graph):
     taskgraphs = ir.Graph.get(graph).taskgraphs
     if not taskgraphs:
         return False
-    layout = plan.plan(cluster, taskgraphs, Env.get().config)   # pure Python, cheap
-    return spans_workers(layout, cluster.gpu_num_per_worker)
+    config = Env.get().config
+    layout = plan.plan(cluster, taskgraphs, config)   # pure Python, cheap
+    return in_graph(layout, cluster, config)
+
+
+def in_graph(layout, cluster, config):
+    """The chief drives the whole job in one graph: a model replica (or split) spans
+    workers, or ZeRO partitions the state over several workers."""
+    if cluster.worker_num <= 1 or layout is None:
+        return False
+    return bool(spans_workers(layout, cluster.gpu_num_per_worker)
+                or config.get("zero.level"))
 
 
 def spans_workers(layout, devices_per_worker):
@@ -66,7 +81,7 @@ def server():
                                                job_name=cluster.task_type,
                                                task_index=cluster.task_index, config=config,
                                                start=True)
-        log.info("EPL: started the TF server of %s:%d for an in-graph pipeline",
+        log.info("EPL: started the TF server of %s:%d for an in-graph job",
                  cluster.task_type, cluster.task_index)
     return _server[0]
 
@@ -87,7 +102,7 @@ def serve_until_chief_exits(poll_seconds=0.5):
                      % (cluster.worker_index, timeout, chief))
         time.sleep(poll_seconds)
     server()
-    print("EPL: worker %d serves its devices to the chief's in-graph pipeline (%s); it "
+    print("EPL: worker %d serves its devices to the chief's in-graph job (%s); it "
           "exits when the chief is done." % (cluster.worker_index, chief), flush=True)
     while _answers(chief):
         time.sleep(poll_seconds)

@@ -51,14 +51,49 @@ def test_two_workers_two_devices_equal_local_model(tmp_path):
     _check_workers(tmp_path, 2, 2)
 
 
-def test_zero_two_workers_two_devices(tmp_path, monkeypatch):
-    """zero.level v1 on 2 workers x 2 devices: each worker's optimizer state over its
-    two devices; the numbers of the local model."""
-    monkeypatch.setenv("EPL_ZERO_LEVEL", "v1")
+@pytest.mark.parametrize("optimizer", ["adam", "momentum"])
+def test_zero_two_workers_two_devices(tmp_path, optimizer):
+    """zero.level v1 on 2 workers x 2 devices: the job runs in-graph, each variable's
+    optimizer state lives on one of the 4 devices (at most a quarter of the state plus
+    the largest variable each); the numbers of the local model on the global batch; the
+    chief's checkpoint restores into the plain program and trains on like the local
+    model."""
+    from tests import mw_zero
     code, out = launch(["--num_workers", "2", "--gpu_per_worker", "2",
-                        os.path.join(HERE, "mw_train.py"), str(tmp_path)])
+                        os.path.join(HERE, "mw_zero.py"), optimizer, str(tmp_path)],
+                       cwd=str(tmp_path))
     assert code == 0, out[-5000:]
-    _check_workers(tmp_path, 2, 2)
+    assert "serves its devices" in out and "chief trained" in out
+    got = dict(np.load(str(tmp_path / "chief.npz"), allow_pickle=True))
+    assert int(got.pop("steps")) == mw_zero.STEPS
+    per_device = {}
+    for _, device, size in got.pop("state"):
+        per_device[device] = per_device.get(device, 0) + 4 * size
+    assert len(per_device) == 4, per_device
+    assert {d.split("/device:")[0][-6:] for d in per_device} == {"task:0", "task:1"}
+    sizes = [4 * models.initial_weights()[k].size for k in models.initial_weights()]
+    slots = 2 if optimizer == "adam" else 1
+    total, largest = slots * sum(sizes), slots * max(sizes)
+    assert sum(per_device.values()) >= total
+    assert max(per_device.values()) <= (total / 4 + largest) * 1.01, per_device
+    rows = 4 * mw_zero.BATCH
+    x, y = models.data(mw_zero.STEPS * rows)
+    want, _ = models.train_local(x, y, rows, mw_zero.STEPS, optimizer)
+    models.assert_weights_close(got, want)
+    # The checkpoint holds every variable's whole state: the plain program goes on.
+    x2, y2 = models.data(2 * rows, seed=1)
+    want, _ = models.train_local(np.concatenate([x, x2]), np.concatenate([y, y2]), rows,
+                                 mw_zero.STEPS + 2, optimizer)
+    import tensorflow as tf
+    with tf.Graph().as_default():
+        bx, by = models.input_batch(x2, y2, rows)
+        _, loss = models.forward(bx, by)
+        op = models.train_op(loss, optimizer, tf.train.get_or_create_global_step())
+        with tf.Session() as sess:
+            tf.train.Saver().restore(sess, tf.train.latest_checkpoint(str(tmp_path / "ckpt")))
+            for _ in range(2):
+                sess.run(op)
+            models.assert_weights_close(models.weights(sess), want)
 
 
 @pytest.mark.parametrize("devices", [1, 2])

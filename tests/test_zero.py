@@ -43,12 +43,18 @@ def test_equals_plain_data_parallel(devices, optimizer):
 
 
 def test_updates_run_beside_their_state():
+    """Each update on its owner device, beside its slots, reading its gradient reduced
+    to that device."""
     got = program(dict({"cluster.devices_per_worker": 2}, **ZERO), 16, "momentum",
                   dropout=False)
     graph = got[2]
     for op in graph.get_operations():
         if op.type == "ApplyMomentum":
             assert op.device == op.inputs[0].op.device == op.inputs[1].op.device, op.name
+            # its gradient is reduced to this device only (not all-reduced)
+            grad = op.inputs[3].op
+            assert grad.type == "EplReduce" and grad.device == op.device, (op.name, grad)
+    assert not [op for op in graph.get_operations() if op.type.startswith("EplAllReduce")]
     assert len(set(op.device for op in graph.get_operations()
                    if op.type == "ApplyMomentum")) == 2
 

@@ -46,14 +46,26 @@ def reduce_gradients(state, site):
                 comms[key] = state.communicator("%s/stage_%d/comm_%d" % ((name,) + key), stage)
             return comms[key]
 
-        dense = sorted((g for g, _ in pairs if not isinstance(g, tf.IndexedSlices)),
+        owners = _owner_ranks(state, pairs)
+        dense = sorted((g for g, _ in pairs
+                        if not isinstance(g, tf.IndexedSlices) and g not in owners),
                        key=lambda t: t.op._id)  # pylint: disable=protected-access
+        last = {}
+        for k, g in enumerate(sorted(owners, key=lambda t: t.op._id)):  # pylint: disable=protected-access
+            comm = comm_for(state.stage_of(g.op), k)
+            root = owners[g]
+            out = comm.reduce([state.tensor(c, g) for c in range(n)], root, method)
+            for c in range(n):
+                reduced[c].append(out[c])
+                if comm in last:
+                    out[c].op._add_control_inputs([last[comm][c].op])  # pylint: disable=protected-access
+            last[comm] = out
+            installs.append((g, [out[root]]))
         # Buckets never mix pipeline stages: a stage's gradients live on its devices.
         buckets = fusion.plan_buckets([(g, (state.stage_of(g.op), g.dtype), fusion.nbytes(g))
                                        for g in dense], cfg.get("communication.max_splits"))
-        last = {}
         for b, ((stage, _), grads) in enumerate(buckets):
-            comm = comm_for(stage, b)
+            comm = comm_for(stage, b + len(owners))
             out = _reduce_bucket(state, comm, grads, method, users)
             for c in range(n):
                 reduced[c].append(out["collective"][c])
@@ -93,6 +105,25 @@ def reduce_gradients(state, site):
                        if state.ir_graph.phase_of(op) != ir.REWRITE and state.editable(op))
     for op in sorted(readers, key=lambda o: o._id):  # pylint: disable=protected-access
         op._add_control_inputs([barriers[0]])  # pylint: disable=protected-access
+
+
+def _owner_ranks(state, pairs):
+    """ZeRO (``zero.level``): {dense gradient: the rank (clone) on its variable's owner
+    device}.  Only the owner's update reads the reduced gradient, so it is reduced to
+    that device alone (a reduce-scatter to the owners, one reduce per gradient)."""
+    if not state.zero_owners or not state.share_variables \
+            or state.config.get("communication.fp16"):
+        return {}
+    from epl.rewrite.updates import variable_behind
+    out = {}
+    for g, x in pairs:
+        if isinstance(g, tf.IndexedSlices):
+            continue
+        device = state.zero_owners.get(variable_behind(x))
+        devices = [sd[state.stage_of(g.op)] for sd in state.stage_devices]
+        if device in devices:
+            out[g] = devices.index(device)
+    return out
 
 
 def _reduce_bucket(state, comm, grads, method, users):

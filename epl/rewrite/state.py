@@ -24,14 +24,25 @@ class ReplicaState(object):
         self.config = config
         per = cluster.gpu_num_per_worker
         me = max(cluster.worker_index, 0)
-        from epl.distributed_runtime import spans_workers
-        # A pipeline over several workers: the chief drives every clone in-graph.
-        self.in_graph = cluster.worker_num > 1 and spans_workers(layout, per)
+        from epl.distributed_runtime import in_graph, spans_workers
+        # A pipeline or split over several workers, ZeRO across workers: the chief
+        # drives every clone in-graph.
+        self.in_graph = in_graph(layout, cluster, config)
         if self.in_graph and config.get("io.slicing"):
             raise ValueError(
-                "epl.Config: 'io.slicing' = True, but this pipeline spans workers and runs "
-                "in-graph: only the chief reads input, so slicing the files across workers "
-                "would drop the other workers' shares. Set io.slicing to False.")
+                "epl.Config: 'io.slicing' = True, but this job runs in-graph (%s): only the "
+                "chief reads input, so slicing the files across workers would drop the other "
+                "workers' shares. Set io.slicing to False."
+                % ("'zero.level' = %r over %d workers" % (config.get("zero.level"),
+                                                         cluster.worker_num)
+                   if config.get("zero.level") else "a model replica spans workers"))
+        if self.in_graph and config.get("zero.level") and not spans_workers(layout, per):
+            import logging
+            logging.getLogger("epl").warning(
+                "EPL: 'zero.level' = %r over %d workers: the chief drives the whole job "
+                "in-graph on TF's runtime (each variable and its optimizer state live once, "
+                "on one device of one worker); only the chief's input pipeline is read, one "
+                "batch per replica of the job.", config.get("zero.level"), cluster.worker_num)
         self.clones = [cl for cl in layout.clones if self.in_graph or cl[2] // per == me]
         split = [r for r, _, _ in self.clones
                  if any(dev // per != me for rr, _, dev in layout.clones if rr == r)]

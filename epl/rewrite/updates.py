@@ -91,6 +91,16 @@ def written_variable(op):
     return None
 
 
+def variable_behind(x):
+    """The variable op of a tf.Variable, or of a tensor that reads one, or None."""
+    op = getattr(x, "op", None)
+    if op is None or op.type in VARIABLE_OPS:
+        return op
+    if op.type == "ReadVariableOp":
+        return _variable_of(op.inputs[0])
+    return _variable_of(x)
+
+
 def _variable_of(t):
     """The variable op behind a ref/resource tensor (through identity-like ops)."""
     seen = 0

@@ -6,14 +6,16 @@ The clones of a worker share one copy of each variable (``cluster.variable_copie
 variable lives.  Every variable and the state beside it (optimizer slots, Adam's
 beta powers: the variables colocated with it) is owned by one of the devices that
 run the variable's pipeline stage, balanced by bytes (largest first onto the least
-loaded device: no device holds more than the mean plus the largest variable).  The
-update of a variable runs on its owner, beside its slots (``replicate._device_for``);
-the other devices read the new value from there at their next use.  The gradient
-is reduced as in plain data parallelism and read by the owner's update.
+loaded device: no device holds more than the mean plus the largest variable).  The update of a variable runs on its owner,
+beside its slots (``replicate._device_for``); the other devices read the new value
+from there at their next use.  Each gradient is reduced to its owner's device only
+(``gradients._owner_ranks``).
 
 Checkpoints do not record devices: one written with ZeRO restores into the plain
-program and into any other number of devices.  Across workers each worker keeps
-its own copy of the state (partitioned over its own devices).
+program and into any other number of devices.  Over several workers the job runs
+in-graph (``distributed_runtime.in_graph``): the clones of every worker are in the
+chief's graph, so the partition spans the job's devices and each variable's state
+lives in its owner worker's memory.
 """
 import logging
 
