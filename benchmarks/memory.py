@@ -18,9 +18,11 @@ Tables:
           there + the step's peak there) with and without.
 * zero:   zero.level v1 vs one state per device / per worker: optimizer bytes on the
           fullest device vs 8 bytes x params / N, step time (4 devices, Adam).
-* amp:    amp.level O1 (and O1 + auto GC) vs float32: the step's peak and time.
+* amp:    amp.level O1 (and O1 + auto GC, O1 in bfloat16) vs float32: parameter and gradient bytes
+          (float32 master weights and gradients: the same; no float16 variable), the
+          step's peak and time.
 
-    python benchmarks/memory.py [--steps 5] [--json FILE]
+    python benchmarks/memory.py [--steps 5] [--tables gc,depth,groups,offload,zero,amp] [--json FILE]
 """
 import argparse
 import json
@@ -118,7 +120,9 @@ def run_case(case, steps):
         cfg["offload.level"] = "v0"
     elif feature == "amp":
         cfg["amp.level"] = "O1"
-        if arg:
+        if arg == "bfloat16":
+            cfg["amp.dtype"] = arg
+        elif arg:
             cfg["gradient_checkpoint.type"] = arg
     elif feature in ("per_device", "per_worker", "zero"):
         cfg["cluster.devices_per_worker"] = case["devices"]
@@ -182,9 +186,20 @@ def run_case(case, steps):
                 dev = op.device[-5:]
                 shape = tf.TensorShape(op.get_attr("shape"))
                 state[dev] = state.get(dev, 0) + (shape.num_elements() or 1) * 4
+        # Parameters (every variable the model trains, and any float16 variable) and the
+        # gradients the updates read (Momentum's ApplyMomentum: input 3).
+        params = sum(int(np.prod(v.shape)) * v.dtype.base_dtype.size
+                     for v in tf.compat.v1.trainable_variables())
+        half = sum(int(np.prod(v.shape)) * v.dtype.base_dtype.size
+                   for v in tf.compat.v1.global_variables() if v.dtype.base_dtype == tf.float16)
+        grads = sum(int(np.prod(op.inputs[3].shape)) * op.inputs[3].dtype.size
+                    for op in sess.graph.get_operations()
+                    if op.type in ("ResourceApplyMomentum", "ApplyMomentum")
+                    and not op.name.startswith("EPL_REPLICA_"))
     return dict(case, peak_bytes=min(peaks), step_ms=1000 * median(times), loss=final,
                 device_peak_bytes=min(device_peaks), device_resident_bytes=resident,
-                optimizer_bytes_per_device=state)
+                optimizer_bytes_per_device=state, param_bytes=params, grad_bytes=grads,
+                float16_variable_bytes=half)
 
 
 def _child(case, steps):
@@ -204,27 +219,29 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--json")
+    p.add_argument("--tables", default="gc,depth,groups,offload,zero,amp",
+                   help="comma-separated tables to run (default: all)")
     p.add_argument("--case", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.case:
         print(json.dumps(run_case(json.loads(args.case), args.steps)))
         return
+    tables = set(args.tables.split(","))
     records = []
-    cols = ["model", "feature", "arg", "peak_MiB", "peak_x", "step_ms", "time_x"]
 
     mlp24 = {"model": "mlp", "depth": 24, "width": 256, "batch": 1024}
     tr12 = {"model": "transformer", "depth": 12, "width": 128, "seq": 128, "batch": 16}
-    for base in (mlp24, tr12):
+    for base in (mlp24, tr12) if "gc" in tables else ():
         rows = [_child(dict(base, feature=f, arg=a), args.steps)
                 for f, a in (("plain", None), ("gc", "auto"), ("gc", "collection"))]
         _ratio(rows, rows[0])
         goal = " (goal for the MLP: peak_x <= 0.5, time_x <= 1.4)" if base is mlp24 else ""
-        print_table(rows, cols, "gradient checkpoint, %s depth %d%s" % (
+        print_table(rows, COLS, "gradient checkpoint, %s depth %d%s" % (
             base["model"], base["depth"], goal))
         records += [dict(r, table="gc") for r in rows]
 
     rows = []
-    for depth in (8, 16, 32, 64):
+    for depth in (8, 16, 32, 64) if "depth" in tables else ():
         case = {"model": "mlp", "depth": depth, "width": 256, "batch": 1024}
         plain = _child(dict(case, feature="plain"), args.steps)
         gc = _child(dict(case, feature="gc", arg="auto"), args.steps)
@@ -234,17 +251,37 @@ def main():
                      "plain/n": plain["peak_bytes"] / MIB / depth,
                      "gc/sqrt(n)": gc["peak_bytes"] / MIB / np.sqrt(depth),
                      "time_x": gc["step_ms"] / plain["step_ms"]})
-    print_table(rows, ["depth", "plain_MiB", "gc_MiB", "gc_x", "plain/n", "gc/sqrt(n)",
-                       "time_x"], "auto GC peak vs depth (MLP 256 wide, batch 1024)")
-    records += [dict(r, table="depth") for r in rows]
+    if rows:
+        print_table(rows, ["depth", "plain_MiB", "gc_MiB", "gc_x", "plain/n", "gc/sqrt(n)",
+                           "time_x"], "auto GC peak vs depth (MLP 256 wide, batch 1024)")
+        records += [dict(r, table="depth") for r in rows]
+    if "groups" in tables:
+        records += _groups(args)
+    if "offload" in tables:
+        records += _offload(args)
+    if "zero" in tables:
+        records += _zero(args)
+    if "amp" in tables:
+        records += _amp(args)
+    write_json("memory", records, args.json)
 
-    big = {"model": "mlp", "depth": 8, "width": 1024, "batch": 32, "optimizer": "adamw"}
-    rows = [_child(dict(big, feature="groups", arg=n), args.steps) for n in (1, 2, 4, 8)]
+
+BIG = {"model": "mlp", "depth": 8, "width": 1024, "batch": 32, "optimizer": "adamw"}
+
+
+COLS = ["model", "feature", "arg", "peak_MiB", "peak_x", "step_ms", "time_x"]
+
+
+def _groups(args):
+    rows = [_child(dict(BIG, feature="groups", arg=n), args.steps) for n in (1, 2, 4, 8)]
     _ratio(rows, rows[0])
-    print_table(rows, cols, "grouped apply, hand-written AdamW, 8 layers 1024x1024 "
+    print_table(rows, COLS, "grouped apply, hand-written AdamW, 8 layers 1024x1024 "
                 "(goal: the peak drops with more groups)")
-    records += [dict(r, table="groups") for r in rows]
-    rows = [_child(dict(big, optimizer="momentum", feature=f), args.steps)
+    return [dict(r, table="groups") for r in rows]
+
+
+def _offload(args):
+    rows = [_child(dict(BIG, optimizer="momentum", feature=f), args.steps)
             for f in ("plain", "offload")]
     _ratio(rows, rows[0])
     for r in rows:
@@ -255,8 +292,10 @@ def main():
                        "step_ms", "time_x"],
                 "offload v0, 8 layers 1024x1024, Momentum: bytes on the training device "
                 "(variables resident + the step's peak there); the host holds the variables")
-    records += [dict(r, table="offload") for r in rows]
+    return [dict(r, table="offload") for r in rows]
 
+
+def _zero(args):
     zcase = {"model": "mlp", "depth": 8, "width": 512, "batch": 256, "optimizer": "adam",
              "devices": 4}
     rows = [_child(dict(zcase, feature=f), args.steps)
@@ -275,16 +314,22 @@ def main():
                        "largest_var_MiB", "step_ms", "time_x"],
                 "ZeRO v1, Adam, MLP 8 x 512 on 4 devices: optimizer state on the fullest "
                 "device (goal: <= formula 8 B x params / N + the largest variable's slots)")
-    records += [dict(r, table="zero") for r in rows]
+    return [dict(r, table="zero") for r in rows]
 
+
+def _amp(args):
     amp_case = {"model": "mlp", "depth": 4, "width": 256, "batch": 256}
     rows = [_child(dict(amp_case, feature=f, arg=a), args.steps)
-            for f, a in (("plain", None), ("amp", None), ("amp", "auto"))]
+            for f, a in (("plain", None), ("amp", None), ("amp", "auto"), ("amp", "bfloat16"))]
     _ratio(rows, rows[0])
-    print_table(rows, cols, "AMP O1 (arg: with GC), MLP 4 x 256, batch 256: the step's peak "
+    for r in rows:
+        r["params_MiB"] = r["param_bytes"] / MIB
+        r["grads_MiB"] = r["grad_bytes"] / MIB
+        r["fp16_vars_MiB"] = r["float16_variable_bytes"] / MIB
+    print_table(rows, COLS[:3] + ["params_MiB", "grads_MiB", "fp16_vars_MiB"] + COLS[3:],
+                "AMP O1 (arg: with GC, or bfloat16), MLP 4 x 256, batch 256: the step's peak "
                 "(float16 activations of the products) and time (CPU float16 kernels are slow)")
-    records += [dict(r, table="amp") for r in rows]
-    write_json("memory", records, args.json)
+    return [dict(r, table="amp") for r in rows]
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ Three pieces, each applied where the user's program builds the part it changes:
    then builds for it is float16 too.  Weights stay float32 variables: each use
    casts the value it reads, no float16 copy of a variable exists.  Everything
    else (softmax cross-entropy, reductions, exp/log, normalization statistics,
-   the optimizer) stays float32.
+   the optimizer) stays float32.  ``amp.dtype: bfloat16`` (an EPL extension) uses
+   bfloat16 instead: float32's exponent range, so loss scaling is optional.
 2. *Loss scaling* (``scaled_gradients``, around the same call): the backward pass
    starts from ``scale`` instead of 1 and the gradients it returns are divided by
    it, so small float16 gradients do not flush to zero.  ``amp.loss_scale``: a
@@ -40,6 +41,13 @@ def enabled(config):
     return bool(config.get("amp.level"))
 
 
+def half_dtype():
+    """``amp.dtype``: float16, or bfloat16 (TF 1.15's CPU kernels of MatMul,
+    BatchMatMul(V2) and Conv2D and their gradients take it)."""
+    from epl.env import Env
+    return tf.bfloat16 if Env.get().config.get("amp.dtype") == "bfloat16" else tf.float16
+
+
 def convert(graph, ys):
     """Rebuild the allow-listed float32 ops ``ys`` depend on in float16."""
     from epl import tf_patches
@@ -47,6 +55,7 @@ def convert(graph, ys):
     converted = getattr(epl_graph, "amp_converted", None)
     if converted is None:
         converted = epl_graph.amp_converted = {}   # float32 op -> its float16 rebuild
+    half = half_dtype()
     todo = [op for op in ir.upstream([y.op for y in ys], control=False)
             if op.type in ALLOW and op not in converted and _convertible(epl_graph, op)]
     for op in sorted(todo, key=lambda o: o._id):  # pylint: disable=protected-access
@@ -54,11 +63,11 @@ def convert(graph, ys):
         g = op.graph
         with g.name_scope(None), g.control_dependencies(None), \
                 tf_patches.creating_for(tg, ir.FORWARD), tf.compat.v1.device(op.device or None):
-            halves = [_half(t, converted) for t in op.inputs]
+            halves = [_half(t, half) for t in op.inputs]
             attrs = dict(op.node_def.attr.items())
-            attrs["T"] = tf.compat.v1.AttrValue(type=tf.float16.as_datatype_enum)
+            attrs["T"] = tf.compat.v1.AttrValue(type=half.as_datatype_enum)
             new = g._create_op_internal(  # pylint: disable=protected-access
-                op.type, halves, [tf.float16], input_types=[tf.float16] * len(halves),
+                op.type, halves, [half], input_types=[half] * len(halves),
                 name=op.name + "_fp16", attrs=attrs, op_def=op.op_def, compute_device=False)
             if op.control_inputs:
                 new._add_control_inputs(op.control_inputs)  # pylint: disable=protected-access
@@ -80,26 +89,27 @@ def recast_weights(graph, first_id):
     freed after its forward use instead of living until the backward pass."""
     backward = ir.ops_since(graph, first_id)
     mine = set(backward)
+    half = half_dtype()
     made = 0
     for b in backward:
         if b._control_flow_context is not None:  # pylint: disable=protected-access
             continue
         for i, t in enumerate(b.inputs):
-            if not _weight_cast(t) or t.op in mine:
+            if not _weight_cast(t, half) or t.op in mine:
                 continue
             triggers = [x.op for x in b.inputs if x.op in mine]
             with graph.name_scope(None), graph.control_dependencies(triggers), \
                     tf.compat.v1.device(t.op.device or None):
-                again = tf.cast(t.op.inputs[0], tf.float16, name=t.op.name + "_again")
+                again = tf.cast(t.op.inputs[0], half, name=t.op.name + "_again")
             b._update_input(i, again)  # pylint: disable=protected-access
             made += 1
     return made
 
 
-def _weight_cast(t):
-    """``t`` is a float16 cast of a variable's value (a ref variable's read, a resource
+def _weight_cast(t, half=tf.float16):
+    """``t`` is a ``half`` cast of a variable's value (a ref variable's read, a resource
     read)."""
-    if t.op.type != "Cast" or t.dtype != tf.float16:
+    if t.op.type != "Cast" or t.dtype != half:
         return False
     src = t.op.inputs[0].op
     if src.type == "ReadVariableOp":
@@ -118,12 +128,12 @@ def _convertible(epl_graph, op):
     return op.get_attr("T") == tf.float32
 
 
-def _half(t, converted):
-    """``t`` in float16: the source of our own float32 cast (two converted ops in a row
-    pass float16 along), else a cast at use (of a weight: no float16 copy is kept)."""
-    if t.op.type == "Cast" and t.op.name.endswith("_fp32") and t.op.inputs[0].dtype == tf.float16:
+def _half(t, half):
+    """``t`` in ``half``: the source of our own float32 cast (two converted ops in a row
+    pass the half value along), else a cast at use (of a weight: no half copy is kept)."""
+    if t.op.type == "Cast" and t.op.name.endswith("_fp32") and t.op.inputs[0].dtype == half:
         return t.op.inputs[0]
-    return tf.cast(t, tf.float16)
+    return tf.cast(t, half)
 
 
 def loss_scale(graph, config):

@@ -35,6 +35,9 @@ SCHEMA = [
     Key("amp.debug_log", _BOOL, False, None, "Enable AMP debug log."),
     Key("amp.loss_scale", _LOSS_SCALE, "dynamic", None,
         "Loss scale for AMP: 'dynamic' or a number (fixed)."),
+    Key("amp.dtype", _STR, "float16", ("float16", "bfloat16"),
+        "Half type of AMP's products (EPL extension): 'float16', or 'bfloat16' (float32's "
+        "exponent range: no overflow to skip, a loss scale is not needed)."),
     Key("optimizer.num_apply_group", _INT, 1, None,
         "Number of gradient apply groups (update parameters in groups to save memory)."),
     Key("cluster.device_place_prefer_intra_node", _BOOL, True, None,

@@ -63,6 +63,27 @@ def test_loss_curve_follows_float32(build, scale):
     assert again and all(op.control_inputs for op in again)
 
 
+@pytest.mark.parametrize("build", [_mlp_losses, _bert_losses], ids=["mlp", "mini_bert"])
+def test_bfloat16_loss_curve_follows_float32(build):
+    """amp.dtype bfloat16 (EPL's extension): the products in bfloat16, no half variable."""
+    want, _ = build(None)
+    got, graph = build({"amp.level": "O1", "amp.dtype": "bfloat16", "amp.loss_scale": 1})
+    np.testing.assert_allclose(got, want, rtol=3e-2)
+    assert want[-1] < want[0] * 0.98, want
+    types = {}
+    for op in graph.get_operations():
+        if op.type in ("MatMul", "BatchMatMulV2", "BatchMatMul"):
+            types.setdefault(op.get_attr("T"), []).append(op.name)
+    assert tf.float16 not in types and len(types[tf.bfloat16]) >= 3, types
+    assert not [v for v in tf.compat.v1.global_variables()
+                if v.dtype.base_dtype in (tf.float16, tf.bfloat16)]
+
+
+def test_amp_dtype_checked():
+    with pytest.raises(ValueError, match="amp.dtype"):
+        epl.Config({"amp.dtype": "half"})
+
+
 def _overflow_program(config, stages=1):
     """Three steps; the second one's batch overflows float16 in the forward pass."""
     models.reset()
