@@ -84,8 +84,10 @@ def test_amp_dtype_checked():
         epl.Config({"amp.dtype": "half"})
 
 
-def _overflow_program(config, stages=1):
-    """Three steps; the second one's batch overflows float16 in the forward pass."""
+def _overflow_program(config, stages=1, hand_step=None):
+    """Three steps; the second one's batch overflows float16 in the forward pass.
+    ``hand_step``: global_step advanced by hand outside apply_gradients ("assign":
+    ``step.assign(step + 1)`` like BERT, or "assign_add")."""
     models.reset()
     cfg = {"amp.level": "O1", "cluster.variable_copies": "per_device"}
     cfg.update(config)
@@ -96,7 +98,11 @@ def _overflow_program(config, stages=1):
     py = tf.compat.v1.placeholder(tf.int64, [None])
     loss = deep_forward(px, py, dropout=False, stages=stages)
     step = tf.compat.v1.train.get_or_create_global_step()
-    op = models.train_op(loss, "momentum", step)
+    op = models.train_op(loss, "momentum", None if hand_step else step)
+    if hand_step == "assign":
+        op = tf.group(op, step.assign(step + 1))
+    elif hand_step == "assign_add":
+        op = tf.group(op, step.assign_add(1))
     x, y = models.data(32)
     graph = tf.compat.v1.get_default_graph()
     scale = models.value_tensor(graph, "EPL_AMP/loss_scale")
@@ -116,13 +122,15 @@ def _overflow_program(config, stages=1):
     return variables, before, after, last
 
 
-@pytest.mark.parametrize("config, stages", [
-    ({}, 1),
-    ({"cluster.devices_per_worker": 2}, 1),
-    ({"cluster.devices_per_worker": 2, "pipeline.num_micro_batch": 2}, 2),
+@pytest.mark.parametrize("config, stages, hand_step", [
+    ({}, 1, None),
+    ({"cluster.devices_per_worker": 2}, 1, None),
+    ({"cluster.devices_per_worker": 2, "pipeline.num_micro_batch": 2}, 2, None),
+    ({}, 1, "assign"),
+    ({"cluster.devices_per_worker": 2}, 1, "assign_add"),
 ])
-def test_overflow_skips_the_step_everywhere(config, stages):
-    variables, before, after, last = _overflow_program(config, stages)
+def test_overflow_skips_the_step_everywhere(config, stages, hand_step):
+    variables, before, after, last = _overflow_program(config, stages, hand_step)
     names = [v.name for v in variables]
     if config.get("cluster.devices_per_worker") == 2 and stages == 1:
         assert any(n.startswith("EPL_REPLICA_1/") for n in names)   # every replica's copy
@@ -133,6 +141,21 @@ def test_overflow_skips_the_step_everywhere(config, stages):
     assert last[-2] == 2 and last[-1] == after[-1]     # the next clean step applies
     assert all(np.isfinite(w).all() for w in last[:-2])
     assert any((l != a).any() for l, a in zip(last[:-2], after[:-2]))
+
+
+def test_dynamic_scale_and_update_by_hand_refused():
+    """An update written by hand would apply an overflowed (NaN) gradient: refused."""
+    models.reset()
+    epl.init(epl.Config({"amp.level": "O1"}))
+    x, y = models.data(8)
+    _, loss = models.forward(tf.constant(x), tf.constant(y))
+    w = tf.compat.v1.trainable_variables()[0]
+    g = tf.gradients(loss, [w])[0]
+    op = w.assign_sub(0.1 * g)
+    with tf.compat.v1.Session() as sess:
+        with pytest.raises(NotImplementedError, match="writes the trainable variable 'dense/"
+                                                      "kernel' from gradients by hand"):
+            sess.run(op)
 
 
 def test_dynamic_scale_and_accumulation_across_runs_refused():

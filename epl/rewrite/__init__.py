@@ -49,6 +49,8 @@ def rewrite_if_needed(graph):
         raise epl_graph.rewrite_error
     if epl_graph.rewritten and not epl_graph.pending:
         return epl_graph.rewrite_result
+    from epl import amp
+    amp.guard_updates(epl_graph, Env.get().config)
     if not epl_graph.taskgraphs:
         _refuse_unannotated_accumulation(epl_graph, Env.get().config)
         if Env.get().cluster.offload:
@@ -85,16 +87,12 @@ def _refuse_unannotated_accumulation(epl_graph, config):
     if m <= 1:
         return
     from epl.rewrite.updates import written_variable
-    graph = epl_graph.tf_graph
     accumulated = set()
     for rec in epl_graph.apply_records:
         if rec.across_runs:
             accumulated.update(rec.op_ids)
-    trainable = set(v.op for v in graph.get_collection("trainable_variables"))
-    for op in graph.get_operations():
-        if op._id in accumulated or written_variable(op) not in trainable \
-                or not _reads_gradients(epl_graph, op):  # pylint: disable=protected-access
-            continue
+    op = hand_written_update(epl_graph, accumulated)
+    if op is not None:
         raise NotImplementedError(
             "epl.Config: 'pipeline.num_micro_batch' = %d on a model without any EPL "
             "annotation accumulates gradients across session runs for what an optimizer's "
@@ -103,6 +101,20 @@ def _refuse_unannotated_accumulation(epl_graph, config):
             "optimizer, annotate the model (e.g. epl.set_default_strategy(epl.replicate(1))) "
             "to accumulate the %d micro-batches inside each run, or remove the key."
             % (m, op.name, op.type, written_variable(op).name, m))
+
+
+def hand_written_update(epl_graph, handled_ids, since=-1):
+    """The first op (made after id ``since``) outside ``handled_ids`` that writes a
+    trainable variable from gradients (an update written by hand), or None."""
+    from epl.rewrite.updates import written_variable
+    graph = epl_graph.tf_graph
+    trainable = set(v.op for v in graph.get_collection("trainable_variables"))
+    for op in graph.get_operations():
+        if op._id <= since or op._id in handled_ids:  # pylint: disable=protected-access
+            continue
+        if written_variable(op) in trainable and _reads_gradients(epl_graph, op):
+            return op
+    return None
 
 
 def _reads_gradients(epl_graph, op):
