@@ -13,6 +13,11 @@ Methods (``METHODS``) and what they set:
 * ``accumulation`` ``{"num_micro_batch": m}``: data parallel, m micro-batches per step;
 * ``pipeline`` ``{"num_stages": K, "num_micro_batch": m}``: automatic stages
   (``auto.auto_parallel``), data parallel over the pipelines;
+* ``split`` ``{"layer": k}``: data parallel, with the model's k-th Dense layer (in
+  the order model_fn builds them) and everything after it split over every device
+  (``epl.split``, the replicated-backbone / split-head hybrid).  Offered when the
+  largest Dense layer (by weights) is the model's last one, its head: a classifier
+  over many classes.  ``"split"`` alone picks that layer;
 * ``gradient_checkpoint`` (``"auto"`` or ``"collection"``), ``zero``, ``amp``,
   ``offload``: the memory features, on top of one of the above.
 
@@ -38,9 +43,9 @@ import time
 
 log = logging.getLogger("epl")
 
-METHODS = ("data_parallel", "accumulation", "pipeline", "gradient_checkpoint", "zero", "amp",
-           "offload")
-_BASES = ("data_parallel", "accumulation", "pipeline")
+METHODS = ("data_parallel", "accumulation", "pipeline", "split", "gradient_checkpoint", "zero",
+           "amp", "offload")
+_BASES = ("data_parallel", "accumulation", "pipeline", "split")
 MIN_TIMED_SECONDS = 1.0
 
 Result = collections.namedtuple("Result", "loss train_op global_step config strategy report")
@@ -79,6 +84,8 @@ def config_of(strategy, devices):
             cfg["pipeline.num_stages"] = int(arg.get("num_stages", 2))
             cfg["pipeline.num_micro_batch"] = int(arg.get("num_micro_batch", 4))
             default = False
+        elif name == "split":
+            cfg["cluster.colocate_split_and_replicate"] = True
         elif name == "gradient_checkpoint":
             cfg["gradient_checkpoint.type"] = arg or "auto"
         elif name == "zero":
@@ -90,8 +97,9 @@ def config_of(strategy, devices):
     return cfg, default
 
 
-def candidates(devices, excluded=()):
-    """The strategies the fully automatic mode tries, in order."""
+def candidates(devices, excluded=(), head=None):
+    """The strategies the fully automatic mode tries, in order (``head``: the index of
+    the Dense layer a ``split`` candidate splits, None for no split candidate)."""
     excluded = set(excluded or ())
     bases = []
     if "data_parallel" not in excluded:
@@ -102,6 +110,8 @@ def candidates(devices, excluded=()):
         for k in (2, 4):
             if k <= devices and devices % k == 0:
                 bases.append([["pipeline", {"num_stages": k, "num_micro_batch": 2 * k}]])
+    if "split" not in excluded and head is not None and devices > 1:
+        bases.append([["split", {"layer": head}]])
     out = [list(b) for b in bases]
     extras = [m for m in ("gradient_checkpoint", "zero", "amp", "offload") if m not in excluded]
     for base in bases[:1] or [[]]:
@@ -117,15 +127,104 @@ def build(model_fn, dataset_fn, optimizer_fn, strategy, devices):
     default graph: (loss, train_op, global_step, config)."""
     import tensorflow as tf
     import epl
+    from epl import tf_patches
+    strategy = normalize(strategy)
     cfg, default = config_of(strategy, devices)
+    split = [arg for name, arg in strategy if name == "split"]
+    observer = None
+    if split:
+        layer = (split[0] or {}).get("layer")
+        if layer is None:
+            layer = split_head(model_fn, dataset_fn)
+            if layer is None:
+                raise ValueError("epl.auto: 'split' needs the index of the Dense layer to "
+                                 "split (['split', {'layer': k}]): the model's largest Dense "
+                                 "layer is not its last one.")
+        observer = _SplitFrom(int(layer), devices)
     epl.init(epl.Config(cfg))
     features = tf.compat.v1.data.make_one_shot_iterator(dataset_fn()).get_next()
     if default:
         epl.set_default_strategy(epl.replicate(1))
-    loss = model_fn(features)
+    if observer is None:
+        loss = model_fn(features)
+    else:
+        with tf_patches.observing_dense(observer):
+            loss = model_fn(features)
+        observer.check()
     step = tf.compat.v1.train.get_or_create_global_step()
     train_op = optimizer_fn().minimize(loss, global_step=step)
     return loss, train_op, step, cfg
+
+
+class _DenseLayers(object):
+    """Records every Dense layer model_fn builds: (name, weights) in build order."""
+
+    def __init__(self):
+        self.layers = []
+
+    def building(self, layer, input_shape):
+        import tensorflow as tf
+        inputs = tf.TensorShape(input_shape)[-1].value or 0
+        self.layers.append((layer.name, inputs * layer.units + layer.units))
+
+    def called(self, layer):
+        pass
+
+
+class _SplitFrom(object):
+    """Opens ``epl.split(devices)`` when the ``index``-th Dense layer builds; after its
+    call the rest of the model (the loss) is left unannotated, as in the hybrid of
+    docs/split.md."""
+
+    def __init__(self, index, devices):
+        self.index, self.devices = index, devices
+        self.seen = 0
+        self.scope = None
+        self.layer = None
+
+    def building(self, layer, input_shape):
+        if self.seen == self.index:
+            import epl
+            epl.set_default_strategy(None)
+            self.scope = epl.split(self.devices)
+            self.scope.__enter__()
+            self.layer = layer
+        self.seen += 1
+
+    def called(self, layer):
+        if layer is self.layer and self.scope is not None:
+            self.scope.__exit__(None, None, None)
+            self.scope = None
+
+    def check(self):
+        if self.layer is None:
+            raise ValueError("epl.auto: the strategy splits Dense layer %d, but the model "
+                             "builds %d Dense layers." % (self.index, self.seen))
+
+
+def split_head(model_fn, dataset_fn):
+    """The build-order index of the model's largest Dense layer when it is the last
+    one built (a head worth splitting), else None.  Probed in a scratch graph."""
+    import tensorflow as tf
+    from epl import strategies, tf_patches
+    tf_patches.install()    # (idempotent; the probe needs the Dense observers)
+    probe = _DenseLayers()
+    saved = strategies.current_strategy()
+    strategies.reset()
+    try:
+        with tf.Graph().as_default():
+            features = tf.compat.v1.data.make_one_shot_iterator(dataset_fn()).get_next()
+            with tf_patches.observing_dense(probe):
+                model_fn(features)
+    finally:
+        strategies.reset()
+        if saved is not None:
+            strategies._stack().default = saved  # pylint: disable=protected-access
+    if len(probe.layers) < 2:
+        return None
+    sizes = [size for _, size in probe.layers]
+    last = len(sizes) - 1
+    return last if sizes[last] == max(sizes) and sizes[last] > max(sizes[:last]) else None
 
 
 def dry_run(model_fn, dataset_fn, optimizer_fn, strategy, devices, steps):
@@ -235,7 +334,10 @@ def accelerate(model_fn, dataset_fn, optimizer_fn, devices=1, excluded=None,
         fns = (model_fn, dataset_fn, optimizer_fn)
         started = time.time()
         best = None
-        for cand in candidates(devices, excluded):
+        head = None
+        if "split" not in set(excluded or ()) and devices > 1:
+            head = split_head(model_fn, dataset_fn)
+        for cand in candidates(devices, excluded, head):
             if time_limit is not None and time.time() - started >= time_limit:
                 report.append({"strategy": cand, "status": "skipped (time limit)"})
                 continue

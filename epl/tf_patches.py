@@ -53,7 +53,8 @@ Patch points (all installed by :func:`install`, idempotent):
     the chief writes checkpoints, so only the chief evaluates them; the other
     workers train.
 13. ``keras.layers.Dense.build`` / ``call`` (also ``tf.layers.Dense``): under
-    ``epl.split`` the layer is built sharded (``epl.tensor_parallel.layers``).
+    ``epl.split`` the layer is built sharded (``epl.tensor_parallel.layers``);
+    observers (``observing_dense``) see every Dense layer built and called.
 14. ``nn_ops.sparse_softmax_cross_entropy_with_logits`` (so also
     ``tf.losses.sparse_softmax_cross_entropy``) and ``math_ops.argmax``, rebound
     in every TensorFlow module that exports them: on class-sharded logits they
@@ -100,6 +101,7 @@ def _c():
         _ctx.save = 0
         _ctx.rewriting = 0
         _ctx.forced = []        # (TaskGraph, phase) EPL creates an op for (epl.rebatch)
+        _ctx.dense = []         # observers of Dense layers (observing_dense)
     return _ctx
 
 
@@ -113,6 +115,19 @@ def creating_for(taskgraph, phase):
         yield
     finally:
         c.forced.pop()
+
+
+@contextlib.contextmanager
+def observing_dense(observer):
+    """Inside, ``observer.building(layer, input_shape)`` runs before every Dense layer
+    builds its variables and ``observer.called(layer)`` after each of its calls (the
+    strategy search opens ``epl.split`` around a model's head this way)."""
+    c = _c()
+    c.dense.append(observer)
+    try:
+        yield
+    finally:
+        c.dense.pop()
 
 
 @contextlib.contextmanager
@@ -510,6 +525,8 @@ def _train_and_evaluate_locally(self):
 
 def _dense_build(self, input_shape):
     from epl.tensor_parallel import sharding
+    for observer in _c().dense:
+        observer.building(self, input_shape)
     if sharding.routing() and sharding.active_split() is not None:
         from epl.tensor_parallel import layers
         return layers.build(self, input_shape)
@@ -519,8 +536,12 @@ def _dense_build(self, input_shape):
 def _dense_call(self, inputs):
     if getattr(self, "_epl_split", None) is not None:
         from epl.tensor_parallel import layers
-        return layers.call(self, inputs)
-    return _originals["dense_call"](self, inputs)
+        out = layers.call(self, inputs)
+    else:
+        out = _originals["dense_call"](self, inputs)
+    for observer in _c().dense:
+        observer.called(self)
+    return out
 
 
 def _sparse_softmax_ce(_sentinel=None, labels=None, logits=None, name=None):

@@ -29,3 +29,20 @@ def model(features):
 
 def optimizer():
     return tf.compat.v1.train.GradientDescentOptimizer(0.1)
+
+
+def big_head_model(features):
+    """A classifier over many classes: its head is the largest layer (the split
+    candidate's case)."""
+    x, y = features
+    rng = np.random.RandomState(6)
+    h = tf.layers.dense(x, 64, activation=tf.nn.tanh, name="hidden",
+                        kernel_initializer=tf.constant_initializer(
+                            (rng.randn(models.IN, 64) * 0.2).astype(np.float32)))
+    logits = tf.layers.dense(h, HEAD_CLASSES, name="logits",
+                             kernel_initializer=tf.constant_initializer(
+                                 (rng.randn(64, HEAD_CLASSES) * 0.05).astype(np.float32)))
+    return tf.losses.sparse_softmax_cross_entropy(labels=y * 997 % HEAD_CLASSES, logits=logits)
+
+
+HEAD_CLASSES = 8000

@@ -117,3 +117,60 @@ def test_time_limit_stops_the_search():
         excluded=["accumulation", "amp", "offload", "zero"], time_limit=0.0)
     assert not ok and result is None and chosen is None
     assert time.time() - start < 30
+
+
+def test_split_candidate_only_for_a_head_that_is_the_largest_layer():
+    assert auto.split_head(auto_models.model, auto_models.dataset) is None   # a hidden layer
+    head = auto.split_head(auto_models.big_head_model, auto_models.dataset)
+    assert head == 1
+    names = [[n for n, _ in c] for c in auto.candidates(2, head=head)]
+    assert ["split"] in names
+    assert ["split"] not in [[n for n, _ in c] for c in auto.candidates(2, head=None)]
+    assert ["split"] not in [[n for n, _ in c] for c in auto.candidates(1, head=head)]
+    assert ["split"] not in [[n for n, _ in c]
+                             for c in auto.candidates(2, excluded=["split"], head=head)]
+    with pytest.raises(ValueError, match="not its last one"):
+        auto.build(auto_models.model, auto_models.dataset, auto_models.optimizer, ["split"], 2)
+
+
+def _losses(loss, train_op, steps=4):
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        return [sess.run([loss, train_op])[0] for _ in range(steps)]
+
+
+def test_split_strategy_equals_the_local_model():
+    """["split"]: the backbone data parallel on 2 devices, the head split over both; the
+    local model on the global batch (2 x 16 rows) gives the same losses."""
+    models.reset()
+    ok, result, chosen = epl.auto.accelerate(
+        auto_models.big_head_model, auto_models.dataset, auto_models.optimizer, devices=2,
+        load_strategy=["split"])
+    assert ok and chosen == [["split", None]]
+    got = _losses(result.loss, result.train_op)
+    graph = tf.compat.v1.get_default_graph()
+    head = [op for op in graph.get_operations() if op.type == "MatMul"
+            and op.name.startswith("logits/") and "gradients" not in op.name]
+    assert len(set(op.device for op in head)) == 2, [(op.name, op.device) for op in head]
+    models.reset()
+    x = auto_models.dataset().unbatch().batch(2 * auto_models.BATCH, drop_remainder=True)
+    features = tf.compat.v1.data.make_one_shot_iterator(x).get_next()
+    loss = auto_models.big_head_model(features)
+    want = _losses(loss, auto_models.optimizer().minimize(loss))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert want[-1] < want[0]
+
+
+def test_search_picks_split_when_only_the_split_head_fits():
+    """A memory limit between the split head's figure and data parallelism's: the
+    search measures, finds plain DP (whole head on one device) infeasible, picks split."""
+    ok, result, chosen = epl.auto.accelerate(
+        auto_models.big_head_model, auto_models.dataset, auto_models.optimizer, devices=2,
+        excluded=["pipeline", "gradient_checkpoint", "zero", "amp", "offload"],
+        memory_limit_bytes=int(3.8 * (1 << 20)))
+    report = dict((json.dumps(e["strategy"]), e) for e in result.report) if ok else {}
+    assert ok, result
+    assert [n for n, _ in chosen] == ["split"], report
+    assert report[json.dumps([["data_parallel", None]])]["status"].startswith("infeasible")
+    got = _losses(result.loss, result.train_op, 2)
+    assert np.isfinite(got).all()

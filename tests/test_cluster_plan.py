@@ -125,3 +125,18 @@ def test_plan_split_across_workers_runs_in_graph():
     assert lay.split_devices == {split4: [0, 1, 2, 3]} and spans_workers(lay, 2)
     dp = plan(two, [TG("replicate", 1, "r")], _cfg())
     assert not spans_workers(dp, 2)     # plain DP stays between-graph
+
+
+def test_zero_across_workers_runs_in_graph():
+    """zero.level over several workers: one copy of the state in the job (in-graph);
+    plain DP and ZeRO on one worker stay as they were."""
+    from epl.distributed_runtime import in_graph
+    two = Cluster(_cfg(cluster__devices_per_worker=2),
+                  tf_config={"cluster": {"worker": ["a:1", "b:1"]},
+                             "task": {"type": "worker", "index": 0}}, visible_gpus=0)
+    one = Cluster(_cfg(cluster__devices_per_worker=2), tf_config={}, visible_gpus=0)
+    dp = [TG("replicate", 1, "r")]
+    zero = _cfg(zero__level="v1")
+    assert in_graph(plan(two, dp, zero), two, zero)
+    assert not in_graph(plan(two, dp, _cfg()), two, _cfg())
+    assert not in_graph(plan(one, dp, zero), one, zero)
