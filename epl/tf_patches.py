@@ -106,28 +106,25 @@ def _c():
 
 
 @contextlib.contextmanager
-def creating_for(taskgraph, phase):
-    """Ops created inside belong to ``taskgraph`` in ``phase`` (EPL builds them on the
-    user's behalf while the user builds the graph)."""
-    c = _c()
-    c.forced.append((taskgraph, phase))
+def _pushed(stack, item):
+    stack.append(item)
     try:
         yield
     finally:
-        c.forced.pop()
+        stack.pop()
 
 
-@contextlib.contextmanager
+def creating_for(taskgraph, phase):
+    """Ops created inside belong to ``taskgraph`` in ``phase`` (EPL builds them on the
+    user's behalf while the user builds the graph)."""
+    return _pushed(_c().forced, (taskgraph, phase))
+
+
 def observing_dense(observer):
     """Inside, ``observer.building(layer, input_shape)`` runs before every Dense layer
     builds its variables and ``observer.called(layer)`` after each of its calls (the
     strategy search opens ``epl.split`` around a model's head this way)."""
-    c = _c()
-    c.dense.append(observer)
-    try:
-        yield
-    finally:
-        c.dense.pop()
+    return _pushed(_c().dense, observer)
 
 
 @contextlib.contextmanager
@@ -180,6 +177,9 @@ def _classify(graph, op):
                 (tg.kind == "split" and shard is not None) or current_strategy() is None):
             return tg, ir.FORWARD, shard
     tg = _forward_taskgraph(epl_graph, op.inputs)
+    if tg is None:
+        from epl.tensor_parallel.sharding import shard_taskgraph
+        tg = shard_taskgraph()
     shard = current_shard() if tg is not None and tg.kind == "split" else None
     if shard is None and tg is not None and tg.kind == "split":
         shard = _colocated(epl_graph, op)[1]   # a shard variable's initializer, slots

@@ -153,6 +153,10 @@ def test_hybrid_replicate_and_split_match_local(n, colocate, rdc, tmpdir):
                    if op.type == "MatMul" and op.name.endswith("dense/MatMul"))
     assert len(head) == n and len(backbone) == devices - (0 if colocate else n)
     assert bool(head & backbone) == colocate
+    # The loss is built outside the split scope; each shard's one-hot labels are still
+    # made on that shard's device (not every shard's on the first device).
+    onehot = set(op.device for op in g.get_operations() if op.type == "OneHot")
+    assert onehot == head, (onehot, head)
 
 
 @pytest.mark.parametrize("copies", ["per_worker", "per_device"])

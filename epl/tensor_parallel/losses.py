@@ -9,6 +9,7 @@ cross-entropy, and autodiff gives every shard its own ``softmax_i - onehot_i``.
 """
 import tensorflow as tf
 
+from epl import ir
 from epl.tensor_parallel import sharding
 
 
@@ -26,7 +27,8 @@ def sparse_softmax_cross_entropy(sharded, labels, name=None):
         row_max = tf.stop_gradient(tf.reduce_max(tf.stack(maxes, axis=0), axis=0))
         norms, picked = [], []
         for i, logits in enumerate(sharded.shards):
-            with sharding.on_shard(i):
+            # (the labels' one-hot is computed on the shard too)
+            with sharding.on_shard(i, ir.Graph.get(logits.graph).taskgraph_of(logits.op)):
                 shifted = logits - tf.expand_dims(tf.cast(row_max, logits.dtype), -1)
                 norms.append(tf.reduce_sum(tf.exp(shifted), axis=-1))
                 # one_hot of a label outside this shard is an all-zero row.

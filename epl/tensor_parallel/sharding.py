@@ -22,10 +22,13 @@ def _stack():
 
 
 @contextlib.contextmanager
-def on_shard(index):
-    """Ops created inside run on shard ``index`` of the current split."""
+def on_shard(index, taskgraph=None):
+    """Ops created inside run on shard ``index`` of the current split.  ``taskgraph``:
+    the split's TaskGraph, for ops that read no tensor of it (a sharded loss's one-hot
+    labels built outside the split scope): they join it instead of staying
+    unannotated."""
     st = _stack()
-    st.shards.append(index)
+    st.shards.append((index, taskgraph))
     try:
         yield
     finally:
@@ -34,7 +37,13 @@ def on_shard(index):
 
 def current_shard():
     st = _stack()
-    return st.shards[-1] if st.shards else None
+    return st.shards[-1][0] if st.shards else None
+
+
+def shard_taskgraph():
+    """The TaskGraph given to the innermost ``on_shard``, or None."""
+    st = _stack()
+    return st.shards[-1][1] if st.shards else None
 
 
 @contextlib.contextmanager
