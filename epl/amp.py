@@ -270,10 +270,7 @@ def guard_updates(epl_graph, config):
             flags = epl_graph.amp_flags
             finite = flags[0] if len(flags) == 1 else tf.reduce_all(tf.stack(flags))
             value = op.inputs[1]
-            if increment:
-                kept = tf.zeros_like(value)
-            else:
-                kept = tf.identity(step.value()) if step.dtype._is_ref_dtype else step.read_value()  # pylint: disable=protected-access
+            kept = tf.zeros_like(value) if increment else step.value()
             op._update_input(1, tf.where(finite, value, kept,  # pylint: disable=protected-access
                                          name=op.name.split("/")[-1] + "_unless_skipped"))
         log.info("EPL AMP: %r (%s) advances global_step only on steps that are not skipped",

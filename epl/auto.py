@@ -223,8 +223,7 @@ def split_head(model_fn, dataset_fn):
     if len(probe.layers) < 2:
         return None
     sizes = [size for _, size in probe.layers]
-    last = len(sizes) - 1
-    return last if sizes[last] == max(sizes) and sizes[last] > max(sizes[:last]) else None
+    return len(sizes) - 1 if sizes[-1] > max(sizes[:-1]) else None
 
 
 def dry_run(model_fn, dataset_fn, optimizer_fn, strategy, devices, steps):

@@ -6,9 +6,9 @@ The clones of a worker share one copy of each variable (``cluster.variable_copie
 variable lives.  Every variable and the state beside it (optimizer slots, Adam's
 beta powers: the variables colocated with it) is owned by one of the devices that
 run the variable's pipeline stage, balanced by bytes (largest first onto the least
-loaded device: no device holds more than the mean plus the largest variable).  The update of a variable runs on its owner,
-beside its slots (``replicate._device_for``); the other devices read the new value
-from there at their next use.  Each gradient is reduced to its owner's device only
+loaded device: no device holds more than the mean plus the largest variable).  The
+update of a variable runs on its owner, beside its slots (``replicate._device_for``);
+the other devices read the new value from there at their next use.  Each gradient is reduced to its owner's device only
 (``gradients._owner_ranks``).
 
 Checkpoints do not record devices: one written with ZeRO restores into the plain
