@@ -34,8 +34,7 @@ def main():
         for _ in range(STEPS):
             sess.run(op)
         raw = sess._tf_sess()  # pylint: disable=protected-access
-        state = [(o.name, o.device, int(np.prod(o.get_attr("shape").dim and
-                                                [d.size for d in o.get_attr("shape").dim])))
+        state = [(o.name, o.device, tf.TensorShape(o.get_attr("shape")).num_elements())
                  for o in raw.graph.get_operations()
                  if o.type in ("VariableV2", "VarHandleOp")
                  and ("Adam" in o.name or "Momentum" in o.name)]

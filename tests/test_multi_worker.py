@@ -27,6 +27,17 @@ def launch(args, timeout=240, cwd=None):
     return out.returncode, out.stdout.decode()
 
 
+def _in_graph_job(tmp_path, devices, script, *args):
+    """Run ``script args tmp_path`` on 2 workers x ``devices`` in-graph: the job ends well
+    and the other worker served its devices to the chief.  Returns the output."""
+    code, out = launch(["--num_workers", "2", "--gpu_per_worker", str(devices),
+                        os.path.join(HERE, script)] + list(args) + [str(tmp_path)],
+                       cwd=str(tmp_path))
+    assert code == 0, out[-5000:]
+    assert "serves its devices" in out, out[-5000:]
+    return out
+
+
 def _local_oracle(workers, devices):
     x, y = models.data(STEPS * BATCH * devices * workers)
     return models.train_local(x, y, BATCH * devices * workers, STEPS, "adam")[0]
@@ -59,11 +70,8 @@ def test_zero_two_workers_two_devices(tmp_path, optimizer):
     chief's checkpoint restores into the plain program and trains on like the local
     model."""
     from tests import mw_zero
-    code, out = launch(["--num_workers", "2", "--gpu_per_worker", "2",
-                        os.path.join(HERE, "mw_zero.py"), optimizer, str(tmp_path)],
-                       cwd=str(tmp_path))
-    assert code == 0, out[-5000:]
-    assert "serves its devices" in out and "chief trained" in out
+    out = _in_graph_job(tmp_path, 2, "mw_zero.py", optimizer)
+    assert "chief trained" in out
     got = dict(np.load(str(tmp_path / "chief.npz"), allow_pickle=True))
     assert int(got.pop("steps")) == mw_zero.STEPS
     per_device = {}
@@ -104,13 +112,10 @@ def test_pipeline_spanning_two_workers_equals_local(tmp_path, devices):
     from tests import mw_pipeline as mp
     os.environ["EPL_CLUSTER_DEVICE_PLACE_PREFER_INTRA_NODE"] = "false"
     try:
-        code, out = launch(["--num_workers", "2", "--gpu_per_worker", str(devices),
-                            os.path.join(HERE, "mw_pipeline.py"), str(tmp_path)],
-                           cwd=str(tmp_path))
+        out = _in_graph_job(tmp_path, devices, "mw_pipeline.py")
     finally:
         del os.environ["EPL_CLUSTER_DEVICE_PLACE_PREFER_INTRA_NODE"]
-    assert code == 0, out[-5000:]
-    assert "serves its devices" in out and "chief trained" in out
+    assert "chief trained" in out
     x, y = models.data(mp.STEPS * devices * mp.MICRO * mp.MB)
     want, _ = models.train_local(x, y, devices * mp.MICRO * mp.MB, mp.STEPS, "momentum")
     got = dict(np.load(str(tmp_path / "worker_0.npz")))
@@ -128,11 +133,8 @@ def test_split_across_two_workers_equals_local(tmp_path, mode):
     model."""
     import tensorflow as tf
     from tests import test_split as ts
-    code, out = launch(["--num_workers", "2", "--gpu_per_worker", "1",
-                        os.path.join(HERE, "mw_split.py"), mode, str(tmp_path)],
-                       cwd=str(tmp_path))
-    assert code == 0, out[-5000:]
-    assert "serves its devices" in out and "chief finished" in out
+    out = _in_graph_job(tmp_path, 1, "mw_split.py", mode)
+    assert "chief finished" in out
     got = dict(np.load(str(tmp_path / ("%s.npz" % mode))))
     devices = [str(d) for d in got.pop("devices")]
     assert any("task:0" in d for d in devices) and any("task:1" in d for d in devices), devices
