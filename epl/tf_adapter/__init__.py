@@ -1,0 +1,17 @@
+"""EPL's one TensorFlow adapter: the only code that touches TensorFlow's private
+attributes, its C API and raw graph surgery.
+
+The rest of EPL works through these small named functions and EPL's IR, so that the
+differences between TensorFlow 1.15 and 2.x live here and nowhere else
+(``tests/test_architecture.py`` fails when a module outside this package reaches into
+TensorFlow's internals).
+
+    version    which TensorFlow line is installed
+    graph      op ids and creation order, edges (control inputs, rewiring), placement,
+               reference dtypes, control-flow contexts, op creation and copies
+    c_graph    the C API: bulk import of NodeDefs, NodeDef bytes, ops made from C outputs
+    patching   the patch table: each TensorFlow entry point EPL wraps, by name
+
+It imports nothing else from EPL.
+"""
+from epl.tf_adapter.version import IS_TF2, VERSION  # noqa: F401
