@@ -5,7 +5,9 @@ Each ``session.run`` of the train op computes one micro-batch's gradients and ad
 them to accumulators; the m-th run applies their mean (or sum, per
 ``communication.gradients_reduce_method``) with the user's optimizer and resets
 them.  ``global_step`` (and every other effect of ``apply_gradients``: slots,
-Adam's beta powers, a keras optimizer's ``iterations``) advances once per m runs.
+Adam's beta powers, a keras optimizer's ``iterations``) advances once per m runs;
+so does a ``global_step`` incremented by hand beside the train op
+(``apply_gate.guard_step``).
 The graph holds one copy of the model whatever m is (annotated models instead run
 all m micro-batches inside each run, as copies).
 
@@ -35,6 +37,7 @@ class AcrossRuns(object):
             self.counter = _state("run_counter", lambda: tf.zeros([], tf.int64))
             count = self.counter.assign_add(1, read_value=True)
             self.pred = tf.equal(count % self.m, 0, name="apply_now")
+            apply_gate.register(self.pred)
             self.accumulators, self.grads_and_vars = [], []
             for g, v in pairs:
                 if g is None:

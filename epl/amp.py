@@ -22,9 +22,9 @@ Three pieces, each applied where the user's program builds the part it changes:
    included) do not run, like the untaken branch of a ``tf.cond``.  The flag is
    computed from the gradients the update reads — with data parallelism the
    all-reduced ones — so every replica and micro-batch takes the same decision.
-   ``guard_updates`` (before a run): a ``global_step`` incremented by hand
-   outside ``apply_gradients`` keeps its value on a skipped step; a trainable
-   variable written from gradients by hand is refused.
+   A ``global_step`` incremented by hand outside ``apply_gradients`` keeps its
+   value on a skipped step (``apply_gate.guard_step``); a trainable variable
+   written from gradients by hand is refused (``guard_updates``, before a run).
 """
 import logging
 
@@ -200,7 +200,7 @@ class SkipOnOverflow(object):
                       for g, _ in grads_and_vars if g is not None]
             self.finite = tf.reduce_all(tf.stack(checks), name="all_finite") if checks \
                 else tf.constant(True)
-            ir.Graph.get(self.finite.graph).amp_flags.append(self.finite)
+            apply_gate.register(self.finite)
             self.grads_and_vars = []
             for g, v in grads_and_vars:
                 if g is not None:
@@ -228,13 +228,11 @@ class SkipOnOverflow(object):
 
 
 def guard_updates(epl_graph, config):
-    """Before a run (dynamic loss scale), the writes built since the last call:
-
-    * a trainable variable written from gradients outside ``apply_gradients`` (an
-      update by hand) would apply an overflowed gradient: refused, naming the op;
-    * a ``global_step`` incremented by hand (BERT's ``step.assign(step + 1)``)
-      keeps its value on a skipped step: the increment becomes ``where(finite,
-      step + 1, step)``."""
+    """Before a run (dynamic loss scale), the writes built since the last call: a
+    trainable variable written from gradients outside ``apply_gradients`` (an update
+    by hand) would apply an overflowed gradient: refused, naming the op.  (A
+    ``global_step`` incremented by hand keeps its value on a skipped step:
+    ``apply_gate.guard_step``.)"""
     since = epl_graph.amp_guarded_id
     graph = epl_graph.tf_graph
     epl_graph.amp_guarded_id = graph._last_id  # pylint: disable=protected-access
@@ -254,27 +252,6 @@ def guard_updates(epl_graph, config):
             "trainable variable %r from gradients by hand: it would apply an infinite or NaN "
             "gradient. Update it through an optimizer, or set a fixed amp.loss_scale (e.g. "
             "128)." % (op.name, op.type, written_variable(op).name))
-    step = tf.compat.v1.train.get_global_step(graph)
-    if step is None or not epl_graph.amp_flags:
-        return
-    from epl import tf_patches
-    for op in graph.get_operations():
-        if op._id <= since or op._id in handled or written_variable(op) is not step.op \
-                or epl_graph.phase_of(op) in (ir.SAVE, ir.REWRITE):  # pylint: disable=protected-access
-            continue
-        increment = op.type.startswith(("AssignAdd", "AssignSub"))
-        if not increment and step.op not in ir.upstream([op.inputs[1].op], control=False):
-            continue    # an initializer, a restore: not a step
-        with graph.name_scope(None), tf_patches.rewriting(), \
-                tf.compat.v1.device(op.device or None):
-            flags = epl_graph.amp_flags
-            finite = flags[0] if len(flags) == 1 else tf.reduce_all(tf.stack(flags))
-            value = op.inputs[1]
-            kept = tf.zeros_like(value) if increment else step.value()
-            op._update_input(1, tf.where(finite, value, kept,  # pylint: disable=protected-access
-                                         name=op.name.split("/")[-1] + "_unless_skipped"))
-        log.info("EPL AMP: %r (%s) advances global_step only on steps that are not skipped",
-                 op.name, op.type)
 
 
 def _values(g):

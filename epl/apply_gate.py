@@ -8,8 +8,21 @@ like the untaken branch of a ``tf.cond``.  ``done`` is the always-live op to han
 back to the user: after the update (and whatever follows it) when the predicate
 holds, at once otherwise.  Used by accumulation across runs (``epl.accumulate``)
 and AMP's overflow skip (``epl.amp``).
+
+A ``global_step`` advanced by hand outside ``apply_gradients`` (BERT's
+``tf.group(train_op, step.assign(step + 1))``) is not behind the gate: every gate
+``register``s its predicate, and ``guard_step`` (before a run) makes each such
+advance keep the step's value on runs where a predicate is false, so the step
+counts the optimizer's updates (once per m runs when accumulating, not on a
+skipped overflow).
 """
+import logging
+
 import tensorflow as tf
+
+from epl import ir
+
+log = logging.getLogger("epl")
 
 
 def when(g, pred):
@@ -27,3 +40,44 @@ def done(pred, after, name="step"):
         taken = tf.identity(taken)
     merged, _ = tf.raw_ops.Merge(inputs=[skipped, taken])
     return tf.group(merged, name=name)
+
+
+def register(pred):
+    """``pred`` gates an optimizer's update (hand-written step advances follow it)."""
+    ir.Graph.get(pred.graph).apply_flags.append(pred)
+
+
+def guard_step(epl_graph):
+    """The ``global_step`` advances built since the last call outside any
+    ``apply_gradients`` run only when every registered predicate holds: the increment
+    becomes ``where(pred, step + 1, step)`` (``where(pred, 1, 0)`` for an
+    ``assign_add``).  Initializers and restores set the step: left alone."""
+    from epl import tf_patches
+    from epl.rewrite.step import advances
+    from epl.rewrite.updates import written_variable
+    graph = epl_graph.tf_graph
+    since = epl_graph.step_guarded_id
+    epl_graph.step_guarded_id = graph._last_id  # pylint: disable=protected-access
+    step = tf.compat.v1.train.get_global_step(graph)
+    flags = epl_graph.apply_flags
+    if step is None or not flags:
+        return
+    handled = set()
+    for rec in epl_graph.apply_records:
+        handled.update(rec.op_ids)
+    nodes = graph._nodes_by_id  # pylint: disable=protected-access
+    for i in range(since + 1, graph._last_id + 1):  # pylint: disable=protected-access
+        op = nodes.get(i)
+        if op is None or i in handled or written_variable(op) is not step.op \
+                or epl_graph.phase_of(op) in (ir.SAVE, ir.REWRITE) or not advances(op, step.op):
+            continue
+        with graph.name_scope(None), tf_patches.rewriting(), \
+                tf.compat.v1.device(op.device or None):
+            pred = flags[0] if len(flags) == 1 else tf.reduce_all(tf.stack(flags))
+            value = op.inputs[1]
+            increment = op.type.startswith(("AssignAdd", "AssignSub"))
+            kept = tf.zeros_like(value) if increment else step.value()
+            op._update_input(1, tf.where(pred, value, kept,  # pylint: disable=protected-access
+                                         name=op.name.split("/")[-1] + "_when_applied"))
+        log.info("EPL: %r (%s) advances global_step only on runs that apply the optimizer's "
+                 "update", op.name, op.type)

@@ -49,10 +49,13 @@ def rewrite_if_needed(graph):
         raise epl_graph.rewrite_error
     if epl_graph.rewritten and not epl_graph.pending:
         return epl_graph.rewrite_result
-    from epl import amp
+    from epl import amp, apply_gate
     amp.guard_updates(epl_graph, Env.get().config)
+    apply_gate.guard_step(epl_graph)
     if not epl_graph.taskgraphs:
         _refuse_unannotated_accumulation(epl_graph, Env.get().config)
+        from epl.rewrite import step
+        step.order_global_step(graph, epl_graph)
         if Env.get().cluster.offload:
             _offload_unplaced(graph, Env.get().cluster)
         epl_graph.rewritten = True
@@ -185,7 +188,7 @@ def _passes(state, sel, since, first):
         split.scale_split_gradients(state)
         schedule.schedule_pipeline(state)
     replicate.join_clones(state, sel, since)
-    step.order_global_step(state, since)
+    step.order_global_step(state.graph, state.ir_graph, since)
     mirror.broadcast_initial_values(state, since)
     mirror.mirror_writes(state, since)
     merge.merge_outputs(state)

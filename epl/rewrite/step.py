@@ -8,6 +8,14 @@ run.  A plain single-device run usually reads first; under EPL a step takes
 longer (collectives, more devices) and the schedule would read the next step's
 value.  Every write of ``global_step`` therefore waits for the ops that read its
 value (unless they are computed from the write itself).
+
+Only the step's *advances* are ordered: writes whose new value is computed from
+the step's current one (``assign_add``, ``assign(step + 1)``).  A write that sets
+the step without reading it is an initializer or a restore (the variable's own
+initializer, ``tf.train.init_from_checkpoint``'s restore, which replaces it, a
+Saver's): it runs before anything can read the step, so waiting for the step's
+readers would read an uninitialized variable (BERT's warm start from a checkpoint
+holding ``global_step``).
 """
 from epl import ir
 from epl.rewrite.updates import written_variable
@@ -15,18 +23,27 @@ from epl.rewrite.updates import written_variable
 _READS = frozenset(["Identity", "ReadVariableOp"])
 
 
-def order_global_step(state, since=-1):
+def advances(op, var):
+    """``op``, a write of the step variable op ``var``, computes the new value from the
+    step's current one (an increment), rather than setting it (an initializer, a
+    restore: they cannot read the variable they initialize)."""
+    if op.type.startswith(("AssignAdd", "AssignSub")):
+        return True
+    return len(op.inputs) > 1 and var in ir.upstream([op.inputs[1].op], control=False)
+
+
+def order_global_step(graph, epl_graph, since=-1):
+    """The step's advances made after op id ``since`` wait for the step's readers (on
+    a model without annotation too: accumulating across runs, EPL trains it)."""
     import tensorflow as tf
-    step = tf.compat.v1.train.get_global_step(state.graph)
+    step = tf.compat.v1.train.get_global_step(graph)
     if step is None:
         return
     var = step.op
-    initializer = getattr(step, "initializer", None)
-    nodes = state.graph._nodes_by_id  # pylint: disable=protected-access
-    writes = [op for op in (nodes.get(i) for i in range(since + 1, state.graph._last_id + 1))  # pylint: disable=protected-access
-              if op is not None and op is not initializer
-              and state.ir_graph.phase_of(op) not in (ir.SAVE, ir.REWRITE)
-              and written_variable(op) is var]
+    nodes = graph._nodes_by_id  # pylint: disable=protected-access
+    writes = [op for op in (nodes.get(i) for i in range(since + 1, graph._last_id + 1))  # pylint: disable=protected-access
+              if op is not None and epl_graph.phase_of(op) not in (ir.SAVE, ir.REWRITE)
+              and written_variable(op) is var and advances(op, var)]
     if not writes:
         return
     # global_step's value: its read (ref variables) or ReadVariableOps (resource ones)
@@ -34,8 +51,6 @@ def order_global_step(state, since=-1):
               for out in consumer.outputs]
     readers = set(c for v in values for c in v.consumers())
     for w in writes:
-        if not state.editable(w):
-            continue
         after = ir.downstream([w])
         deps = [r for r in readers if r is not w and r not in after
                 and written_variable(r) is None and r not in w.control_inputs]
