@@ -176,15 +176,33 @@ def _advanced_by_a_run(op):
 
 def _computes(graph, fetches, wanted):
     """Running ``fetches`` runs one of the ops ``wanted``."""
-    from tensorflow.python.util import nest
     ops = []
-    for f in nest.flatten(fetches):
+    for f in _fetch_leaves(fetches):
         try:
             f = graph.as_graph_element(f, allow_tensor=True, allow_operation=True)
         except (TypeError, ValueError, KeyError):
             continue
         ops.append(getattr(f, "op", f))
     return bool(ir.upstream(ops) & wanted)
+
+
+def _fetch_leaves(fetches):
+    """The graph elements in ``fetches``, walked as ``Session.run`` walks them: lists,
+    tuples, namedtuples, the values of dicts keyed by anything (MonitoredSession keys
+    its fetches by hook objects, which ``nest.flatten`` cannot sort), attrs objects."""
+    import collections.abc
+    out, stack = [], [fetches]
+    while stack:
+        f = stack.pop()
+        if isinstance(f, collections.abc.Mapping):
+            stack.extend(f.values())
+        elif isinstance(f, (list, tuple)):
+            stack.extend(f)
+        elif hasattr(type(f), "__attrs_attrs__"):
+            stack.extend(getattr(f, a.name) for a in type(f).__attrs_attrs__)
+        elif f is not None:
+            out.append(f)
+    return out
 
 
 def report(values):

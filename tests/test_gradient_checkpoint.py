@@ -253,3 +253,45 @@ def test_check_gradients_with_an_input_pipeline(resource, caplog):
     checked = [r for r in caplog.records if "check: recomputed vs plain" in r.message]
     skipped = [r for r in caplog.records if "check skipped" in r.message]
     assert (len(checked), len(skipped)) == ((1, 0) if resource else (0, 1))
+
+
+@pytest.mark.parametrize("fed", [True, False])
+def test_check_gradients_with_session_hooks(fed, caplog):
+    """MonitoredTrainingSession fetches a dict keyed by its hooks (StopAtStepHook...):
+    the check finds the gradients among any fetch structure and still logs its
+    difference once; training equals the local model's (issue 24, item 2)."""
+    import logging
+    steps = 3
+    x, y = models.data(16 * steps)
+    want, _ = models.train_local(x, y, 16, steps, "momentum", use_resource=True)
+    caplog.set_level(logging.INFO, logger="epl")
+    epl.init(epl.Config({"gradient_checkpoint.type": "auto",
+                         "gradient_checkpoint.check_gradients": True}))
+    if fed:   # the check runs on its own before the first step ("before")
+        bx = tf.compat.v1.placeholder(tf.float32, [None, models.IN])
+        by = tf.compat.v1.placeholder(tf.int64, [None])
+    else:     # the check is fetched with the first step ("with")
+        bx, by = models.input_batch(x, y, 16)
+    h = bx
+    for i in range(3):   # a few layers before the model's, so there is a checkpoint
+        h = tf.identity(tf.nn.relu(h) - tf.nn.relu(-h), name="pre_%d" % i)
+    _, loss = models.forward(h, by, use_resource=True)
+    step = tf.compat.v1.train.get_or_create_global_step()
+    op = models.train_op(loss, "momentum", step)
+    graph = tf.compat.v1.get_default_graph()
+    weights = {n: models.value_tensor(graph, n) for n in models.initial_weights()}
+    final = tf.compat.v1.train.FinalOpsHook(weights)
+    hooks = [tf.compat.v1.train.StopAtStepHook(last_step=steps), final]
+    with tf.compat.v1.train.MonitoredTrainingSession(hooks=hooks, checkpoint_dir=None,
+                                                     log_step_count_steps=None) as sess:
+        i = 0
+        while not sess.should_stop():
+            rows = slice(16 * i, 16 * (i + 1))
+            sess.run(op, feed_dict={bx: x[rows], by: y[rows]} if fed else None)
+            i += 1
+    assert i == steps
+    models.assert_weights_close(final.final_ops_values, want)
+    lines = [r.getMessage() for r in caplog.records if "check: recomputed vs plain" in r.message]
+    assert len(lines) == 1, lines
+    diff = float(lines[0].split("max difference ")[1].split(" ")[0])
+    assert diff <= 1e-6, lines
