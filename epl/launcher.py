@@ -41,7 +41,9 @@ def parse_args(argv=None):
                    help="comma-separated host:port of every machine (multi-host); worker i of "
                         "machine m listens on host_m:port_m+i")
     p.add_argument("--machine_rank", type=int, default=0, help="this machine's index in --machine_list")
-    p.add_argument("--log_dir", default="epl_logs", help="where worker_<i>.log files go")
+    p.add_argument("--log_dir", default=os.environ.get("EPL_LOG_DIR") or "epl_logs",
+                   help="where worker_<i>.log files go (default: $EPL_LOG_DIR, else epl_logs "
+                        "in the current folder)")
     p.add_argument("--timeout", type=float, default=0, help="stop the job after S seconds (0: never)")
     p.add_argument("script", help="the local training script (.sh or .py)")
     p.add_argument("args", nargs=argparse.REMAINDER)
