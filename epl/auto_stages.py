@@ -19,6 +19,7 @@ same for every layer.
 import logging
 
 from epl import ir
+from epl.tf_adapter import graph as tfg
 
 log = logging.getLogger("epl")
 
@@ -81,7 +82,7 @@ def _forward(epl_graph, ys):
     (it stays outside the stages, as in hand-annotated programs)."""
     ops = [op for op in ir.upstream([y.op for y in ys]) if epl_graph.phase_of(op) in (None, ir.FORWARD)
            and not _input(op)]
-    return sorted(ops, key=lambda o: o._id)  # pylint: disable=protected-access
+    return sorted(ops, key=tfg.op_id)
 
 
 def _input(op):

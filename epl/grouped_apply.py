@@ -14,6 +14,7 @@ only, and the ops only those read; ops computed from several groups' gradients
 import logging
 
 from epl import ir
+from epl.tf_adapter import graph as tfg
 
 log = logging.getLogger("epl")
 
@@ -49,12 +50,12 @@ def apply(graph, grads_and_vars, first_id, num_groups):
         current = set(members[k])
         lasts = [op for op in members[k - 1]
                  if not any(c in previous for t in op.outputs for c in t.consumers())
-                 and not any(c in previous for c in op._control_outputs)]  # pylint: disable=protected-access
+                 and not any(c in previous for c in tfg.control_outputs(op))]
         firsts = [op for op in members[k]
                   if not any(t.op in current for t in op.inputs)
                   and not any(c in current for c in op.control_inputs)]
         for op in firsts:
-            op._add_control_inputs(lasts)  # pylint: disable=protected-access
+            tfg.add_control_inputs(op, lasts)
     sizes = [len(group) for group in groups]
     log.info("EPL grouped apply: %d variables in %d groups %s", len(pairs), len(groups), sizes)
     return sizes
@@ -73,7 +74,7 @@ def _pull_in_feeders(made, owner):
             if op in owner or op.type == "Const" or not op.inputs \
                     or any(ir.is_state_handle(t) for t in list(op.inputs) + list(op.outputs)):
                 continue
-            users = [c for t in op.outputs for c in t.consumers()] + list(op._control_outputs)  # pylint: disable=protected-access
+            users = [c for t in op.outputs for c in t.consumers()] + list(tfg.control_outputs(op))
             kinds = set(owner.get(u) for u in users)
             if len(kinds) == 1 and None not in kinds and -1 not in kinds:
                 owner[op] = kinds.pop()

@@ -5,6 +5,7 @@ belongs to and in which phase it was created (forward, backward, apply,
 save/restore).  Later stages ask it structural questions instead of parsing
 op names.  It edits nothing itself.
 """
+from epl.tf_adapter import graph as tfg
 FORWARD, BACKWARD, APPLY, SAVE, REWRITE = "forward", "backward", "apply", "save", "rewrite"
 
 # Each replica pulls its own batch by running its own copy of these.
@@ -29,13 +30,12 @@ def is_batch_source(op):
 def is_state_handle(t):
     """A ref or resource tensor: a variable (or other state) itself, not a value read
     from it."""
-    return t.dtype._is_ref_dtype or t.dtype.base_dtype.name == "resource"  # pylint: disable=protected-access
+    return tfg.is_ref_dtype(t.dtype) or t.dtype.base_dtype.name == "resource"
 
 
 def ops_since(graph, first_id):
     """The ops of ``graph`` made since the op id ``first_id``, in creation order."""
-    nodes = graph._nodes_by_id  # pylint: disable=protected-access
-    return [nodes[i] for i in range(first_id, graph._last_id + 1) if i in nodes]  # pylint: disable=protected-access
+    return tfg.ops_between(graph, first_id)
 
 
 def variable_bytes(op):
@@ -71,7 +71,7 @@ def downstream(ops, within=None):
             continue
         seen.add(op)
         nxt = [c for t in op.outputs for c in t.consumers()]
-        nxt += list(op._control_outputs)  # pylint: disable=protected-access
+        nxt += list(tfg.control_outputs(op))
         stack.extend(c for c in nxt if (within is None or c in within) and c not in seen)
     return seen
 

@@ -10,6 +10,7 @@ import tensorflow as tf
 from epl.communicators import native_ops
 from epl.communicators.base import Communicator
 from epl.communicators.native import NativeCommunicator
+from epl.tf_adapter import graph as tfg
 
 
 class HierarchicalCommunicator(Communicator):
@@ -65,7 +66,7 @@ class HierarchicalCommunicator(Communicator):
         # Rank 0's result depends on every local rank's collective; the others read it.
         for rank in range(1, self.size):
             for t in outs[rank]:
-                t.op._add_control_inputs([local[rank][0].op])  # pylint: disable=protected-access
+                tfg.add_control_inputs(t.op, [local[rank][0].op])
         return outs
 
     def all_reduce(self, tensors, reduce_op="sum"):
@@ -77,7 +78,7 @@ class HierarchicalCommunicator(Communicator):
             total = native_ops.all_gather(local[0], self._group("all_gather"), **self._cross())
         outs = [o[0] for o in self._fan_out([total])]
         for rank in range(1, self.size):
-            outs[rank].op._add_control_inputs([local[rank].op])  # pylint: disable=protected-access
+            tfg.add_control_inputs(outs[rank].op, [local[rank].op])
         return outs
 
     def broadcast(self, tensors, root=0):

@@ -24,6 +24,7 @@ import logging
 import time
 
 from epl import ir
+from epl.tf_adapter import graph as tfg
 
 log = logging.getLogger("epl")
 
@@ -113,7 +114,7 @@ def hand_written_update(epl_graph, handled_ids, since=-1):
     graph = epl_graph.tf_graph
     trainable = set(v.op for v in graph.get_collection("trainable_variables"))
     for op in graph.get_operations():
-        if op._id <= since or op._id in handled_ids:  # pylint: disable=protected-access
+        if tfg.op_id(op) <= since or tfg.op_id(op) in handled_ids:
             continue
         if written_variable(op) in trainable and _reads_gradients(epl_graph, op):
             return op
@@ -134,7 +135,7 @@ def _offload_unplaced(graph, cluster):
     from epl.rewrite.updates import VARIABLE_OPS
     for op in graph.get_operations():
         if op.type in VARIABLE_OPS and not op.device:
-            op._set_device(cluster.host_device())  # pylint: disable=protected-access
+            tfg.set_device(op, cluster.host_device())
 
 
 def _rewrite(epl_graph, env):
@@ -192,7 +193,7 @@ def _passes(state, sel, since, first):
     mirror.broadcast_initial_values(state, since)
     mirror.mirror_writes(state, since)
     merge.merge_outputs(state)
-    state.last_id = state.graph._last_id  # pylint: disable=protected-access
+    state.last_id = tfg.last_op_id(state.graph)
 
 
 def _extend(epl_graph, env, state):
@@ -203,12 +204,11 @@ def _extend(epl_graph, env, state):
     whatever order TensorFlow picks, which changes no number.)"""
     from epl.rewrite import selection
     since = state.last_id
-    nodes = state.graph._nodes_by_id  # pylint: disable=protected-access
-    new = [nodes[i] for i in range(since + 1, state.graph._last_id + 1)  # pylint: disable=protected-access
-           if i in nodes and epl_graph.phase_of(nodes[i]) not in (ir.REWRITE, ir.SAVE)]
+    new = [op for op in tfg.ops_between(state.graph, since + 1)
+           if epl_graph.phase_of(op) not in (ir.REWRITE, ir.SAVE)]
     model = [op for op in new if epl_graph.taskgraph_of(op) is not None]
     if not model:
-        state.last_id = state.graph._last_id  # pylint: disable=protected-access
+        state.last_id = tfg.last_op_id(state.graph)
         return
     unknown = [op for op in model if epl_graph.taskgraph_of(op) not in state.laid_out]
     layout = state.layout
@@ -228,7 +228,7 @@ def _extend(epl_graph, env, state):
         if not model and not unknown:
             # Only reads of the model (an accuracy, a whole view of split variables):
             # they compute on replica 0's tensors, like a fetch.
-            state.last_id = state.graph._last_id  # pylint: disable=protected-access
+            state.last_id = tfg.last_op_id(state.graph)
             return
         model = model or unknown
         names = ", ".join("%r (%s)" % (op.name, op.type) for op in model[:4])

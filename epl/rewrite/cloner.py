@@ -2,7 +2,7 @@
 
 Two ways, one per need:
 
-* ``clone_op``: one op, through ``Graph._create_op_internal`` (an input pull, a
+* ``clone_op``: one op, through the graph's internal op constructor (an input pull, a
   mirrored write): shapes are inferred as usual.
 * ``CopyPlan``: the bulk of a replica, every clone at once, as one GraphDef
   imported through TensorFlow's C++ importer (``import_copies``).  The nodes
@@ -13,11 +13,11 @@ Two ways, one per need:
   names and control-flow contexts (``control_flow.py``).
 """
 import tensorflow as tf
-from tensorflow.python import pywrap_tensorflow as c_api
-from tensorflow.python.framework import c_api_util
 
 from epl import tf_patches
 from epl.rewrite import deferred
+from epl.tf_adapter import c_graph
+from epl.tf_adapter import graph as tfg
 
 _SEED_ATTRS = ("seed2",)
 SEED_STEP = 7919     # clone c's seed2 = seed2 + c * SEED_STEP
@@ -40,13 +40,12 @@ def clone_op(op, inputs, name, device, control_inputs=(), seed_offset=0, attr_ov
         attrs[k] = v
     with g.name_scope(None), g.control_dependencies(None), \
             g.colocate_with(None, ignore_existing=True), tf_patches.rewriting():
-        new = g._create_op_internal(  # pylint: disable=protected-access
-            op.type, list(inputs), [o.dtype for o in op.outputs],
-            input_types=[t.dtype for t in op.inputs], name=name, attrs=attrs,
-            op_def=op.op_def, compute_device=False)
-    new._set_device(device)  # pylint: disable=protected-access
+        new = tfg.create_op(g, op.type, inputs, [o.dtype for o in op.outputs],
+                            input_types=[t.dtype for t in op.inputs], name=name,
+                            attrs=attrs, op_def=op.op_def)
+    tfg.set_device(new, device)
     if control_inputs:
-        new._add_control_inputs(list(control_inputs))  # pylint: disable=protected-access
+        tfg.add_control_inputs(new, control_inputs)
     return new
 
 
@@ -169,7 +168,7 @@ def import_copies(graph, plans):
     planned = [name for p in plans for name in p.names]
     if not planned:
         return [[] for _ in plans]
-    in_use = graph._names_in_use  # pylint: disable=protected-access
+    in_use = tfg.names_in_use(graph)
     names = None
     if not any(name.lower() in in_use for name in planned):
         try:
@@ -190,41 +189,19 @@ def import_copies(graph, plans):
 
 def _import(graph, plans, rename):
     """The import of ``import_copies``; with ``rename``, returns the copies' names."""
-    scoped = c_api_util.ScopedTFImportGraphDefOptions()
-    options = scoped.options
-    c_api.TF_ImportGraphDefOptionsSetPrefix(options, "")
-    c_api.TF_ImportGraphDefOptionsSetUniquifyNames(options, rename)
-    c_api.TF_ImportGraphDefOptionsSetValidateColocationConstraints(options, False)
-    for plan in plans:
-        for key, t in plan.inputs.items():
-            name, _, index = key.rpartition(":")      # ("name:1": output 1 of "name")
-            if not name:
-                name, index = key, "0"
-            c_api.TF_ImportGraphDefOptionsAddInputMapping(options, name, int(index),
-                                                          t._as_tf_output())  # pylint: disable=protected-access
-        for key, op in plan.controls.items():
-            c_api.TF_ImportGraphDefOptionsRemapControlDependency(
-                options, key, getattr(op, "_c_op", op))
-        if rename:
-            for name in plan.names:
-                c_api.TF_ImportGraphDefOptionsAddReturnOperation(options, name)
+    inputs = [item for plan in plans for item in plan.inputs.items()]
+    controls = [item for plan in plans for item in plan.controls.items()]
     serialized = b"".join(b"".join(p.chunks) for p in plans)
     serialized += _field(b"\x22", graph.graph_def_versions.SerializeToString())
-    with graph._mutation_lock():  # pylint: disable=protected-access
-        with c_api_util.tf_buffer(serialized) as buf:
-            try:
-                results = c_api.TF_GraphImportGraphDefWithResults(
-                    graph._c_graph, buf, options)  # pylint: disable=protected-access
-            except tf.errors.InvalidArgumentError as e:
-                raise ValueError("EPL could not copy the replica's ops: %s" % e.message)
-            results = c_api_util.ScopedTFImportGraphDefResults(results)
-        if not rename:
-            deferred.register(graph, [name for p in plans for name in p.names])
-            return None
-        c_ops = c_api.TF_ImportGraphDefResultsReturnOperations(results.results)
-        names = [c_api.TF_OperationName(c_op) for c_op in c_ops]
-        deferred.register(graph, names, c_ops)
-        return names
+    planned = [name for p in plans for name in p.names]
+    if not rename:
+        c_graph.import_node_defs(graph, serialized, inputs, controls)
+        deferred.register(graph, planned)
+        return None
+    names, c_ops = c_graph.import_node_defs(graph, serialized, inputs, controls,
+                                            return_names=planned)
+    deferred.register(graph, names, c_ops)
+    return names
 
 
 def _pieces(tag, pieces):
@@ -248,9 +225,7 @@ def template(op, skip=()):
     attributes).  The shared part is its type and attributes, less ``_class``
     colocation and the ``skip``ped ones each copy sets.  Cut from the serialized
     NodeDef without parsing it: a parsed NodeDef costs several times more."""
-    with c_api_util.tf_buffer() as buf:
-        c_api.TF_OperationToNodeDef(op._c_op, buf)  # pylint: disable=protected-access
-        data = c_api.TF_GetBuffer(buf)
+    data = c_graph.node_def_bytes(op)
     keep = []
     names = []
     i, end = 0, len(data)

@@ -18,6 +18,7 @@ from tensorflow.core.protobuf import control_flow_pb2
 from tensorflow.python.ops import control_flow_ops
 
 from epl import ir
+from epl.tf_adapter import graph as tfg
 
 _COLLECTIONS = (tf.compat.v1.GraphKeys.WHILE_CONTEXT, tf.compat.v1.GraphKeys.COND_CONTEXT)
 
@@ -127,7 +128,7 @@ class _Renamer(object):
     def __init__(self, state, c):
         self.state = state
         self.c = c
-        self.nodes = state.graph._nodes_by_name  # pylint: disable=protected-access
+        self.nodes = tfg.ops_by_name(state.graph)
 
     def op_name(self, name):
         op = self.nodes.get(name)
@@ -207,7 +208,7 @@ def edge_safe(ops):
                 if nxt not in dead and nxt.type not in _LIVE_AGAIN:
                     dead.add(nxt)
                     frontier.append(nxt)
-        for nxt in op._control_outputs:  # pylint: disable=protected-access
+        for nxt in tfg.control_outputs(op):
             if nxt not in dead and nxt.type not in _LIVE_AGAIN:
                 dead.add(nxt)
                 frontier.append(nxt)

@@ -20,17 +20,17 @@ anything else converts an ``Output`` to its ``tf.Tensor``, made then.
 import itertools
 
 import tensorflow as tf
-from tensorflow.python import pywrap_tensorflow as c_api
-from tensorflow.python.framework import c_api_util
 
 from epl import tf_patches
+from epl.tf_adapter import c_graph
+from epl.tf_adapter import graph as tfg
 
 
 def register(graph, names, c_ops=None):
     """The imported nodes named ``names`` (``c_ops``, when known: otherwise looked up
     by name when used) get their wrappers on demand."""
     table = graph.__dict__.setdefault("_epl_deferred", {})
-    in_use = graph._names_in_use  # pylint: disable=protected-access
+    in_use = tfg.names_in_use(graph)
     if c_ops is None:
         table.update(dict.fromkeys(names, False))
     else:
@@ -42,7 +42,7 @@ def _node(graph, table, name):
     """The C node of a registered name."""
     node = table[name]
     if node is False:
-        node = table[name] = c_api.TF_GraphOperationByName(graph._c_graph, name)  # pylint: disable=protected-access
+        node = table[name] = c_graph.c_op_by_name(graph, name)
     return node
 
 
@@ -72,23 +72,14 @@ def materialize_all(graph):
 
 
 def _wrap(graph, c_ops):
-    finalized = graph._finalized  # pylint: disable=protected-access
-    graph._finalized = False      # (a view of existing nodes changes no graph)
-    try:
-        with tf_patches.rewriting():
-            ops = [graph._create_op_from_tf_operation(c_op, compute_device=False)  # pylint: disable=protected-access
-                   for c_op in c_ops]
-    finally:
-        graph._finalized = finalized
-    for op in ops:
-        op._control_flow_context = None  # pylint: disable=protected-access
-    return ops
+    with tf_patches.rewriting():
+        return tfg.wrap_c_ops(graph, c_ops)
 
 
 def get(graph, name):
     """The op named ``name`` (made now if deferred)."""
     op = materialize(graph, name)
-    return op if op is not None else graph._get_operation_by_name_unsafe(name)  # pylint: disable=protected-access
+    return op if op is not None else tfg.op_by_name(graph, name)
 
 
 def c_op(graph, name):
@@ -97,17 +88,16 @@ def c_op(graph, name):
     table = graph.__dict__.get("_epl_deferred")
     if table and name in table:
         return _node(graph, table, name)
-    return graph._get_operation_by_name_unsafe(name)._c_op  # pylint: disable=protected-access
+    return c_graph.c_op(tfg.op_by_name(graph, name))
 
 
 def add_control_edges(graph, sources, targets):
     """Every node named in ``targets`` waits for every node named in ``sources``."""
-    from tensorflow.python import pywrap_tensorflow as c_api
     src = [c_op(graph, n) for n in sources]
     for name in targets:
         dst = c_op(graph, name)
         for s in src:
-            c_api.AddControlInput(graph._c_graph, dst, s)  # pylint: disable=protected-access
+            c_graph.add_control_edge(graph, dst, s)
 
 
 class Output(object):
@@ -122,7 +112,7 @@ class Output(object):
         return get(self.graph, self.name).outputs[self.index]
 
     def tf_output(self):
-        return c_api_util.tf_output(c_op(self.graph, self.name), self.index)
+        return c_graph.tf_output(c_op(self.graph, self.name), self.index)
 
 
 tf.register_tensor_conversion_function(
@@ -134,20 +124,9 @@ def create_op(graph, op_type, name, device, inputs, attrs):
     ``inputs`` are tf.Tensors or ``Output``s (a list of them for a list input),
     ``attrs`` {name: AttrValue}.  Returns its Python op (the inputs' stay unmade)."""
     def tf_output(x):
-        return x.tf_output() if isinstance(x, Output) else x._as_tf_output()  # pylint: disable=protected-access
+        return x.tf_output() if isinstance(x, Output) else c_graph.tensor_output(x)
 
-    with graph._mutation_lock():  # pylint: disable=protected-access
-        desc = c_api.TF_NewOperation(graph._c_graph, op_type, graph.unique_name(name))  # pylint: disable=protected-access
-        c_api.TF_SetDevice(desc, device)
-        for x in inputs:
-            if isinstance(x, (list, tuple)):
-                c_api.TF_AddInputList(desc, [tf_output(y) for y in x])
-            else:
-                c_api.TF_AddInput(desc, tf_output(x))
-        for k, v in attrs.items():
-            c_api.TF_SetAttrValueProto(desc, k, v.SerializeToString())
-        try:
-            node = c_api.TF_FinishOperation(desc)
-        except tf.errors.InvalidArgumentError as e:
-            raise ValueError("EPL could not make op %r (%s): %s" % (name, op_type, e.message))
+    node = c_graph.new_op(graph, op_type, name, device,
+                          [[tf_output(y) for y in x] if isinstance(x, (list, tuple))
+                           else tf_output(x) for x in inputs], attrs)
     return _wrap(graph, [node])[0]

@@ -21,6 +21,7 @@ import tensorflow as tf
 from epl import ir
 from epl.rewrite import fusion
 from epl.rewrite.cloner import new_ops
+from epl.tf_adapter import graph as tfg
 
 
 def reduce_gradients(state, site):
@@ -49,16 +50,16 @@ def reduce_gradients(state, site):
         owners = _owner_ranks(state, pairs)
         dense = sorted((g for g, _ in pairs
                         if not isinstance(g, tf.IndexedSlices) and g not in owners),
-                       key=lambda t: t.op._id)  # pylint: disable=protected-access
+                       key=lambda t: tfg.op_id(t.op))
         last = {}
-        for k, g in enumerate(sorted(owners, key=lambda t: t.op._id)):  # pylint: disable=protected-access
+        for k, g in enumerate(sorted(owners, key=lambda t: tfg.op_id(t.op))):
             comm = comm_for(state.stage_of(g.op), k)
             root = owners[g]
             out = comm.reduce([state.tensor(c, g) for c in range(n)], root, method)
             for c in range(n):
                 reduced[c].append(out[c])
                 if comm in last:
-                    out[c].op._add_control_inputs([last[comm][c].op])  # pylint: disable=protected-access
+                    tfg.add_control_inputs(out[c].op, [last[comm][c].op])
             last[comm] = out
             installs.append((g, [out[root]]))
         # Buckets never mix pipeline stages: a stage's gradients live on its devices.
@@ -70,7 +71,7 @@ def reduce_gradients(state, site):
             for c in range(n):
                 reduced[c].append(out["collective"][c])
                 if comm in last:
-                    out["collective"][c].op._add_control_inputs([last[comm][c].op])  # pylint: disable=protected-access
+                    tfg.add_control_inputs(out["collective"][c].op, [last[comm][c].op])
             last[comm] = out["collective"]
             for i, g in enumerate(grads):
                 installs.append((g, [out["grads"][c][i] for c in range(users)]))
@@ -103,8 +104,8 @@ def reduce_gradients(state, site):
     for _, per in installs:
         readers.update(op for op in per[0].consumers()
                        if state.ir_graph.phase_of(op) != ir.REWRITE and state.editable(op))
-    for op in sorted(readers, key=lambda o: o._id):  # pylint: disable=protected-access
-        op._add_control_inputs([barriers[0]])  # pylint: disable=protected-access
+    for op in sorted(readers, key=tfg.op_id):
+        tfg.add_control_inputs(op, [barriers[0]])
 
 
 def _owner_ranks(state, pairs):
@@ -159,4 +160,4 @@ def _install(state, original, per_clone, site):
     reduced gradient; the backward ops of the call itself keep the replica's own."""
     state.substitute(original, per_clone,
                      lambda op: (state.ir_graph.phase_of(op) != ir.REWRITE
-                                 and op._id not in site.origin_ids))  # pylint: disable=protected-access
+                                 and tfg.op_id(op) not in site.origin_ids))

@@ -8,15 +8,14 @@ for its twins: initializing or restoring replica 0 broadcasts to all replicas.
 from epl import ir
 from epl.rewrite.cloner import clone_op
 from epl.rewrite.selection import ASSIGN_OPS
+from epl.tf_adapter import graph as tfg
 
 
 def mirror_writes(state, since=-1):
     """Mirror the writes made after op id ``since`` (all of them the first time)."""
     variables = set(state.selection.variables)
-    nodes = state.graph._nodes_by_id  # pylint: disable=protected-access
-    for i in range(since + 1, state.graph._last_id + 1):  # pylint: disable=protected-access
-        if i in nodes:
-            mirror_one(state, nodes[i], variables)
+    for op in tfg.ops_between(state.graph, since + 1):
+        mirror_one(state, op, variables)
 
 
 def mirror_one(state, op, variables=None):
@@ -35,7 +34,7 @@ def mirror_one(state, op, variables=None):
         inputs = [state.tensor(c, op.inputs[0])] + list(op.inputs[1:])
         twins.append(clone_op(op, inputs, state.clone_name(c, op.name),
                               state.device_for(c, target)))
-    op._add_control_inputs(twins)  # pylint: disable=protected-access
+    tfg.add_control_inputs(op, twins)
 
 
 def broadcast_initial_values(state, since=-1):
@@ -49,7 +48,7 @@ def broadcast_initial_values(state, since=-1):
     timeout = state.config.get("communication.timeout_seconds")
     for v in state.graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES):
         init = v.initializer
-        if init._id <= since:  # pylint: disable=protected-access
+        if tfg.op_id(init) <= since:
             continue
         if init.type not in ASSIGN_OPS or len(init.inputs) < 2:
             continue
@@ -57,5 +56,5 @@ def broadcast_initial_values(state, since=-1):
             comm = communicators.create(state.devices[:1], "EPL_INIT/" + v.op.name, timeout,
                                         state.cluster)
             value = comm.broadcast([init.inputs[1]], root=0)[0]
-        init._update_input(1, value)  # pylint: disable=protected-access
+        tfg.update_input(init, 1, value)
 

@@ -16,20 +16,21 @@ from epl.rewrite.cloner import (PREFIX, SEED_STEP, CopyPlan, Hole, attr_entry, i
                                  template)
 from epl.rewrite.gradients import reduce_gradients
 from epl.rewrite.selection import VARIABLE_OPS
+from epl.tf_adapter import graph as tfg
 
 
 def place_originals(state, sel):
     """The user's replica ops go to clone 0's device (shared variables and the
     single update too, when a worker shares one copy of its variables).  A write to
     a variable runs where the variable lives."""
-    ops = sorted(list(sel.ops) + list(sel.shared), key=lambda o: o._id)  # pylint: disable=protected-access
+    ops = sorted(list(sel.ops) + list(sel.shared), key=tfg.op_id)
     for op in ops:
         # Our placement replaces TF's colocation hints: tf.gradients colocates a
         # gradient sum with its first input, which may live on another stage.
         state.templates[op] = base = template(op, _CLONE_ATTRS)     # (kept for the copies)
         if "_class" in base[1]:
-            op._clear_attr("_class")  # pylint: disable=protected-access
-        op._set_device(_device_for(state, 0, op.inputs, op))  # pylint: disable=protected-access
+            tfg.clear_colocation(op)
+        tfg.set_device(op, _device_for(state, 0, op.inputs, op))
 
 
 def _device_for(state, c, inputs, op):
@@ -59,7 +60,7 @@ def clone_replicas(state, sel):
                      key=lambda x: (x[0], x[1].index))
     segment = []
     for op in sel.ops:
-        while pending and op._id >= pending[0][0]:  # pylint: disable=protected-access
+        while pending and tfg.op_id(op) >= pending[0][0]:
             _copy_segment(state, segment)
             segment = []
             reduce_gradients(state, pending.pop(0)[1])
@@ -276,9 +277,9 @@ def _first_id(sel, site):
     """Where to reduce ``site``: just before the first copied op that reads its
     gradients (not the gradient call's own ops), once all of them exist."""
     wanted = set(site.tensors())
-    made = [t.op._id for t in wanted]  # pylint: disable=protected-access
-    ids = [op._id for op in sel.ops  # pylint: disable=protected-access
-           if op._id not in site.origin_ids and any(t in wanted for t in op.inputs)]  # pylint: disable=protected-access
+    made = [tfg.op_id(t.op) for t in wanted]
+    ids = [tfg.op_id(op) for op in sel.ops
+           if tfg.op_id(op) not in site.origin_ids and any(t in wanted for t in op.inputs)]
     if not ids:
         return float("inf")
     return max(min(ids), max(made) + 1)
@@ -309,7 +310,7 @@ def join_clones(state, sel, since=-1):
     owners = [c for c in range(1, n) if state.is_rep(c)]  # hold an update
     for op in sel.ops:
         if owners and owned(state, op) and _is_update(state, op):
-            op._add_control_inputs([state.op(c, op) for c in owners])  # pylint: disable=protected-access
+            tfg.add_control_inputs(op, [state.op(c, op) for c in owners])
     for op in sel.ops:
         if not owned(state, op):
             continue
@@ -317,11 +318,9 @@ def join_clones(state, sel, since=-1):
             if ci in whole and not owned(state, ci):
                 for c in range(1, n):
                     if not state.is_rep(c):
-                        state.op(state.reps[c], op)._add_control_inputs([state.op(c, ci)])  # pylint: disable=protected-access
-    nodes = state.graph._nodes_by_id  # pylint: disable=protected-access
-    for i in range(since + 1, state.graph._last_id + 1):  # pylint: disable=protected-access
-        op = nodes.get(i)
-        if op is None or op in whole or state.ir_graph.phase_of(op) == ir.REWRITE:
+                        tfg.add_control_inputs(state.op(state.reps[c], op), [state.op(c, ci)])
+    for op in tfg.ops_between(state.graph, since + 1):
+        if op in whole or state.ir_graph.phase_of(op) == ir.REWRITE:
             continue
         extra = [state.op(c, ci) for ci in op.control_inputs if ci in whole
                  for c in range(1, n)]
@@ -329,5 +328,5 @@ def join_clones(state, sel, since=-1):
                   if t.op in whole and _is_update(state, t.op) for c in owners]
         extra = [e for e in extra if e not in op.control_inputs]
         if extra:
-            op._add_control_inputs(extra)  # pylint: disable=protected-access
+            tfg.add_control_inputs(op, extra)
 

@@ -14,6 +14,7 @@ import tensorflow as tf
 from epl import ir
 from epl.rewrite import updates
 from epl.rewrite.updates import VARIABLE_OPS
+from epl.tf_adapter import graph as tfg
 ASSIGN_OPS = frozenset(["Assign", "AssignAdd", "AssignSub", "AssignVariableOp",
                         "AssignAddVariableOp", "AssignSubVariableOp"])
 SOURCE_OPS = ir.SOURCE_OPS
@@ -108,7 +109,7 @@ def select(ir_graph, taskgraphs, share_variables=False, clip_after_allreduce=Fal
     known_shared = set(known.shared) if known is not None else set()
     sel = Selection()
     wanted = [op for tg in taskgraphs for op in tg.ops
-              if op._id > since_id  # pylint: disable=protected-access
+              if tfg.op_id(op) > since_id
               and ir_graph.phase_of(op) in (ir.FORWARD, ir.BACKWARD, ir.APPLY)
               and not excluded(op)]
     chosen = set(wanted)
@@ -137,8 +138,8 @@ def select(ir_graph, taskgraphs, share_variables=False, clip_after_allreduce=Fal
         # One read of a shared variable serves every clone (as in hand-written towers).
         shared |= set(op for op in chosen if _plain_read(op, shared))
         chosen = chosen - shared
-        sel.shared = sorted(shared, key=lambda o: o._id)  # pylint: disable=protected-access
-    sel.ops = sorted(chosen, key=lambda o: o._id)  # pylint: disable=protected-access
+        sel.shared = sorted(shared, key=tfg.op_id)
+    sel.ops = sorted(chosen, key=tfg.op_id)
     sel.op_set = chosen
     sel.variables = [op for op in sel.ops if op.type in VARIABLE_OPS]
     seen = set()
@@ -175,7 +176,7 @@ def _initial_values_only(initializers):
         op = frontier.pop()
         if op in only or op in initializers or op.type in VARIABLE_OPS:
             continue
-        users = [c for out in op.outputs for c in out.consumers()] + list(op._control_outputs)  # pylint: disable=protected-access
+        users = [c for out in op.outputs for c in out.consumers()] + list(tfg.control_outputs(op))
         if users and all(u in only or u in initializers for u in users):
             only.add(op)
             frontier.extend(t.op for t in op.inputs)
@@ -233,7 +234,7 @@ def _downstream(ops, blocked):
     frontier = list(ops)
     while frontier:
         op = frontier.pop()
-        for c in [c for out in op.outputs for c in out.consumers()] + op._control_outputs:  # pylint: disable=protected-access
+        for c in [c for out in op.outputs for c in out.consumers()] + tfg.control_outputs(op):
             if c not in seen and c not in blocked:
                 seen.add(c)
                 frontier.append(c)

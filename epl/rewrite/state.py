@@ -1,4 +1,5 @@
 """What the data-parallel passes share: the layout and the per-clone maps."""
+from epl.tf_adapter import graph as tfg
 
 
 class ReplicaState(object):
@@ -136,7 +137,7 @@ class ReplicaState(object):
 
     def editable(self, op):
         """``op`` was made after the last rewrite (no session has run it yet)."""
-        return op._id > self.frozen_id  # pylint: disable=protected-access
+        return tfg.op_id(op) > self.frozen_id
 
     def substitute(self, original, per_clone, rewire):
         """The user's ops accepted by ``rewire(op)`` read ``per_clone[0]`` instead of
@@ -147,7 +148,7 @@ class ReplicaState(object):
                     continue
                 for i, inp in enumerate(consumer.inputs):
                     if inp is original:
-                        consumer._update_input(i, per_clone[0])  # pylint: disable=protected-access
+                        tfg.update_input(consumer, i, per_clone[0])
             self.installed[original] = (per_clone, rewire)
         for c in range(len(per_clone)):
             self.tensor_map[c][per_clone[0]] = per_clone[c]
@@ -163,7 +164,7 @@ class ReplicaState(object):
                     continue
                 for i, inp in enumerate(consumer.inputs):
                     if inp is original:
-                        consumer._update_input(i, per_clone[0])  # pylint: disable=protected-access
+                        tfg.update_input(consumer, i, per_clone[0])
 
     def stage_of(self, op):
         tg = self.ir_graph.taskgraph_of(op)

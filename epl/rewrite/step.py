@@ -19,6 +19,7 @@ holding ``global_step``).
 """
 from epl import ir
 from epl.rewrite.updates import written_variable
+from epl.tf_adapter import graph as tfg
 
 _READS = frozenset(["Identity", "ReadVariableOp"])
 
@@ -40,9 +41,8 @@ def order_global_step(graph, epl_graph, since=-1):
     if step is None:
         return
     var = step.op
-    nodes = graph._nodes_by_id  # pylint: disable=protected-access
-    writes = [op for op in (nodes.get(i) for i in range(since + 1, graph._last_id + 1))  # pylint: disable=protected-access
-              if op is not None and epl_graph.phase_of(op) not in (ir.SAVE, ir.REWRITE)
+    writes = [op for op in tfg.ops_between(graph, since + 1)
+              if epl_graph.phase_of(op) not in (ir.SAVE, ir.REWRITE)
               and written_variable(op) is var and advances(op, var)]
     if not writes:
         return
@@ -55,4 +55,4 @@ def order_global_step(graph, epl_graph, since=-1):
         deps = [r for r in readers if r is not w and r not in after
                 and written_variable(r) is None and r not in w.control_inputs]
         if deps:
-            w._add_control_inputs(sorted(deps, key=lambda o: o._id))  # pylint: disable=protected-access
+            tfg.add_control_inputs(w, sorted(deps, key=tfg.op_id))

@@ -26,6 +26,7 @@ traced back through the values it reads.
 import collections
 
 from epl import ir
+from epl.tf_adapter import graph as tfg
 
 VARIABLE_OPS = frozenset(["VariableV2", "Variable", "VarHandleOp"])
 # Ops that take a variable (ref or resource) without changing it.
@@ -83,10 +84,10 @@ def written_variable(op):
     for i, t in enumerate(op.inputs):
         if not ir.is_state_handle(t):
             continue
-        if t.dtype._is_ref_dtype and not op._input_types[i]._is_ref_dtype:  # pylint: disable=protected-access
+        if tfg.is_ref_dtype(t.dtype) and not tfg.input_wants_ref(op, i):
             continue  # a ref read as a value
         var = _variable_of(t)
-        if var is not None and (t.dtype._is_ref_dtype or op.op_def.is_stateful):  # pylint: disable=protected-access
+        if var is not None and (tfg.is_ref_dtype(t.dtype) or op.op_def.is_stateful):
             return var
     return None
 
@@ -124,7 +125,7 @@ def analyze(ir_graph, candidates, batch_ops, is_source, clip_after_allreduce,
     the replica ops it selected (``earlier_ops``).
     """
     plan = UpdatePlan()
-    ordered = sorted(candidates, key=lambda o: o._id)  # pylint: disable=protected-access
+    ordered = sorted(candidates, key=tfg.op_id)
     for op in ordered:
         var = written_variable(op)
         if var is not None and var in variables:
@@ -211,7 +212,7 @@ def analyze(ir_graph, candidates, batch_ops, is_source, clip_after_allreduce,
             if op in run_once or op in variant or op.type in VARIABLE_OPS:
                 continue
             users = [c for out in op.outputs for c in out.consumers()]
-            users += list(op._control_outputs)  # pylint: disable=protected-access
+            users += list(tfg.control_outputs(op))
             if users and all(u in run_once for u in users):
                 run_once.add(op)
                 changed = True

@@ -98,9 +98,9 @@ def new_op(graph, op_type, name, device, inputs, attrs):
 def import_node_defs(graph, serialized, input_map, control_map, return_names=None):
     """Import the serialized GraphDef ``serialized`` into ``graph`` in one call.
 
-    ``input_map`` {"name:index" or "name": tf.Tensor} feeds the imported nodes' inputs
-    of those names from existing tensors; ``control_map`` {"^name": op or C node}
-    likewise for control inputs.  Without ``return_names`` the nodes keep their names
+    ``input_map`` ("name:index" or "name", tf.Tensor) pairs feed the imported nodes'
+    inputs of those names from existing tensors; ``control_map`` ("^name", op or C
+    node) pairs likewise for control inputs (dicts work too).  Without ``return_names`` the nodes keep their names
     (ValueError when one is taken) and None is returned; with it the importer
     uniquifies clashing names and the C nodes of ``return_names`` come back, in order,
     with their final names: ``(names, c_nodes)``."""
@@ -110,13 +110,13 @@ def import_node_defs(graph, serialized, input_map, control_map, return_names=Non
     _c.TF_ImportGraphDefOptionsSetPrefix(options, "")
     _c.TF_ImportGraphDefOptionsSetUniquifyNames(options, rename)
     _c.TF_ImportGraphDefOptionsSetValidateColocationConstraints(options, False)
-    for key, t in input_map.items():
+    for key, t in (input_map.items() if isinstance(input_map, dict) else input_map):
         name, _, index = key.rpartition(":")      # ("name:1": output 1 of "name")
         if not name:
             name, index = key, "0"
         _c.TF_ImportGraphDefOptionsAddInputMapping(options, name, int(index),
                                                    t._as_tf_output())  # pylint: disable=protected-access
-    for key, op in control_map.items():
+    for key, op in (control_map.items() if isinstance(control_map, dict) else control_map):
         _c.TF_ImportGraphDefOptionsRemapControlDependency(options, key,
                                                           getattr(op, "_c_op", op))
     for name in return_names or ():
