@@ -85,6 +85,15 @@ def convert(graph, ys):
     return len(todo)
 
 
+def rebuilt(graph, tensors):
+    """``tensors`` (tf.gradients' ``stop_gradients``), each output of an op ``convert``
+    rebuilt in float16 replaced by the rebuild's output: the backward pass reads the
+    rebuild, so a stop at the float32 op it replaced would stop nothing."""
+    converted = getattr(ir.Graph.get(graph), "amp_converted", {})
+    return [converted[t.op].outputs[t.value_index] if t.op in converted else t
+            for t in tensors]
+
+
 def recast_weights(graph, first_id):
     """The backward ops (ids ``first_id``..) that read a weight's float16 cast made in
     the forward pass read a new cast of the same float32 value instead, made when
@@ -156,23 +165,17 @@ def loss_scale(graph, config):
     return state[0].read_value(), state
 
 
-def scaled_gradients(ys, args, kwargs, scale):
-    """The ``_GradientsHelper`` arguments with the backward pass started from
-    ``scale`` (``grad_ys`` times the scale, or the scale itself)."""
+def scaled_grad_ys(ys, grad_ys, scale):
+    """The ``grad_ys`` that start the backward pass of ``ys`` from ``scale``
+    (``grad_ys`` times the scale, or the scale itself)."""
     from tensorflow.python.util import nest
-    args, kwargs = list(args), dict(kwargs)
-    given = args[0] if args else kwargs.get("grad_ys")
     ys_list = nest.flatten(ys)
-    given = nest.flatten(given) if given is not None else [None] * len(ys_list)
+    given = nest.flatten(grad_ys) if grad_ys is not None else [None] * len(ys_list)
     start = []
     for y, g in zip(ys_list, given):
         s = tf.cast(scale, y.dtype)
         start.append(tf.fill(tf.shape(y), s) if g is None else g * s)
-    if args:
-        args[0] = start
-    else:
-        kwargs["grad_ys"] = start
-    return args, kwargs
+    return start
 
 
 def unscale(grads, scale):

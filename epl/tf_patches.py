@@ -7,14 +7,16 @@ Patch points (all installed by :func:`install`, idempotent):
 2. ``gradients_util._maybe_colocate_with``: tf.gradients enters it once per
    forward op; ops made inside are that op's backward ops.
 3. ``gradients_util._GradientsHelper`` and ``backprop.GradientTape.gradient``
-   (graph mode): the whole call is the backward phase (ops not tied to one
+   (graph mode; ``_push_tape`` / ``_pop_tape`` note which ops a tape records):
+   the whole call is the backward phase (ops not tied to one
    forward op go to the loss's TaskGraph); each call is recorded
    (``ir.GradientRecord``) so the rewriter can find the gradients a variable
    update consumes, however the update is written.  The memory and auto
    features that change the backward pass hook the same call: with
    ``auto.auto_parallel`` the first call cuts the unannotated forward pass into
    stages (``epl.auto_stages``); with ``amp.level`` the forward products become
-   float16 and the backward pass is loss-scaled (``epl.amp``); with
+   float16 and the backward pass is loss-scaled (``epl.amp``; a tape's gradient
+   is then computed through tf.gradients, the one AMP path); with
    ``gradient_checkpoint.type`` the call's backward ops then recompute
    activations (``epl.gradient_checkpoint``).
 4. ``optimizer.Optimizer.apply_gradients`` (and ``OptimizerV2.apply_gradients``
@@ -310,37 +312,122 @@ def _auto_stages(graph, ys):
     auto_stages.partition(graph, ys, Env.get().config.get("pipeline.num_stages"))
 
 
-def _gradients_helper(ys, xs, *args, **kwargs):
+def _amp_backward():
+    """The next backward pass is a user's under ``amp.level`` (not one EPL builds)."""
     from epl.env import Env
     c = _c()
-    if Env.initialized() and not (c.rewriting or c.grad_default or c.apply):
-        from epl import amp
-        config = Env.get().config
-        if amp.enabled(config):
-            # Mixed precision: half-precision forward math, a scaled backward pass.
-            from tensorflow.python.util import nest
-            ys_list = [y for y in nest.flatten(ys) if hasattr(y, "op")]
-            if ys_list:
-                amp.convert(ys_list[0].graph, ys_list)
-                scale, _ = amp.loss_scale(ys_list[0].graph, config)
-                args, kwargs = amp.scaled_gradients(ys, args, kwargs, scale)
-                graph = ys_list[0].graph
+    if not Env.initialized() or c.rewriting or c.grad_default or c.apply:
+        return False
+    from epl import amp
+    return amp.enabled(Env.get().config)
 
-                def compute():
-                    first = graph._last_id + 1  # pylint: disable=protected-access
-                    grads = _originals["gradients_helper"](ys, xs, *args, **kwargs)
-                    amp.recast_weights(graph, first)
-                    return amp.unscale(grads, scale)
-                return _backward_call(ys, xs, compute)
+
+def _gradients_helper(ys, xs, *args, **kwargs):
+    """tf.gradients, and ``GradientTape.gradient`` under AMP (``_tape_gradient``): the
+    one place a mixed-precision backward pass is built."""
+    if _amp_backward():
+        # Mixed precision: half-precision forward math, a scaled backward pass.
+        from tensorflow.python.util import nest
+        from epl import amp
+        from epl.env import Env
+        config = Env.get().config
+        ys_list = [y for y in nest.flatten(ys) if hasattr(y, "op")]
+        if ys_list:
+            import inspect
+            graph = ys_list[0].graph
+            amp.convert(graph, ys_list)
+            scale, _ = amp.loss_scale(graph, config)
+            call = inspect.signature(_originals["gradients_helper"]).bind(ys, xs, *args, **kwargs)
+            given = call.arguments
+            given["grad_ys"] = amp.scaled_grad_ys(ys, given.get("grad_ys"), scale)
+            if given.get("stop_gradients") is not None:
+                given["stop_gradients"] = amp.rebuilt(graph, nest.flatten(given["stop_gradients"]))
+
+            def compute():
+                first = graph._last_id + 1  # pylint: disable=protected-access
+                grads = _originals["gradients_helper"](*call.args, **call.kwargs)
+                amp.recast_weights(graph, first)
+                return amp.unscale(grads, scale)
+            return _backward_call(ys, xs, compute)
     return _backward_call(ys, xs, lambda: _originals["gradients_helper"](ys, xs, *args, **kwargs))
 
 
-def _tape_gradient(self, target, sources, *args, **kwargs):
+def _tape_gradient(self, target, sources, output_gradients=None, unconnected_gradients=None):
     import tensorflow as tf
+    from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
+    unconnected = UnconnectedGradients(unconnected_gradients or UnconnectedGradients.NONE)
     if tf.executing_eagerly():
-        return _originals["tape_gradient"](self, target, sources, *args, **kwargs)
+        return _originals["tape_gradient"](self, target, sources, output_gradients, unconnected)
+    if _amp_backward() and self._tape is not None:  # pylint: disable=protected-access
+        return _tape_as_gradients(self, target, sources, output_gradients, unconnected)
     return _backward_call(target, sources, lambda: _originals["tape_gradient"](
-        self, target, sources, *args, **kwargs))
+        self, target, sources, output_gradients, unconnected))
+
+
+def _tape_as_gradients(tape, target, sources, output_gradients, unconnected):
+    """A graph-mode tape's gradient under AMP, computed by tf.gradients
+    (``_gradients_helper``).  The tape recorded the float32 forward ops before AMP
+    rebuilt them in float16, so its own backward pass would stay float32 and
+    unscaled.  tf.gradients from the tape's targets walks the same forward ops and
+    answers as the tape: it does not differentiate through ops the tape did not
+    record (``_unrecorded``), a variable source the tape never watched gets no
+    gradient (zeros with ``UnconnectedGradients.ZERO``), a non-persistent tape
+    answers once."""
+    import tensorflow as tf
+    from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
+    from tensorflow.python.util import nest, object_identity
+    # pylint: disable=protected-access
+    if tape._recording and not tape._persistent:
+        tape._pop_tape()
+    targets = [tf.convert_to_tensor(t) if isinstance(t, tf.Variable) else t
+               for t in nest.flatten(target)]
+    flat = nest.flatten(sources)
+    watched = object_identity.ObjectIdentitySet(tape.watched_variables())
+    live = [i for i, s in enumerate(flat) if not isinstance(s, tf.Variable) or s in watched]
+    grad_ys = None if output_gradients is None else nest.flatten(output_gradients)
+    with targets[0].graph.as_default():
+        grads = tf.compat.v1.gradients(targets, [flat[i] for i in live], grad_ys,
+                                       stop_gradients=_unrecorded(tape, targets, flat),
+                                       unconnected_gradients=unconnected)
+        out = [tf.zeros_like(s) if unconnected == UnconnectedGradients.ZERO else None
+               for s in flat]
+    for i, g in zip(live, grads):
+        out[i] = g
+    if not tape._persistent:
+        tape._tape = None
+    return nest.pack_sequence_as(sources, out)
+
+
+def _unrecorded(tape, targets, sources):
+    """The tensors between ``sources`` and ``targets`` made while ``tape`` was not
+    recording (before it, after it, inside its ``stop_recording``): the tape's
+    gradients do not flow through them, so tf.gradients must not either."""
+    import tensorflow as tf
+    spans = tape.__dict__.get("_epl_spans", [])
+
+    def recorded(op):
+        return any(g is op.graph and start <= op._id and (end is None or op._id <= end)  # pylint: disable=protected-access
+                   for g, start, end in spans)
+    starts = set((s.handle if isinstance(s, tf.Variable) and hasattr(s, "handle") else s).op
+                 for s in sources)
+    between = ir.upstream([t.op for t in targets], control=False) & ir.downstream(starts)
+    return [op.outputs[0] for op in sorted(between, key=lambda o: o._id)  # pylint: disable=protected-access
+            if op not in starts and op.outputs and not recorded(op)]
+
+
+def _tape_push(self):
+    """A tape records the ops built while it is pushed: keep the graph's op id spans."""
+    _originals["tape_push"](self)
+    graph = ops.get_default_graph()
+    self.__dict__.setdefault("_epl_spans", []).append(
+        [graph, graph._last_id + 1, None])  # pylint: disable=protected-access
+
+
+def _tape_pop(self):
+    spans = self.__dict__.get("_epl_spans")
+    if spans and spans[-1][2] is None:
+        spans[-1][2] = spans[-1][0]._last_id  # pylint: disable=protected-access
+    _originals["tape_pop"](self)
 
 
 def _apply_gradients(self, grads_and_vars, global_step=None, name=None):
@@ -638,7 +725,7 @@ def _get_operation_by_name_unsafe(self, name):
     try:
         return _originals["get_op_by_name"](self, name)
     except KeyError:
-        from epl.rewrite import deferred
+        from epl.tf_adapter import deferred
         op = deferred.materialize(self, name)
         if op is None:
             raise
@@ -647,7 +734,7 @@ def _get_operation_by_name_unsafe(self, name):
 
 def _as_graph_element_locked(self, obj, allow_tensor, allow_operation):
     if isinstance(obj, str) and "_epl_deferred" in self.__dict__:
-        from epl.rewrite import deferred
+        from epl.tf_adapter import deferred
         deferred.materialize(self, obj.split(":")[0] if ":" in obj else obj)
     return _originals["as_graph_element_locked"](self, obj, allow_tensor, allow_operation)
 
@@ -655,7 +742,7 @@ def _as_graph_element_locked(self, obj, allow_tensor, allow_operation):
 def _deferred_first(key):
     def patched(self, *args, **kwargs):
         if "_epl_deferred" in self.__dict__:
-            from epl.rewrite import deferred
+            from epl.tf_adapter import deferred
             deferred.materialize_all(self)
         return _originals[key](self, *args, **kwargs)
     return patched
@@ -664,7 +751,7 @@ def _deferred_first(key):
 def _as_graph_def(self, from_version=None, add_shapes=False):
     """Shapes come from the Python ops (export_meta_graph asks for them)."""
     if add_shapes and "_epl_deferred" in self.__dict__:
-        from epl.rewrite import deferred
+        from epl.tf_adapter import deferred
         deferred.materialize_all(self)
     return _originals["as_graph_def_internal"](self, from_version, add_shapes)
 
@@ -683,6 +770,8 @@ _PATCHES = [
     ("apply_gradients", tf_optimizer.Optimizer, "apply_gradients", _apply_gradients),
     ("optimizer_init", tf_optimizer.Optimizer, "__init__", _optimizer_init),
     ("tape_gradient", tf_backprop.GradientTape, "gradient", _tape_gradient),
+    ("tape_push", tf_backprop.GradientTape, "_push_tape", _tape_push),
+    ("tape_pop", tf_backprop.GradientTape, "_pop_tape", _tape_pop),
     ("saver_build", tf_saver.Saver, "build", _saver_build),
     ("saver_save", tf_saver.Saver, "save", _saver_save),
     ("add_event", tf_writer.FileWriter, "add_event", _add_event),
@@ -748,6 +837,8 @@ _active = []   # the patches install() applied (the fixed list and the optional 
 def install():
     if _originals:
         return
+    from epl.tf_adapter import deferred
+    deferred.set_wrap_context(rewriting)
     _active[:] = list(_PATCHES) + _optional_patches()
     for key, owner, attr, replacement in _active:
         _originals[key] = getattr(owner, attr)

@@ -166,3 +166,165 @@ def test_dynamic_scale_and_accumulation_across_runs_refused():
     with pytest.raises(NotImplementedError, match="'amp.loss_scale' = 'dynamic' with "
                                                   "'pipeline.num_micro_batch' = 2"):
         tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+
+
+def _tape_losses(config, optimizer="v1"):
+    """The MLP as a custom training loop: resource variables, ``tf.GradientTape``,
+    ``apply_gradients`` (a tf.compat.v1 or a tf.keras optimizer)."""
+    models.reset()
+    if config is not None:
+        epl.init(epl.Config(config))
+    x, y = models.data(32)
+    step = tf.compat.v1.train.get_or_create_global_step()
+    with tf.compat.v1.variable_scope("", use_resource=True):
+        with tf.GradientTape() as tape:
+            loss = deep_forward(tf.constant(x), tf.constant(y), dropout=False)
+    variables = tf.compat.v1.trainable_variables()
+    grads = tape.gradient(loss, variables)
+    if optimizer == "v1":
+        op = tf.compat.v1.train.AdamOptimizer(0.01).apply_gradients(
+            zip(grads, variables), global_step=step)
+    else:
+        op = tf.group(tf.keras.optimizers.Adam(0.01).apply_gradients(zip(grads, variables)),
+                      step.assign_add(1))
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        return [sess.run([loss, op])[0] for _ in range(STEPS)], tf.compat.v1.get_default_graph()
+
+
+@pytest.mark.parametrize("optimizer", ["v1", "keras"])
+@pytest.mark.parametrize("scale", ["dynamic", 128])
+def test_gradient_tape_loss_curve_follows_float32(scale, optimizer):
+    """GradientTape.gradient gets the treatment tf.gradients gets (issue 24, item 4):
+    float16 products forward and backward, a scaled backward pass."""
+    want, _ = _tape_losses(None, optimizer)
+    got, graph = _tape_losses({"amp.level": "O1", "amp.loss_scale": scale}, optimizer)
+    np.testing.assert_allclose(got, want, rtol=3e-2)
+    assert want[-1] < want[0] * 0.98, want
+    half = [op for op in graph.get_operations()
+            if op.type == "MatMul" and op.get_attr("T") == tf.float16]
+    forward = [op for op in half if epl.Graph.get(graph).phase_of(op) == "forward"]
+    assert len(forward) == 6, [op.name for op in half]
+    assert len(half) >= 3 * len(forward) - 1, [op.name for op in half]
+    assert not [op for op in graph.get_operations()
+                if op.type == "MatMul" and op.get_attr("T") == tf.float32
+                and epl.Graph.get(graph).phase_of(op) == "backward"]
+    # The backward pass started from the loss scale.
+    scaled = [op for op in graph.get_operations() if op.type == "Fill"
+              and any("loss_scale" in t.name for t in ir_upstream(op))]
+    assert scaled
+
+
+def ir_upstream(op):
+    from epl import ir
+    return [t for o in ir.upstream([op], control=False) for t in o.outputs]
+
+
+def test_gradient_tape_overflow_skips_the_step():
+    """Dynamic scale: an overflowed step of a tape loop is skipped (weights and step
+    kept, the scale halved), the next one applies."""
+    models.reset()
+    epl.init(epl.Config({"amp.level": "O1"}))
+    px = tf.compat.v1.placeholder(tf.float32, [None, models.IN])
+    py = tf.compat.v1.placeholder(tf.int64, [None])
+    step = tf.compat.v1.train.get_or_create_global_step()
+    with tf.compat.v1.variable_scope("", use_resource=True):
+        with tf.GradientTape() as tape:
+            loss = deep_forward(px, py, dropout=False)
+    variables = tf.compat.v1.trainable_variables()
+    grads = tape.gradient(loss, variables)
+    op = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9).apply_gradients(
+        zip(grads, variables), global_step=step)
+    scale = models.value_tensor(tf.compat.v1.get_default_graph(), "EPL_AMP/loss_scale")
+    x, y = models.data(32)
+    big = x.copy()
+    big[-1] *= 1e6
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        sess.run(op, {px: x, py: y})
+        before = sess.run(variables + [step, scale])
+        sess.run(op, {px: big, py: y})
+        after = sess.run(variables + [step, scale])
+        sess.run(op, {px: x, py: y})
+        last = sess.run(variables + [step, scale])
+    for b, a in zip(before[:-2], after[:-2]):
+        np.testing.assert_array_equal(a, b)
+    assert after[-2] == before[-2] == 1 and after[-1] == before[-1] / 2
+    assert last[-2] == 2 and all(np.isfinite(w).all() for w in last[:-2])
+
+
+@pytest.mark.parametrize("amp", [False, True])
+def test_gradient_tape_keeps_its_semantics(amp):
+    """Under AMP the tape still answers as a tape: a variable it did not watch gets no
+    gradient (zeros with UnconnectedGradients.ZERO), nested sources keep their
+    structure, output_gradients weigh the targets, a non-persistent tape answers
+    once.  The numbers equal the float32 tape's to the tolerance above."""
+    def run(config):
+        models.reset()
+        if config is not None:
+            epl.init(epl.Config(config))
+        x, y = models.data(8)
+        rng = np.random.RandomState(0)
+        variables = [tf.compat.v1.get_variable(
+            "w%d" % i, initializer=(rng.randn(*s) * 0.3).astype(np.float32), use_resource=True)
+            for i, s in enumerate([(models.IN, 16), (16, 16), (16, models.CLASSES)])]
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(variables[:2])
+            h = tf.constant(x)
+            for w in variables:
+                h = tf.tanh(tf.matmul(h, w))
+            loss = 2.0 * tf.compat.v1.losses.sparse_softmax_cross_entropy(y, h)
+        grads = tape.gradient(loss, {"a": variables[:2], "b": (variables[2],)},
+                              output_gradients=tf.constant(0.5),
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        with pytest.raises(RuntimeError, match="only be called once"):
+            tape.gradient(loss, variables)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            return sess.run(grads)
+    want = run(None)
+    got = run({"amp.level": "O1", "amp.loss_scale": 128} if amp else {})
+    assert sorted(got) == ["a", "b"] and len(got["a"]) == 2 and len(got["b"]) == 1
+    assert not got["b"][0].any() and not want["b"][0].any()
+    for g, w in zip(got["a"], want["a"]):
+        assert np.abs(w).max() > 0
+        np.testing.assert_allclose(g, w, rtol=3e-2, atol=3e-2 * np.abs(w).max())
+
+
+@pytest.mark.parametrize("amp", [False, True])
+def test_gradients_stop_where_plain_tensorflow_stops(amp):
+    """What the tape did not record (a loss built after it, a product inside its
+    stop_recording) and tf.gradients' stop_gradients at a product AMP rebuilds in
+    float16 stop the gradient as without AMP."""
+    def run(config):
+        models.reset()
+        if config is not None:
+            epl.init(epl.Config(config))
+        x, y = models.data(8)
+        rng = np.random.RandomState(0)
+        w = [tf.compat.v1.get_variable("w%d" % i, initializer=(rng.randn(*s) * 0.3).astype(
+            np.float32), use_resource=True)
+            for i, s in enumerate([(models.IN, 16), (16, 16), (16, models.CLASSES)])]
+        with tf.GradientTape(persistent=True) as tape:
+            h = tf.tanh(tf.matmul(tf.constant(x), w[0]))
+            with tape.stop_recording():
+                h = tf.matmul(h, w[1])
+            logits = tf.matmul(tf.tanh(h), w[2])
+            inside = tf.compat.v1.losses.sparse_softmax_cross_entropy(y, logits)
+        outside = 2.0 * inside
+        tape_inside = tape.gradient(inside, w)
+        tape_outside = tape.gradient(outside, w)
+        stopped = tf.gradients(inside, w, stop_gradients=[h])
+        assert [g is None for g in tape_inside] == [True, True, False]
+        assert tape_outside == [None, None, None]
+        assert [g is None for g in stopped] == [True, True, False]
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            return sess.run([tape_inside[2], stopped[2]]), tf.compat.v1.get_default_graph()
+    want, _ = run(None)
+    got, graph = run({"amp.level": "O1", "amp.loss_scale": 128} if amp else {})
+    for g, v in zip(got, want):
+        np.testing.assert_allclose(g, v, rtol=3e-2, atol=3e-2 * np.abs(v).max())
+    if amp:
+        assert [op for op in graph.get_operations()
+                if op.type == "MatMul" and op.get_attr("T") == tf.float16]
