@@ -25,6 +25,34 @@ Status ParseReduceOp(const string& name, ReduceOp* op) {
   return Status::OK();
 }
 
+Status GetReduceOp(tensorflow::OpKernelConstruction* c, string* name, ReduceOp* op) {
+  TF_RETURN_IF_ERROR(c->GetAttr("reduce_op", name));
+  return ParseReduceOp(*name, op);
+}
+
+RendezvousKernel::RendezvousKernel(tensorflow::OpKernelConstruction* c) : AsyncOpKernel(c) {
+  OP_REQUIRES_OK(c, c->GetAttr("group", &group_));
+  OP_REQUIRES_OK(c, c->GetAttr("rank", &rank_));
+  OP_REQUIRES_OK(c, c->GetAttr("size", &size_));
+  OP_REQUIRES_OK(c, c->GetAttr("timeout_seconds", &timeout_));
+  OP_REQUIRES_OK(c, c->GetAttr("T", &dtype_));
+  OP_REQUIRES(c, rank_ < size_,
+              InvalidArgument("EPL collective '", group_, "': rank ", rank_,
+                              " is not below size ", size_));
+}
+
+void RendezvousKernel::Meet(OpKernelContext* ctx, DoneCallback done,
+                            InProcessRendezvous::Complete complete) {
+  const int64 gen = generation_.fetch_add(1);
+  Arrival a;
+  a.rank = rank_;
+  a.ctx = ctx;
+  a.done = std::move(done);
+  for (int i = 0; i < ctx->num_inputs(); ++i) a.inputs.push_back(ctx->input(i));
+  InProcessRendezvous::Get()->Arrive(StrCat(group_, "#", gen), size_, timeout_, Describe(),
+                                     std::move(a), std::move(complete));
+}
+
 namespace {
 
 template <typename T> struct Wide { using type = T; };

@@ -95,6 +95,31 @@ class InProcessRendezvous {
   std::map<string, Entry> entries_;
 };
 
+// What every EPL collective kernel shares, on CPU or over NCCL: the attrs of one rank
+// (group, rank, size, timeout_seconds, T) and the meeting of this run's ranks in this
+// process.  Subclasses say what they are (Describe) and what the last rank does.
+class RendezvousKernel : public AsyncOpKernel {
+ public:
+  explicit RendezvousKernel(tensorflow::OpKernelConstruction* c);
+
+ protected:
+  virtual string Describe() const = 0;
+  // The k-th run of this rank meets the k-th run of every other rank of the group in
+  // this process; the last to arrive calls `complete` with (*all)[r] = rank r, and
+  // must call every rank's `done`.
+  void Meet(OpKernelContext* ctx, DoneCallback done, InProcessRendezvous::Complete complete);
+
+  string group_;
+  int rank_ = 0, size_ = 1, timeout_ = 600;
+  DataType dtype_;
+
+ private:
+  std::atomic<int64> generation_{0};
+};
+
+// The reduce_op attr of a reducing collective (sum, mean, max, min).
+Status GetReduceOp(tensorflow::OpKernelConstruction* c, string* name, ReduceOp* op);
+
 // A reusable output buffer per collective group: a step's output is handed to
 // the ranks and, once every consumer dropped it, reused by the next step
 // (saves the page faults of a fresh large allocation every step).

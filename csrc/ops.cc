@@ -175,18 +175,12 @@ void SplitRows(int64 rows, int n, int r, int64* start, int64* count) {
   *start = r * base + std::min<int64>(r, extra);
 }
 
-class CollectiveKernel : public AsyncOpKernel {
+// A CPU collective: ranks of this process meet in the rendezvous (transport
+// "inprocess"); ranks in other processes go through the group's link.
+class CollectiveKernel : public RendezvousKernel {
  public:
-  explicit CollectiveKernel(OpKernelConstruction* c) : AsyncOpKernel(c) {
-    OP_REQUIRES_OK(c, c->GetAttr("group", &group_));
-    OP_REQUIRES_OK(c, c->GetAttr("rank", &rank_));
-    OP_REQUIRES_OK(c, c->GetAttr("size", &size_));
-    OP_REQUIRES_OK(c, c->GetAttr("timeout_seconds", &timeout_));
+  explicit CollectiveKernel(OpKernelConstruction* c) : RendezvousKernel(c) {
     OP_REQUIRES_OK(c, c->GetAttr("transport", &transport_));
-    OP_REQUIRES_OK(c, c->GetAttr("T", &dtype_));
-    OP_REQUIRES(c, rank_ < size_,
-                InvalidArgument("EPL collective '", group_, "': rank ", rank_,
-                                " is not below size ", size_));
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
@@ -197,19 +191,10 @@ class CollectiveKernel : public AsyncOpKernel {
                [this, ctx](Link* link) { return CrossBody(link, ctx); });
       return;
     }
-    const int64 gen = generation_.fetch_add(1);
-    Arrival a;
-    a.rank = rank_;
-    a.ctx = ctx;
-    a.done = std::move(done);
-    for (int i = 0; i < ctx->num_inputs(); ++i) a.inputs.push_back(ctx->input(i));
-    InProcessRendezvous::Get()->Arrive(
-        StrCat(group_, "#", gen), size_, timeout_, Describe(), std::move(a),
-        [this](std::vector<Arrival>* all) { Complete(all); });
+    Meet(ctx, std::move(done), [this](std::vector<Arrival>* all) { Complete(all); });
   }
 
  protected:
-  virtual string Describe() const = 0;
   // Called once per run, by the last rank to arrive; (*all)[r] is rank r.
   virtual void Complete(std::vector<Arrival>* all) = 0;
   // One run between processes, over the group's link (crossproc.h).
@@ -224,18 +209,14 @@ class CollectiveKernel : public AsyncOpKernel {
     return a;
   }
 
-  string group_, transport_;
-  int rank_ = 0, size_ = 1, timeout_ = 600;
-  DataType dtype_;
-  std::atomic<int64> generation_{0};
+  string transport_;
 };
 
 // A collective with a reduce_op attr (sum, mean, max, min).
 class ReducingKernel : public CollectiveKernel {
  public:
   explicit ReducingKernel(OpKernelConstruction* c) : CollectiveKernel(c) {
-    OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &op_name_));
-    OP_REQUIRES_OK(c, ParseReduceOp(op_name_, &op_));
+    OP_REQUIRES_OK(c, GetReduceOp(c, &op_name_, &op_));
   }
 
  protected:

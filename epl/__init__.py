@@ -6,9 +6,10 @@
     ... the unchanged TF1 model and session ...
 """
 from epl import auto
+from epl.api import init
 from epl.collections import GraphKeys, add_to_collection, get_all_collections, get_collection
 from epl.config import Config
-from epl.env import Env, init
+from epl.env import Env
 from epl.ir import Graph
 from epl.strategies import replicate, set_default_strategy, split
 from epl.tensor_parallel.moe import moe_layer

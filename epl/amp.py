@@ -242,8 +242,7 @@ def guard_updates(epl_graph, config):
     if not enabled(config) or config.get("amp.loss_scale") != "dynamic" \
             or getattr(epl_graph, "amp_state", None) is None:
         return
-    from epl.rewrite import hand_written_update
-    from epl.rewrite.updates import written_variable
+    from epl.variable_writes import hand_written_update, written_variable
     handled = set()
     for rec in epl_graph.apply_records:
         handled.update(rec.op_ids)

@@ -53,8 +53,7 @@ def guard_step(epl_graph):
     becomes ``where(pred, step + 1, step)`` (``where(pred, 1, 0)`` for an
     ``assign_add``).  Initializers and restores set the step: left alone."""
     from epl import tf_patches
-    from epl.rewrite.step import advances
-    from epl.rewrite.updates import written_variable
+    from epl.variable_writes import advances, written_variable
     graph = epl_graph.tf_graph
     since = epl_graph.step_guarded_id
     epl_graph.step_guarded_id = graph._last_id  # pylint: disable=protected-access

@@ -8,6 +8,8 @@ interchange with the same program trained without the feature.
 """
 import tensorflow as tf
 
+from epl.tf_adapter import graph as tfg
+
 COLLECTION = "epl_internal_state"
 
 
@@ -29,6 +31,5 @@ def variable(name, initial, dtype=None):
 
 def saveable_default(graph):
     """What a default ``tf.train.Saver`` saves: every saveable but EPL's own state."""
-    from tensorflow.python.ops import variables
     mine = set(id(v) for v in graph.get_collection(COLLECTION))
-    return [v for v in variables._all_saveable_objects() if id(v) not in mine]  # pylint: disable=protected-access
+    return [v for v in tfg.all_saveable_objects() if id(v) not in mine]

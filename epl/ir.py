@@ -15,11 +15,26 @@ SOURCE_OPS = frozenset(["IteratorGetNext", "IteratorGetNextSync", "QueueDequeueV
 
 
 def is_batch_placeholder(op):
-    """A fed placeholder whose first dimension is unknown: it holds the global batch."""
+    """A fed placeholder whose first dimension is unknown: it holds the global batch.
+
+    Not one whose only readers write it into variables: tf.keras's ``set_weights`` and a
+    metric's ``reset_states`` (``backend.batch_set_value``) assign a value through a
+    placeholder of unknown dimensions, and every copy of the variable takes all of it
+    (split over the replicas, AUC's [thresholds] counts were reset to half a vector)."""
     if op.type != "Placeholder":
         return False
     shape = op.outputs[0].shape
-    return shape.ndims is not None and shape.ndims >= 1 and shape.dims[0].value is None
+    if shape.ndims is None or shape.ndims < 1 or shape.dims[0].value is not None:
+        return False
+    readers = op.outputs[0].consumers()
+    return not readers or not all(r.type in _VALUE_WRITES and len(r.inputs) == 2
+                                  and r.inputs[1] is op.outputs[0]
+                                  and r.inputs[0] is not op.outputs[0] for r in readers)
+
+
+# Ops that write their second input into the variable their first input holds.
+_VALUE_WRITES = frozenset(["Assign", "AssignAdd", "AssignSub", "AssignVariableOp",
+                           "AssignAddVariableOp", "AssignSubVariableOp"])
 
 
 def is_batch_source(op):
@@ -191,6 +206,7 @@ class Graph(object):
 
     @staticmethod
     def get(tf_graph=None):
+        """The IR of ``tf_graph`` (default: the default graph), made on first use."""
         import tensorflow as tf
         g = tf_graph if tf_graph is not None else tf.compat.v1.get_default_graph()
         ir = getattr(g, "_epl_graph", None)
@@ -198,6 +214,18 @@ class Graph(object):
             ir = Graph(g)
             g._epl_graph = ir
         return ir
+
+    @staticmethod
+    def existing(tf_graph):
+        """The IR of ``tf_graph`` if EPL has recorded anything in it, else None."""
+        return getattr(tf_graph, "_epl_graph", None)
+
+    @staticmethod
+    def forget(tf_graph):
+        """Drop what EPL recorded of ``tf_graph`` (annotations laid out for an old
+        cluster)."""
+        if getattr(tf_graph, "_epl_graph", None) is not None:
+            del tf_graph._epl_graph
 
     def taskgraph_for(self, strategy):
         tg = self._tg_of_strategy.get(id(strategy))

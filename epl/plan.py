@@ -215,3 +215,22 @@ def _plan_split(cluster, splits, replicas, config):
     layout.split_devices = {tg: list(range(first, first + split_device_count(tg, total)))
                             for tg in splits}
     return layout
+
+
+def in_graph(layout, cluster, config):
+    """The chief drives the whole job in one graph: a model replica (or split) spans
+    workers, or ZeRO partitions the state over several workers."""
+    if cluster.worker_num <= 1 or layout is None:
+        return False
+    return bool(spans_workers(layout, cluster.gpu_num_per_worker)
+                or config.get("zero.level"))
+
+
+def spans_workers(layout, devices_per_worker):
+    """A model replica over several workers, or split scopes in a multi-worker job (a
+    split's shards and the replicas it bridges form one graph)."""
+    if layout is None:
+        return False
+    if layout.split_devices:
+        return True
+    return any(len(set(d // devices_per_worker for d in row)) > 1 for row in layout.devices)

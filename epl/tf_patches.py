@@ -70,7 +70,7 @@ Patch points (all installed by :func:`install`, idempotent):
     an op's inputs, consumers and control edges), ``_as_graph_element_locked`` (names,
     fetches), ``get_operations``, ``_add_new_tf_operations`` and ``_as_graph_def``: the
     replicas' copies get their Python ``Operation`` on first use
-    (``epl.rewrite.deferred``).
+    (``epl.tf_adapter.deferred``).
 
 Everything else reads and edits graphs through :mod:`epl.ir` and the rewriter.
 """
@@ -837,6 +837,8 @@ _active = []   # the patches install() applied (the fixed list and the optional 
 def install():
     if _originals:
         return
+    from epl.tf_adapter import deferred
+    deferred.set_wrap_context(rewriting)
     from epl.tf_adapter import deferred
     deferred.set_wrap_context(rewriting)
     _active[:] = list(_PATCHES) + _optional_patches()

@@ -137,47 +137,30 @@ Status Comms(const std::vector<Arrival>& all, std::vector<ncclComm_t>** out) {
   return Status::OK();
 }
 
-class NcclKernel : public AsyncOpKernel {
+// An NCCL collective: the ranks (GPUs of this process) meet in the rendezvous every
+// EPL kernel uses; the last to arrive launches them all.
+class NcclKernel : public RendezvousKernel {
  public:
-  explicit NcclKernel(OpKernelConstruction* c) : AsyncOpKernel(c) {
-    OP_REQUIRES_OK(c, c->GetAttr("group", &group_));
-    OP_REQUIRES_OK(c, c->GetAttr("rank", &rank_));
-    OP_REQUIRES_OK(c, c->GetAttr("size", &size_));
-    OP_REQUIRES_OK(c, c->GetAttr("timeout_seconds", &timeout_));
-    OP_REQUIRES_OK(c, c->GetAttr("T", &dtype_));
-  }
+  using RendezvousKernel::RendezvousKernel;
+
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    Arrival a;
-    a.rank = rank_;
-    a.ctx = ctx;
-    a.done = std::move(done);
-    for (int i = 0; i < ctx->num_inputs(); ++i) a.inputs.push_back(ctx->input(i));
-    InProcessRendezvous::Get()->Arrive(
-        StrCat(group_, "#", generation_.fetch_add(1)), size_, timeout_, Describe(),
-        std::move(a), [this](std::vector<Arrival>* all) {
-          Status s;
-          std::vector<ncclComm_t>* comms = nullptr;
-          s = Comms(*all, &comms);
-          if (s.ok()) {
-            std::lock_guard<std::mutex> lock(g_launch_mu);
-            s = Launch(all, *comms);
-          }
-          for (auto& x : *all) {
-            if (!s.ok()) x.ctx->SetStatus(s);
-            x.done();
-          }
-        });
+    Meet(ctx, std::move(done), [this](std::vector<Arrival>* all) {
+      std::vector<ncclComm_t>* comms = nullptr;
+      Status s = Comms(*all, &comms);
+      if (s.ok()) {
+        std::lock_guard<std::mutex> lock(g_launch_mu);
+        s = Launch(all, *comms);
+      }
+      for (auto& x : *all) {
+        if (!s.ok()) x.ctx->SetStatus(s);
+        x.done();
+      }
+    });
   }
 
  protected:
-  virtual string Describe() const = 0;
   // Allocates every rank's outputs and enqueues the NCCL calls (inside a group).
   virtual Status Launch(std::vector<Arrival>* all, const std::vector<ncclComm_t>& comms) = 0;
-
-  string group_;
-  int rank_ = 0, size_ = 1, timeout_ = 600;
-  DataType dtype_;
-  std::atomic<int64> generation_{0};
 };
 
 // A kernel with a reduce_op attr.
@@ -186,8 +169,7 @@ class NcclReducing : public NcclKernel {
   explicit NcclReducing(OpKernelConstruction* c) : NcclKernel(c) {
     string name;
     ReduceOp op;
-    OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &name));
-    OP_REQUIRES_OK(c, ParseReduceOp(name, &op));
+    OP_REQUIRES_OK(c, GetReduceOp(c, &name, &op));
     OP_REQUIRES_OK(c, NcclOp(op, &op_, &scale_));
   }
 

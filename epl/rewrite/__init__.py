@@ -25,6 +25,7 @@ import time
 
 from epl import ir
 from epl.tf_adapter import graph as tfg
+from epl.variable_writes import VARIABLE_OPS, hand_written_update, written_variable
 
 log = logging.getLogger("epl")
 
@@ -90,7 +91,6 @@ def _refuse_unannotated_accumulation(epl_graph, config):
     m = config.get("pipeline.num_micro_batch")
     if m <= 1:
         return
-    from epl.rewrite.updates import written_variable
     accumulated = set()
     for rec in epl_graph.apply_records:
         if rec.across_runs:
@@ -107,32 +107,10 @@ def _refuse_unannotated_accumulation(epl_graph, config):
             % (m, op.name, op.type, written_variable(op).name, m))
 
 
-def hand_written_update(epl_graph, handled_ids, since=-1):
-    """The first op (made after id ``since``) outside ``handled_ids`` that writes a
-    trainable variable from gradients (an update written by hand), or None."""
-    from epl.rewrite.updates import written_variable
-    graph = epl_graph.tf_graph
-    trainable = set(v.op for v in graph.get_collection("trainable_variables"))
-    for op in graph.get_operations():
-        if tfg.op_id(op) <= since or tfg.op_id(op) in handled_ids:
-            continue
-        if written_variable(op) in trainable and _reads_gradients(epl_graph, op):
-            return op
-    return None
-
-
-def _reads_gradients(epl_graph, op):
-    """``op`` computes from a tf.gradients result (not an initializer, a restore, a
-    hand-written assign of a constant)."""
-    return any(epl_graph.phase_of(up) == ir.BACKWARD
-               for up in ir.upstream([op], control=False))
-
-
 def _offload_unplaced(graph, cluster):
     """``offload.level``: the variables no scope placed (a model without annotation,
     ``global_step``) go to host memory too; what reads or updates them follows
     them (TF's colocation)."""
-    from epl.rewrite.updates import VARIABLE_OPS
     for op in graph.get_operations():
         if op.type in VARIABLE_OPS and not op.device:
             tfg.set_device(op, cluster.host_device())
@@ -222,7 +200,6 @@ def _extend(epl_graph, env, state):
     elif layout.split_devices:
         why = "the split scopes were bridged to the replicas by the first rewrite"
     if why is not None:
-        from epl.rewrite.updates import written_variable
         model = [op for op in model if epl_graph.phase_of(op) != ir.FORWARD
                  or written_variable(op) is not None]
         if not model and not unknown:
@@ -249,7 +226,7 @@ def on_new_op(graph, op):
     """Ops made after a rewrite: mirror late writes of the user's variables (a Saver
     built after the first run, a user's assign) at once; model ops wait for the next
     rewrite (before the next run)."""
-    epl_graph = getattr(graph, "_epl_graph", None)
+    epl_graph = ir.Graph.existing(graph)
     if epl_graph is None or epl_graph.rewrite_result is None:
         return
     state = epl_graph.rewrite_result.state

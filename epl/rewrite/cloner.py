@@ -15,8 +15,7 @@ Two ways, one per need:
 import tensorflow as tf
 
 from epl import tf_patches
-from epl.rewrite import deferred
-from epl.tf_adapter import c_graph
+from epl.tf_adapter import c_graph, deferred
 from epl.tf_adapter import graph as tfg
 
 _SEED_ATTRS = ("seed2",)

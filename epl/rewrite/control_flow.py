@@ -24,7 +24,7 @@ _COLLECTIONS = (tf.compat.v1.GraphKeys.WHILE_CONTEXT, tf.compat.v1.GraphKeys.CON
 
 
 def context_of(op):
-    return getattr(op, "_control_flow_context", None)
+    return tfg.control_flow_context(op)
 
 
 def root_of(ctx):

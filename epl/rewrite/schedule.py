@@ -15,9 +15,10 @@ phase of every op), not from op names.
 import tensorflow as tf
 
 from epl import ir
-from epl.rewrite import control_flow, deferred
+from epl.rewrite import control_flow
 from epl.rewrite.cloner import new_ops
 from epl.rewrite.selection import VARIABLE_OPS
+from epl.tf_adapter import deferred
 
 _SKIP = frozenset(["Const"]) | VARIABLE_OPS
 

@@ -13,10 +13,8 @@ import tensorflow as tf
 
 from epl import ir
 from epl.rewrite import updates
-from epl.rewrite.updates import VARIABLE_OPS
+from epl.variable_writes import ASSIGN_OPS, VARIABLE_OPS  # noqa: F401 (mirror, split)
 from epl.tf_adapter import graph as tfg
-ASSIGN_OPS = frozenset(["Assign", "AssignAdd", "AssignSub", "AssignVariableOp",
-                        "AssignAddVariableOp", "AssignSubVariableOp"])
 SOURCE_OPS = ir.SOURCE_OPS
 is_batch_placeholder = ir.is_batch_placeholder
 is_source = ir.is_batch_source
@@ -161,7 +159,7 @@ def _plain_read(op, variables):
     """``v/read`` / ``ReadVariableOp`` of one of ``variables``, outside control flow."""
     return (op.type in ("Identity", "ReadVariableOp") and len(op.inputs) == 1
             and op.inputs[0].op in variables and not op.control_inputs
-            and getattr(op, "_control_flow_context", None) is None)
+            and tfg.control_flow_context(op) is None)
 
 
 def _initial_values_only(initializers):

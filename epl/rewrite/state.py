@@ -25,7 +25,7 @@ class ReplicaState(object):
         self.config = config
         per = cluster.gpu_num_per_worker
         me = max(cluster.worker_index, 0)
-        from epl.distributed_runtime import in_graph, spans_workers
+        from epl.plan import in_graph, spans_workers
         # A pipeline or split over several workers, ZeRO across workers: the chief
         # drives every clone in-graph.
         self.in_graph = in_graph(layout, cluster, config)
@@ -106,7 +106,7 @@ class ReplicaState(object):
         if x is None:
             return t
         if isinstance(x, str):
-            from epl.rewrite import deferred
+            from epl.tf_adapter import deferred
             return deferred.Output(self.graph, x, t.value_index, t.dtype)
         return x.outputs[t.value_index]
 
@@ -117,7 +117,7 @@ class ReplicaState(object):
         if x is None:
             return op
         if isinstance(x, str):
-            from epl.rewrite import deferred
+            from epl.tf_adapter import deferred
             x = deferred.get(self.graph, x)
             self.op_map[c][op] = x
         return x

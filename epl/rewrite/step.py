@@ -18,19 +18,10 @@ readers would read an uninitialized variable (BERT's warm start from a checkpoin
 holding ``global_step``).
 """
 from epl import ir
-from epl.rewrite.updates import written_variable
+from epl.variable_writes import advances, written_variable  # noqa: F401 (apply_gate)
 from epl.tf_adapter import graph as tfg
-
-_READS = frozenset(["Identity", "ReadVariableOp"])
-
-
-def advances(op, var):
-    """``op``, a write of the step variable op ``var``, computes the new value from the
-    step's current one (an increment), rather than setting it (an initializer, a
-    restore: they cannot read the variable they initialize)."""
-    if op.type.startswith(("AssignAdd", "AssignSub")):
-        return True
-    return len(op.inputs) > 1 and var in ir.upstream([op.inputs[1].op], control=False)
+# How a step's value is read: the read of a ref variable, ReadVariableOp of a resource.
+_VALUE_READS = frozenset(["Identity", "ReadVariableOp"])
 
 
 def order_global_step(graph, epl_graph, since=-1):
@@ -47,7 +38,7 @@ def order_global_step(graph, epl_graph, since=-1):
     if not writes:
         return
     # global_step's value: its read (ref variables) or ReadVariableOps (resource ones)
-    values = [out for consumer in var.outputs[0].consumers() if consumer.type in _READS
+    values = [out for consumer in var.outputs[0].consumers() if consumer.type in _VALUE_READS
               for out in consumer.outputs]
     readers = set(c for v in values for c in v.consumers())
     for w in writes:

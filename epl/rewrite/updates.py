@@ -27,15 +27,8 @@ import collections
 
 from epl import ir
 from epl.tf_adapter import graph as tfg
-
-VARIABLE_OPS = frozenset(["VariableV2", "Variable", "VarHandleOp"])
-# Ops that take a variable (ref or resource) without changing it.
-_READS = frozenset(["IsVariableInitialized", "VarIsInitializedOp", "ReadVariableOp",
-                    "ResourceGather", "ResourceGatherNd", "VariableShape", "RefIdentity",
-                    "RefSwitch", "RefEnter", "RefMerge", "RefExit", "RefNextIteration",
-                    "RefSelect", "Identity", "Switch", "Enter", "Exit", "Merge",
-                    "NextIteration", "DestroyResourceOp", "_Retval", "Placeholder"])
-
+from epl.variable_writes import (  # noqa: F401  (the names the passes import from here)
+    VARIABLE_OPS, variable_behind, written_variable)
 
 class ReductionSite(object):
     """Gradients reduced together (one fused collective set, one barrier)."""
@@ -75,43 +68,6 @@ class UpdatePlan(object):
         self.target.update(later.target)
         self.reduced |= later.reduced
         self.apply_records = later.apply_records
-
-
-def written_variable(op):
-    """The variable op ``op`` writes, or None (reads and passthroughs are not writes)."""
-    if op.type in _READS:
-        return None
-    for i, t in enumerate(op.inputs):
-        if not ir.is_state_handle(t):
-            continue
-        if tfg.is_ref_dtype(t.dtype) and not tfg.input_wants_ref(op, i):
-            continue  # a ref read as a value
-        var = _variable_of(t)
-        if var is not None and (tfg.is_ref_dtype(t.dtype) or op.op_def.is_stateful):
-            return var
-    return None
-
-
-def variable_behind(x):
-    """The variable op of a tf.Variable, or of a tensor that reads one, or None."""
-    op = getattr(x, "op", None)
-    if op is None or op.type in VARIABLE_OPS:
-        return op
-    if op.type == "ReadVariableOp":
-        return _variable_of(op.inputs[0])
-    return _variable_of(x)
-
-
-def _variable_of(t):
-    """The variable op behind a ref/resource tensor (through identity-like ops)."""
-    seen = 0
-    while t.op.type not in VARIABLE_OPS and seen < 16:
-        if t.op.type in ("Identity", "RefIdentity") and t.op.inputs:
-            t = t.op.inputs[0]
-            seen += 1
-        else:
-            return None
-    return t.op if t.op.type in VARIABLE_OPS else None
 
 
 def analyze(ir_graph, candidates, batch_ops, is_source, clip_after_allreduce,

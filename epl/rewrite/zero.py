@@ -13,7 +13,7 @@ the other devices read the new value from there at their next use.  Each gradien
 
 Checkpoints do not record devices: one written with ZeRO restores into the plain
 program and into any other number of devices.  Over several workers the job runs
-in-graph (``distributed_runtime.in_graph``): the clones of every worker are in the
+in-graph (``plan.in_graph``): the clones of every worker are in the
 chief's graph, so the partition spans the job's devices and each variable's state
 lives in its owner worker's memory.
 """

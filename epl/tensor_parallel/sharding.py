@@ -11,6 +11,8 @@ import threading
 
 import tensorflow as tf
 
+from epl.tf_adapter import graph as tfg
+
 _local = threading.local()
 
 
@@ -160,7 +162,7 @@ def mark_slice(var, full_name, full_shape, axis, offset):
     other shard count (TF's partitioned-variable slices)."""
     var_offset = [0] * len(full_shape)
     var_offset[axis] = offset
-    var._set_save_slice_info(tf.Variable.SaveSliceInfo(  # pylint: disable=protected-access
+    tfg.set_save_slice_info(var, tf.Variable.SaveSliceInfo(
         full_name, list(full_shape), var_offset, var.shape.as_list()))
     return var
 

@@ -9,21 +9,30 @@ first time anything asks for it -- by name, as an input, consumer or control
 edge of another op, through ``get_operations()``, or before TensorFlow wraps
 new C nodes itself (the hooks are in ``tf_patches``, patch point 16).
 
-Wrappers made late are rewrite ops (phase REWRITE), outside any control-flow
-context (the copies inside loops and conditions get theirs when the rewrite
-rebuilds the clone's contexts).
+Wrappers made late are made inside the context set by ``set_wrap_context`` (EPL's
+capture marks them as its own rewrite ops), outside any control-flow context (the
+copies inside loops and conditions get theirs when the rewrite rebuilds the clone's
+contexts).
 
 A pass that only feeds copies into a new op (the gradient all-reduce reads
 thousands of them) takes ``Output``s and makes the op in C (``create_op``);
 anything else converts an ``Output`` to its ``tf.Tensor``, made then.
 """
+import contextlib
 import itertools
 
 import tensorflow as tf
 
-from epl import tf_patches
 from epl.tf_adapter import c_graph
 from epl.tf_adapter import graph as tfg
+
+_wrap_context = [contextlib.suppress]   # (a no-op context manager by default)
+
+
+def set_wrap_context(factory):
+    """Wrappers made late are made inside ``factory()`` (the capture layer passes its
+    "EPL's own op" context)."""
+    _wrap_context[0] = factory
 
 
 def register(graph, names, c_ops=None):
@@ -72,7 +81,7 @@ def materialize_all(graph):
 
 
 def _wrap(graph, c_ops):
-    with tf_patches.rewriting():
+    with _wrap_context[0]():
         return tfg.wrap_c_ops(graph, c_ops)
 
 
