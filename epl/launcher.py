@@ -9,8 +9,20 @@ failure came first -- the root cause, not the peers that failed because of it --
 with its exception line and the tail of its log, and exits non-zero.  On a machine
 without GPUs each worker gets --gpu_per_worker virtual CPU devices.
 
+A worker that exits with status 0 is done, and the job goes on while the others finish
+(a chief still writing its last checkpoint, say) -- unless it left before it joined the
+job: a worker joins when it first runs a session on the graph EPL rewrote for the job,
+which is where it meets the others' collectives (it writes worker_<i>.joined into the
+launch's folder, EPL_LAUNCH_DIR; an in-graph worker that only serves its devices never
+joins, and exits after the chief).  A worker that exits 0 without having joined while
+another worker has joined and still runs is premature: that one waits for it in its first
+collective (for communication.timeout_seconds), so the launcher stops the job at once and
+names the worker that left.  Once a worker has joined, EPL's collectives themselves fail
+at once, naming it, in any peer that still needs it after it exits.
+
 Every launch is a new run (EPL_RUN_ID): its shared-memory segments are its own, and
-the launcher removes them when the job ends, however it ends.  The workers' TCP
+the launcher removes them when the job ends, however it ends (Ctrl-C and SIGTERM stop the
+workers too).  The workers' TCP
 collectives authenticate each other with the job's secret (EPL_JOB_SECRET): a random
 one per launch on one machine; with --machine_list, export the same random value on
 every machine before launching.
@@ -22,14 +34,19 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 GRACE_SECONDS = 10
+# The folder through which the workers tell the launcher that they joined the job.
+LAUNCH_DIR_ENV = "EPL_LAUNCH_DIR"
+_marked = []
 
 
 def parse_args(argv=None):
@@ -126,8 +143,25 @@ def _have_gpus():
         return False
 
 
+def mark_joined():
+    """Called in a worker (by EPL) when it first runs the job's rewritten graph: from now
+    on its peers may wait for it in collectives.  A no-op outside epl-launch."""
+    folder, index = os.environ.get(LAUNCH_DIR_ENV), os.environ.get("EPL_WORKER_INDEX")
+    if _marked or not folder or index is None:
+        return
+    _marked.append(True)
+    try:
+        open(os.path.join(folder, "worker_%s.joined" % index), "w").close()
+    except OSError:
+        pass   # (the launcher is gone, or the folder with it: nothing to tell)
+
+
+def joined(launch_dir, index):
+    return os.path.exists(os.path.join(launch_dir, "worker_%d.joined" % index))
+
+
 def worker_env(a, addrs, comm, index, job_id, gpus, local_index=None, run_id="",
-               secret=""):
+               secret="", launch_dir=""):
     """The environment of worker ``index``, the ``local_index``-th this machine starts."""
     env = dict(os.environ)
     env["TF_CONFIG"] = json.dumps({"cluster": {"worker": addrs},
@@ -139,6 +173,8 @@ def worker_env(a, addrs, comm, index, job_id, gpus, local_index=None, run_id="",
     env["EPL_COMM_ADDRESSES"] = ",".join(comm)
     env["EPL_WORKER_INDEX"] = str(index)
     env["EPL_CLUSTER_DEVICES_PER_WORKER"] = str(a.gpu_per_worker)
+    if launch_dir:
+        env[LAUNCH_DIR_ENV] = launch_dir
     env["PYTHONUNBUFFERED"] = "1"
     # `python` in a worker's shell script is the interpreter epl-launch runs in.
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
@@ -267,6 +303,26 @@ def stop(workers):
             w.proc.wait()
 
 
+def left_before_joining(workers, launch_dir):
+    """(a worker that exited 0 before it joined the job, a running worker that joined and
+    so waits for it), or None: see the module's docstring."""
+    left = [w for w in workers if w.proc.returncode == 0 and not joined(launch_dir, w.index)]
+    if not left:
+        return None
+    waiting = [w for w in workers if w.proc.poll() is None and joined(launch_dir, w.index)]
+    return (left[0], waiting) if waiting else None
+
+
+class _Terminated(Exception):
+    """SIGTERM reached the launcher."""
+
+
+def _on_sigterm(signum, frame):
+    """The first SIGTERM stops the job like Ctrl-C; later ones (while stopping) are ignored."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise _Terminated()
+
+
 def main(argv=None):
     a = parse_args(argv)
     addrs, comm, mine = worker_addresses(a)
@@ -280,6 +336,7 @@ def main(argv=None):
     run_id = (hashlib.sha256((job_id + secret).encode()).hexdigest()[:12] if a.machine_list
               else secrets.token_hex(6))
     os.makedirs(a.log_dir, exist_ok=True)
+    launch_dir = tempfile.mkdtemp(prefix="epl-launch-%s-" % run_id)
     gpus = _have_gpus()
     print("epl-launch: %d worker(s) x %d %s device(s), job %s, this machine starts %s"
           % (a.num_workers, a.gpu_per_worker, "GPU" if gpus else "virtual CPU", job_id, mine),
@@ -287,7 +344,7 @@ def main(argv=None):
     workers = []
     for local, i in enumerate(mine):
         log_path = os.path.join(a.log_dir, "worker_%d.log" % i)
-        env = worker_env(a, addrs, comm, i, job_id, gpus, local, run_id, secret)
+        env = worker_env(a, addrs, comm, i, job_id, gpus, local, run_id, secret, launch_dir)
         proc = subprocess.Popen(command(a), env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -297,6 +354,10 @@ def main(argv=None):
         workers.append(w)
     failed, reason = None, None
     start = time.time()
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    else:
+        previous = None
     try:
         while True:
             codes = [w.proc.poll() for w in workers]
@@ -309,6 +370,14 @@ def main(argv=None):
                 break
             if all(c == 0 for c in codes):
                 break
+            early = left_before_joining(workers, launch_dir)
+            if early:
+                failed = early[0]
+                reason = ("exited with status 0 before it joined the job's collectives (it "
+                          "never ran the job's graph), while worker%s %s joined and would "
+                          "wait for it in them" % ("s" if len(early[1]) > 1 else "",
+                                                   ", ".join(str(w.index) for w in early[1])))
+                break
             if a.timeout and time.time() - start > a.timeout:
                 failed = next(w for w, c in zip(workers, codes) if c is None)
                 reason = "still running after --timeout %gs" % a.timeout
@@ -316,13 +385,18 @@ def main(argv=None):
             time.sleep(0.1)
     except KeyboardInterrupt:
         reason = "interrupted (Ctrl-C)"
+    except _Terminated:
+        reason = "terminated (SIGTERM)"
     try:
         if reason:
             stop(workers)
         for w in workers:
             w.pump.join(5)
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         remove_segments(run_id)
+        shutil.rmtree(launch_dir, ignore_errors=True)
     print("\nepl-launch summary:")
     for w in workers:
         code = w.proc.returncode

@@ -51,9 +51,17 @@ def _map(fetch, merged):
 
 
 def before_run(session):
-    """Rewrite ``session``'s graph if ops were built since the last rewrite."""
+    """Rewrite ``session``'s graph if ops were built since the last rewrite.  The first
+    run of a rewritten graph in a multi-worker job is where this worker joins the job's
+    collectives: epl-launch is told (a worker that exits 0 before that, while its peers
+    wait for it, ends the job at once)."""
     from epl.rewrite import rewrite_if_needed
-    rewrite_if_needed(session.graph)
+    result = rewrite_if_needed(session.graph)
+    if result is not None and ir.Graph.get(session.graph).taskgraphs:
+        from epl.env import Env
+        if Env.get().cluster.worker_num > 1:
+            from epl.launcher import mark_joined
+            mark_joined()
 
 
 def map_callable(graph, callable_options):

@@ -32,3 +32,121 @@ def test_a_launch_without_log_dir_writes_its_logs_where_epl_log_dir_says(tmp_pat
 def test_the_test_session_sends_launcher_logs_to_a_temporary_folder():
     log_dir = os.environ.get("EPL_LOG_DIR", "")
     assert log_dir and not os.path.abspath(log_dir).startswith(ROOT + os.sep)
+
+
+def _stream(cmd, env, cwd, limit):
+    """Run ``cmd``; returns (exit status, [(arrival time, line)]).  Kills it after
+    ``limit`` seconds (the status is then None)."""
+    import queue
+    import threading
+    import time
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    q = queue.Queue()
+
+    def pump():
+        for raw in iter(proc.stdout.readline, b""):
+            q.put((time.time(), raw.decode(errors="replace")))
+        q.put(None)
+    threading.Thread(target=pump, daemon=True).start()
+    lines, deadline = [], time.time() + limit
+    try:
+        while True:
+            try:
+                item = q.get(timeout=max(0.1, deadline - time.time()))
+            except queue.Empty:
+                break   # (still running at the limit)
+            if item is None:
+                return proc.wait(timeout=max(1, deadline - time.time())), lines
+            lines.append(item)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        if proc.poll() is None:   # SIGTERM: epl-launch then stops its workers
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    return None, lines
+
+
+def _early_exit_job(tmp_path, mode, limit):
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2",
+               EPL_COMMUNICATION_TIMEOUT_SECONDS="600")   # the default: no test shortcut
+    env.pop("EPL_JOB_ID", None)
+    cmd = [sys.executable, "-m", "epl.launcher", "--num_workers", "2", "--gpu_per_worker", "1",
+           "--log_dir", str(tmp_path / "logs"),
+           os.path.join(ROOT, "tests", "mw_early_exit.py"), mode, str(tmp_path)]
+    return _stream(cmd, env, ROOT, limit)
+
+
+def test_a_worker_that_exits_0_before_joining_ends_the_job_at_once(tmp_path):
+    """Worker 1 exits 0 right after epl.init(): worker 0 would wait in the initial
+    broadcast for communication.timeout_seconds (600 s).  The launcher ends the job
+    within 10 s of worker 1's exit, naming worker 1 and that it left before joining."""
+    import time
+    start = time.time()
+    code, lines = _early_exit_job(tmp_path, "after_init", limit=150)
+    out = "".join(l for _, l in lines)
+    assert code is not None, "epl-launch still running after %.0f s:\n%s" % (
+        time.time() - start, out[-4000:])
+    left = [t for t, l in lines if "worker 1 leaves after epl.init()" in l]
+    assert left, out[-4000:]
+    ended = lines[-1][0]
+    print("the job ended %.2f s after worker 1 left" % (ended - left[0]))
+    assert ended - left[0] < 10, out[-4000:]
+    assert code != 0
+    assert "worker 1 exited with status 0 before it joined the job's collectives" in out, \
+        out[-4000:]
+    assert "worker 0" in out[out.index("before it joined"):].splitlines()[0], out[-4000:]
+
+
+def test_a_worker_that_finishes_before_the_others_does_not_stop_the_job(tmp_path):
+    """A worker that trained to the end and exits while worker 0 still works (4 s more):
+    the job succeeds and both trained the same weights, equal to the local model."""
+    import numpy as np
+    from tests import models, mw_train
+    code, lines = _early_exit_job(tmp_path, "finish_early", limit=240)
+    out = "".join(l for _, l in lines)
+    assert code == 0, out[-4000:]
+    assert "worker 0 done lingering" in out, out[-4000:]
+    x, y = models.data(mw_train.STEPS * mw_train.BATCH * 2)
+    want = models.train_local(x, y, mw_train.BATCH * 2, mw_train.STEPS, "adam")[0]
+    for w in range(2):
+        models.assert_weights_close(dict(np.load(str(tmp_path / ("worker_%d.npz" % w)))), want)
+
+
+def test_sigterm_to_the_launcher_stops_its_workers(tmp_path):
+    """The workers run in their own sessions (a terminal's Ctrl-C does not reach them):
+    SIGTERM to epl-launch (a scheduler, a benchmark's watchdog) must stop them too."""
+    import signal
+    import time
+    script = tmp_path / "sleeper.py"
+    script.write_text("import os, sys, time\n"
+                      "path = os.path.join(sys.argv[1], 'pid_' + os.environ['EPL_WORKER_INDEX'])\n"
+                      "open(path + '.tmp', 'w').write(str(os.getpid()))\n"
+                      "os.rename(path + '.tmp', path)\ntime.sleep(600)\n")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.Popen([sys.executable, "-m", "epl.launcher", "--num_workers", "2",
+                             "--log_dir", str(tmp_path / "logs"), str(script), str(tmp_path)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    pids = []
+    try:
+        deadline = time.time() + 60
+        while len(pids) < 2 and time.time() < deadline:
+            pids = [int(p.read_text()) for p in tmp_path.glob("pid_?")]
+            time.sleep(0.1)
+        if len(pids) < 2:
+            proc.kill()
+            raise AssertionError("the workers did not start:\n" + proc.communicate()[0].decode())
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=30)[0].decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0 and "terminated (SIGTERM)" in out, out
+    for pid in pids:
+        assert not os.path.exists("/proc/%d" % pid) or \
+            open("/proc/%d/stat" % pid).read().split()[2] == "Z", "worker %d still runs" % pid
