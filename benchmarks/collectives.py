@@ -9,7 +9,9 @@ Prints a table and writes a JSON list of records
 "busbw_max", "runs"}.  Bus bandwidth as nccl-tests defines it: all-reduce
 size/time * 2(n-1)/n; all-gather, reduce-scatter and all-to-all size/time * (n-1)/n
 (size = the full output, resp. input of reduce-scatter); broadcast and copy: size/time.
-Every implementation runs in its own fresh processes; EPL's are started --runs times
+Every implementation runs in its own fresh processes (benchmarks/watchdog.py: each run
+within --timeout, a rank that fails or exits 0 without its records fails the run at once,
+no process left behind; a failed run is recorded in the JSON); EPL's are started --runs times
 (the figures across processes vary from run to run): busbw_gbps is the median of the
 runs, busbw_min / busbw_max the extremes.  The goals of issue 13 are checked at the end.
 """
@@ -17,7 +19,6 @@ import argparse
 import json
 import os
 import socket
-import subprocess
 import sys
 import time
 import uuid
@@ -26,6 +27,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import watchdog  # noqa: E402
 
 OPS = ("allreduce", "allgather", "reducescatter", "broadcast", "alltoall")
 TF_OPS = ("allreduce", "allgather")   # TensorFlow 1.15's collectives (no all-to-all etc.)
@@ -237,62 +240,45 @@ def _free_ports(k):
 
 
 def _run_child(args, timeout):
-    out = subprocess.run([sys.executable, os.path.abspath(__file__)] + args,
-                         stdout=subprocess.PIPE, timeout=timeout, check=True)
-    return json.loads(out.stdout.decode().strip().splitlines()[-1])
+    """One in-process measurement in a fresh process (watchdog: bounded, no leftovers)."""
+    out = watchdog.run_one([sys.executable, os.path.abspath(__file__)] + args, timeout,
+                           has_result=watchdog.has_json_result, name="collectives child")
+    return watchdog.json_result(out)
+
+
+def _rank_command(impl, rank, n, sizes_arg, ports, job, transport):
+    return [sys.executable, os.path.abspath(__file__), "--child", impl, "--scope",
+            "cross_process", "--rank", str(rank), "--ranks", str(n), "--sizes-mib", sizes_arg,
+            "--ports", ",".join(map(str, ports)), "--job", job, "--transport", transport]
 
 
 def _run_cross(impl, sizes_arg, n, timeout, transport="shm"):
+    """The ranks of one cross-process run, as peers under the watchdog: a rank that fails,
+    or exits 0 without its records (its peer would wait forever: TF's collective ops
+    cannot be cancelled), fails the run at once; so do the --timeout bound and a rank
+    still running PEER_SECONDS after another one finished.  A failed
+    run is recorded (FAILURES) and the benchmark goes on; no rank is left running."""
     ports = _free_ports(n)
     job = uuid.uuid4().hex[:12]
     env = dict(os.environ)
     if transport == "tcp":   # two "hosts" of the loopback range, TCP between them
         env["EPL_COMM_ADDRESSES"] = ",".join(
             "127.0.0.%d:%d" % (2 + r, p) for r, p in enumerate(_free_ports(n)))
-    procs = []
-    for r in range(n):
-        procs.append(subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--child", impl, "--scope",
-             "cross_process", "--rank", str(r), "--ranks", str(n), "--sizes-mib", sizes_arg,
-             "--ports", ",".join(map(str, ports)), "--job", job, "--transport", transport],
-            stdout=subprocess.PIPE, env=env))
-    failure = _watch(procs, timeout)
-    outs = [p.stdout.read() for p in procs]
-    if failure:
+    cmds = [_rank_command(impl, r, n, sizes_arg, ports, job, transport) for r in range(n)]
+    out = watchdog.run_group(cmds, timeout, env=env, has_result=watchdog.has_json_result,
+                             names=["rank %d" % r for r in range(n)],
+                             peer_seconds=PEER_SECONDS)
+    if not out.ok:
         print("collectives: the cross-process %s run failed: %s; recorded, going on"
-              % (impl, failure), flush=True)
-        FAILURES.append({"scope": "cross_process", "impl": impl, "failure": failure})
+              % (impl, out.failure), flush=True)
+        FAILURES.append({"scope": "tcp" if transport == "tcp" else "cross_process",
+                         "impl": impl, "failure": out.failure})
         return []
-    return json.loads(outs[0].decode().strip().splitlines()[-1])
+    return watchdog.json_result(out.outputs[0])
 
 
 FAILURES = []      # runs that did not finish (written to the JSON)
-GIVE_UP_SECONDS = 60
-
-
-def _watch(procs, timeout):
-    """Wait for the ranks of one run.  When one dies the others may wait forever (TF's
-    collective ops cannot be cancelled): give them GIVE_UP_SECONDS, then kill them.
-    Returns None, or what went wrong."""
-    start, died = time.time(), None
-    while True:
-        codes = [p.poll() for p in procs]
-        if all(c is not None for c in codes):
-            bad = [(r, c) for r, c in enumerate(codes) if c]
-            return None if not bad else "rank %d exited with %d" % bad[0]
-        for r, c in enumerate(codes):
-            if c not in (None, 0) and died is None:
-                died = (time.time(), "rank %d exited with %d" % (r, c))
-        now = time.time()
-        too_long = now - start > timeout
-        if too_long or (died is not None and now - died[0] > GIVE_UP_SECONDS):
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-            return died[1] + " (the others were stopped)" if died else \
-                "no result within --timeout %ds" % timeout
-        time.sleep(0.5)
+PEER_SECONDS = 120   # after one rank has its records, the others' bound
 
 
 def _horovod(sizes_arg, timeout):
@@ -305,17 +291,28 @@ def _horovod(sizes_arg, timeout):
     if horovodrun is None:
         return []
     py = os.path.join(os.path.dirname(horovodrun), "python")
-    out = subprocess.run([horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", py,
-                          os.path.abspath(__file__), "--child", "horovod", "--sizes-mib",
-                          sizes_arg], stdout=subprocess.PIPE, timeout=timeout)
+    run = watchdog.run_group([[horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", py,
+                               os.path.abspath(__file__), "--child", "horovod", "--sizes-mib",
+                               sizes_arg]], timeout,
+                             has_result=lambda out: _horovod_records(out) is not None,
+                             names=["horovodrun"])
+    if not run.ok:
+        print("collectives: the Horovod run failed: %s; recorded, going on" % run.failure,
+              flush=True)
+        FAILURES.append({"scope": "cross_process", "impl": "horovod", "failure": run.failure})
+        return []
+    return _horovod_records(run.outputs[0])
+
+
+def _horovod_records(output):
     # horovodrun prefixes each line with "[rank]<stdout>:"; rank 0 prints the records.
-    for ln in reversed(out.stdout.decode().splitlines()):
+    for ln in reversed(output.splitlines()):
         if "[{" in ln:
             try:
                 return json.loads(ln[ln.index("[{"):])
             except ValueError:
                 continue
-    return []
+    return None
 
 
 def main():
@@ -329,7 +326,8 @@ def main():
     p.add_argument("--ports", default="")
     p.add_argument("--job", default="")
     p.add_argument("--transport", default="shm")
-    p.add_argument("--timeout", type=int, default=1800)
+    p.add_argument("--timeout", type=int, default=600,
+                   help="bound of each run (its processes are killed past it)")
     p.add_argument("--runs", type=int, default=5,
                    help="fresh runs of EPL's measurements (min / median / max reported)")
     p.add_argument("--scopes", default="in_process,cross_process,tcp",

@@ -72,13 +72,12 @@ def measure(builder, n, batch, steps):
 
 def _measure_in_subprocess(impl, a):
     """Each measurement in a fresh process: EPL's patches never touch the baseline."""
-    import json
-    import subprocess
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", impl,
-                          "--devices", str(a.devices), "--batch", str(a.batch),
-                          "--steps", str(a.steps)],
-                         stdout=subprocess.PIPE, check=True, timeout=600).stdout.decode()
-    return json.loads(out.strip().splitlines()[-1])
+    import watchdog
+    out = watchdog.run_one([sys.executable, os.path.abspath(__file__), "--child", impl,
+                            "--devices", str(a.devices), "--batch", str(a.batch),
+                            "--steps", str(a.steps)], timeout=600,
+                           has_result=watchdog.has_json_result)
+    return watchdog.json_result(out)
 
 
 def main():

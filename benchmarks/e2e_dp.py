@@ -22,7 +22,6 @@ implementation could reach against the baseline: the baseline's step / compute a
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -183,12 +182,12 @@ def _run(impl, model, steps, timeout):
                os.path.join(os.path.dirname(run), "python")] + me
     elif impl == "single_2proc":
         me[2] = "single"
-        procs = [subprocess.Popen([sys.executable] + me[:-1] + [out + str(i)], env=env,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                 for i in range(2)]
-        codes = [p.wait(timeout=timeout) for p in procs]
-        if any(codes) or not os.path.exists(out + "0"):
-            print("e2e_dp: %s/%s failed (exit %s)" % (impl, model, codes), flush=True)
+        run = watchdog.run_group([[sys.executable] + me[:-1] + [out + str(i)]
+                                  for i in range(2)], timeout, env=env,
+                                 has_result=lambda i, _: os.path.exists(out + str(i)),
+                                 names=["process 0", "process 1"])
+        if not run.ok:
+            print("e2e_dp: %s/%s failed: %s" % (impl, model, run.failure), flush=True)
             return None
         recs = []
         for i in range(2):
@@ -199,12 +198,12 @@ def _run(impl, model, steps, timeout):
                     samples_per_s=2 * BATCH / (step / 1e3))
     else:
         cmd = [sys.executable] + me
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                          timeout=timeout)
-    if proc.returncode != 0 or not os.path.exists(out):
-        tail = proc.stdout.decode(errors="replace")[-1500:]
-        print("e2e_dp: %s/%s failed (exit %d):\n%s" % (impl, model, proc.returncode, tail),
-              flush=True)
+    # (epl-launch stops its workers when the watchdog terminates it)
+    run = watchdog.run_group([cmd], timeout, env=env, has_result=lambda _: os.path.exists(out),
+                             names=[impl])
+    if not run.ok:
+        print("e2e_dp: %s/%s failed: %s:\n%s" % (impl, model, run.failure,
+                                                 run.outputs[0][-1500:]), flush=True)
         return None
     with open(out) as f:
         return json.load(f)

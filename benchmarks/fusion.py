@@ -80,17 +80,17 @@ def cross_process_child(rank, shapes, steps, job):
 
 
 def measure_cross_process(shapes, steps):
-    import json
-    import subprocess
     import uuid
+    import watchdog
     job = uuid.uuid4().hex[:10]
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", str(r),
+    run = watchdog.run_group([[sys.executable, os.path.abspath(__file__), "--child", str(r),
                                "--job", job, "--steps", str(steps), "--tensors",
-                               str(len(shapes))], stdout=subprocess.PIPE) for r in range(2)]
-    outs = [p.communicate(timeout=600)[0].decode() for p in procs]
-    if any(p.returncode for p in procs):
-        raise RuntimeError("cross-process fusion benchmark failed")
-    return json.loads(outs[0].strip().splitlines()[-1])
+                               str(len(shapes))] for r in range(2)], timeout=600,
+                             has_result=watchdog.has_json_result, names=["rank 0", "rank 1"],
+                             peer_seconds=120)
+    if not run.ok:
+        raise RuntimeError("cross-process fusion benchmark failed: %s" % run.failure)
+    return watchdog.json_result(run.outputs[0])
 
 
 def _shapes(n):

@@ -27,7 +27,6 @@ Tables:
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -37,6 +36,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from common import median, print_table, time_calls, write_json  # noqa: E402
 from epl.memory_trace import peak_bytes  # noqa: E402
+import watchdog  # noqa: E402
+
+CASE_SECONDS = 900   # the bound of one case's process
 
 MIB = float(1 << 20)
 
@@ -203,9 +205,10 @@ def run_case(case, steps):
 
 
 def _child(case, steps):
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--case", json.dumps(case),
-                          "--steps", str(steps)], stdout=subprocess.PIPE, check=True)
-    return json.loads(out.stdout.decode().strip().splitlines()[-1])
+    out = watchdog.run_one([sys.executable, os.path.abspath(__file__), "--case",
+                            json.dumps(case), "--steps", str(steps)], timeout=CASE_SECONDS,
+                           has_result=watchdog.has_json_result)
+    return watchdog.json_result(out)
 
 
 def _ratio(rows, base):

@@ -15,7 +15,6 @@ import plus TensorFlow's own Python wrappers).  Goal: 8 x 4 rewritten in under
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -25,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "corpus"))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from common import print_table, write_json  # noqa: E402
+import watchdog  # noqa: E402
 
 SEQ, ROWS = 16, 2     # small batches: the first step's time is the graph's, not the math's
 
@@ -126,10 +126,11 @@ def main():
                "--repeat", str(a.repeat)]
         if a.no_step:
             cmd.append("--no-step")
-        res = subprocess.run(cmd, stdout=subprocess.PIPE, timeout=1800)
-        line = [ln for ln in res.stdout.decode().splitlines() if ln.startswith("RESULT ")]
-        if res.returncode != 0 or not line:
-            sys.exit("rewrite_time: configuration %s failed (exit %d)" % (cfg, res.returncode))
+        try:
+            out = watchdog.run_one(cmd, 1800, has_result=watchdog.prefixed_result("RESULT "))
+        except watchdog.Failed as e:
+            sys.exit("rewrite_time: configuration %s failed: %s" % (cfg, e))
+        line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
         rows.append(json.loads(line[-1][len("RESULT "):]))
         print_table(rows[-1:], ["config", "rewrite_s"])
     print_table(rows, ["config", "clones", "ops_before", "ops_after", "ops_towers", "rewrite_s",

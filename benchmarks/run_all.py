@@ -1,9 +1,16 @@
-"""`make bench`: every benchmark, each printing its table and writing benchmarks/results/*.json."""
+"""`make bench`: every benchmark, each printing its table and writing benchmarks/results/*.json.
+
+Each benchmark runs under benchmarks/watchdog.py with a bound (BOUND_SECONDS): one that
+hangs is stopped and reported as failed, the others still run, and no process is left
+behind (also when `make bench` itself is stopped)."""
 import os
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import watchdog  # noqa: E402
+
+BOUND_SECONDS = 3 * 3600   # one benchmark (the slowest, collectives, takes about an hour)
 BENCHES = [
     ["dp_overhead.py"],
     ["fusion.py"],
@@ -21,7 +28,10 @@ def main():
     failed = []
     for args in BENCHES:
         print("\n==== %s ====" % " ".join(args), flush=True)
-        if subprocess.call([sys.executable, os.path.join(HERE, args[0])] + args[1:]) != 0:
+        run = watchdog.run_group([[sys.executable, os.path.join(HERE, args[0])] + args[1:]],
+                                 BOUND_SECONDS, capture=False, names=[args[0]])
+        if not run.ok:
+            print("run_all: %s" % run.failure, flush=True)
             failed.append(args[0])
     if failed:
         sys.exit("benchmarks failed: %s" % ", ".join(failed))

@@ -14,7 +14,6 @@ seed 001 §5.3.1).  Reports, side by side in one run:
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -23,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from common import median, print_table, time_calls, write_json  # noqa: E402
+import watchdog  # noqa: E402
 
 FEATURES, IN = 256, 64
 
@@ -84,10 +84,10 @@ def main():
         return
     rows = []
     for mode in ("dp", "hybrid"):
-        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--mode", mode,
-                              "--devices", str(a.devices), "--classes", str(a.classes),
-                              "--batch", str(a.batch), "--steps", str(a.steps)],
-                             stdout=subprocess.PIPE, universal_newlines=True, check=True).stdout
+        out = watchdog.run_one([sys.executable, os.path.abspath(__file__), "--mode", mode,
+                                "--devices", str(a.devices), "--classes", str(a.classes),
+                                "--batch", str(a.batch), "--steps", str(a.steps)], timeout=900,
+                               has_result=watchdog.prefixed_result("RESULT "))
         rows.append(json.loads([l for l in out.splitlines() if l.startswith("RESULT ")][0][7:]))
     dp, hy = rows
     for r in rows:

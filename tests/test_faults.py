@@ -336,24 +336,6 @@ def test_a_fused_all_reduce_above_2_gib_over_tcp():
         assert r["checks"] == [3.0, 3.0, 30.0, 30.0]
 
 
-def test_collectives_benchmark_gives_up_on_a_dead_baseline(monkeypatch):
-    """One rank of a baseline dies while the other waits forever (TF's collective ops cannot
-    be cancelled): the benchmark stops it after GIVE_UP_SECONDS and reports which rank."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import collectives
-    finally:
-        sys.path.pop(0)
-    monkeypatch.setattr(collectives, "GIVE_UP_SECONDS", 1)
-    procs = [subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"]),
-             subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])]
-    start = time.time()
-    failure = collectives._watch(procs, 1800)  # pylint: disable=protected-access
-    assert time.time() - start < 30
-    assert failure.startswith("rank 0 exited with 3")
-    assert procs[1].poll() is not None
-
-
 def _launch(args, timeout=240):
     from tests.test_multi_worker import launch
     return launch(args, timeout=timeout)
