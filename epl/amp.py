@@ -31,6 +31,7 @@ import logging
 import tensorflow as tf
 
 from epl import apply_gate, ir
+from epl.tf_adapter import graph as tfg
 
 log = logging.getLogger("epl")
 
@@ -61,7 +62,7 @@ def convert(graph, ys):
     half = half_dtype()
     todo = [op for op in ir.upstream([y.op for y in ys], control=False)
             if op.type in ALLOW and op not in converted and _convertible(epl_graph, op)]
-    for op in sorted(todo, key=lambda o: o._id):  # pylint: disable=protected-access
+    for op in sorted(todo, key=tfg.op_id):
         tg = epl_graph.taskgraph_of(op)
         g = op.graph
         with g.name_scope(None), g.control_dependencies(None), \
@@ -69,18 +70,17 @@ def convert(graph, ys):
             halves = [_half(t, half) for t in op.inputs]
             attrs = dict(op.node_def.attr.items())
             attrs["T"] = tf.compat.v1.AttrValue(type=half.as_datatype_enum)
-            new = g._create_op_internal(  # pylint: disable=protected-access
-                op.type, halves, [half], input_types=[half] * len(halves),
-                name=op.name + "_fp16", attrs=attrs, op_def=op.op_def, compute_device=False)
+            new = tfg.create_op(g, op.type, halves, [half], input_types=[half] * len(halves),
+                                name=op.name + "_fp16", attrs=attrs, op_def=op.op_def)
             if op.control_inputs:
-                new._add_control_inputs(op.control_inputs)  # pylint: disable=protected-access
+                tfg.add_control_inputs(new, op.control_inputs)
             back = tf.cast(new.outputs[0], tf.float32, name=op.name + "_fp32")
         for consumer in list(op.outputs[0].consumers()):
             if consumer is back.op:
                 continue
             for i, t in enumerate(consumer.inputs):
                 if t is op.outputs[0]:
-                    consumer._update_input(i, back)  # pylint: disable=protected-access
+                    tfg.update_input(consumer, i, back)
         converted[op] = new
     return len(todo)
 
@@ -104,7 +104,7 @@ def recast_weights(graph, first_id):
     half = half_dtype()
     made = 0
     for b in backward:
-        if b._control_flow_context is not None:  # pylint: disable=protected-access
+        if tfg.control_flow_context(b) is not None:
             continue
         for i, t in enumerate(b.inputs):
             if not _weight_cast(t, half) or t.op in mine:
@@ -113,7 +113,7 @@ def recast_weights(graph, first_id):
             with graph.name_scope(None), graph.control_dependencies(triggers), \
                     tf.compat.v1.device(t.op.device or None):
                 again = tf.cast(t.op.inputs[0], half, name=t.op.name + "_again")
-            b._update_input(i, again)  # pylint: disable=protected-access
+            tfg.update_input(b, i, again)
             made += 1
     return made
 
@@ -126,11 +126,11 @@ def _weight_cast(t, half=tf.float16):
     src = t.op.inputs[0].op
     if src.type == "ReadVariableOp":
         return True
-    return src.type == "Identity" and src.inputs and src.inputs[0].dtype._is_ref_dtype  # pylint: disable=protected-access
+    return src.type == "Identity" and src.inputs and tfg.is_ref_dtype(src.inputs[0].dtype)
 
 
 def _convertible(epl_graph, op):
-    if op._control_flow_context is not None:  # pylint: disable=protected-access
+    if tfg.control_flow_context(op) is not None:
         return False
     if epl_graph.phase_of(op) not in (None, ir.FORWARD):
         return False
@@ -238,7 +238,7 @@ def guard_updates(epl_graph, config):
     ``apply_gate.guard_step``.)"""
     since = epl_graph.amp_guarded_id
     graph = epl_graph.tf_graph
-    epl_graph.amp_guarded_id = graph._last_id  # pylint: disable=protected-access
+    epl_graph.amp_guarded_id = tfg.last_op_id(graph)
     if not enabled(config) or config.get("amp.loss_scale") != "dynamic" \
             or getattr(epl_graph, "amp_state", None) is None:
         return

@@ -21,6 +21,7 @@ import logging
 import tensorflow as tf
 
 from epl import ir
+from epl.tf_adapter import graph as tfg
 
 log = logging.getLogger("epl")
 
@@ -56,7 +57,7 @@ def guard_step(epl_graph):
     from epl.variable_writes import advances, written_variable
     graph = epl_graph.tf_graph
     since = epl_graph.step_guarded_id
-    epl_graph.step_guarded_id = graph._last_id  # pylint: disable=protected-access
+    epl_graph.step_guarded_id = tfg.last_op_id(graph)
     step = tf.compat.v1.train.get_global_step(graph)
     flags = epl_graph.apply_flags
     if step is None or not flags:
@@ -64,10 +65,8 @@ def guard_step(epl_graph):
     handled = set()
     for rec in epl_graph.apply_records:
         handled.update(rec.op_ids)
-    nodes = graph._nodes_by_id  # pylint: disable=protected-access
-    for i in range(since + 1, graph._last_id + 1):  # pylint: disable=protected-access
-        op = nodes.get(i)
-        if op is None or i in handled or written_variable(op) is not step.op \
+    for op in tfg.ops_between(graph, since + 1):
+        if tfg.op_id(op) in handled or written_variable(op) is not step.op \
                 or epl_graph.phase_of(op) in (ir.SAVE, ir.REWRITE) or not advances(op, step.op):
             continue
         with graph.name_scope(None), tf_patches.rewriting(), \
@@ -76,7 +75,7 @@ def guard_step(epl_graph):
             value = op.inputs[1]
             increment = op.type.startswith(("AssignAdd", "AssignSub"))
             kept = tf.zeros_like(value) if increment else step.value()
-            op._update_input(1, tf.where(pred, value, kept,  # pylint: disable=protected-access
+            tfg.update_input(op, 1, tf.where(pred, value, kept,
                                          name=op.name.split("/")[-1] + "_when_applied"))
         log.info("EPL: %r (%s) advances global_step only on runs that apply the optimizer's "
                  "update", op.name, op.type)

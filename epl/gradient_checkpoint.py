@@ -31,6 +31,7 @@ What it does to the backward ops just built:
 import logging
 
 from epl import ir
+from epl.tf_adapter import graph as tfg
 
 log = logging.getLogger("epl")
 
@@ -58,14 +59,14 @@ def apply(graph, ys, first_id, config):
     in_backward = set(backward)
     # The ops ``ys`` are computed from, in creation (= topological) order.
     forward = sorted(ir.upstream([y.op for y in ys], stop=in_backward),
-                     key=lambda o: o._id)  # pylint: disable=protected-access
+                     key=tfg.op_id)
     end = config.get("gradient_checkpoint.end_taskgraph")
     stateful = {}
 
     def recomputable(op):
         if op in in_backward or op.type in _NEVER or op.type in _CONTROL_FLOW:
             return False
-        if op._control_flow_context is not None:  # pylint: disable=protected-access
+        if tfg.control_flow_context(op) is not None:
             return False
         if epl_graph.phase_of(op) not in (None, ir.FORWARD):
             return False
@@ -94,7 +95,7 @@ def apply(graph, ys, first_id, config):
     copies = {}     # forward op -> its recomputed copy
     rewired = []    # (backward op, input index, forward tensor)
     for b in backward:
-        if b._control_flow_context is not None or b.type in _SHAPE_READERS:  # pylint: disable=protected-access
+        if tfg.control_flow_context(b) is not None or b.type in _SHAPE_READERS:
             continue
         for i, t in enumerate(b.inputs):
             if t.op in able and not kept(t):
@@ -104,7 +105,7 @@ def apply(graph, ys, first_id, config):
     for _, _, t in rewired:
         _copy_upstream(t.op, kept, copies, epl_graph)
     for b, i, t in rewired:
-        b._update_input(i, copies[t.op].outputs[t.value_index])  # pylint: disable=protected-access
+        tfg.update_input(b, i, copies[t.op].outputs[t.value_index])
     _order(copies, rewired, in_backward)
     log.info("EPL gradient checkpoint (%s): %d checkpoint tensors, %d forward ops recomputed",
              config.get("gradient_checkpoint.type"), len(checkpoints), len(copies))
@@ -158,7 +159,7 @@ def pending_checks(session, fetches):
     upstream = ir.upstream([t.op for t in checks])
     if not any(_advanced_by_a_run(op) for op in upstream):
         return "before", checks
-    if not any(t.dtype._is_ref_dtype for op in upstream for t in op.inputs):  # pylint: disable=protected-access
+    if not any(tfg.is_ref_dtype(t.dtype) for op in upstream for t in op.inputs):
         return "with", checks
     log.warning("EPL gradient checkpoint check skipped: the model reads ref variables "
                 "(tf.Variable / get_variable without use_resource) and draws from an input "
@@ -303,13 +304,12 @@ def _copy_upstream(op, kept, copies, epl_graph):
         attrs = dict(cur.node_def.attr.items())
         with g.name_scope(None), g.control_dependencies(None), \
                 tf_patches.creating_for(epl_graph.taskgraph_of(cur), ir.BACKWARD):
-            new = g._create_op_internal(  # pylint: disable=protected-access
-                cur.type, inputs, [o.dtype for o in cur.outputs],
-                input_types=[t.dtype for t in cur.inputs], name=cur.name + "_recompute",
-                attrs=attrs, op_def=cur.op_def, compute_device=False)
-        new._set_device(cur.device)  # pylint: disable=protected-access
+            new = tfg.create_op(g, cur.type, inputs, [o.dtype for o in cur.outputs],
+                                input_types=[t.dtype for t in cur.inputs],
+                                name=cur.name + "_recompute", attrs=attrs, op_def=cur.op_def)
+        tfg.set_device(new, cur.device)
         if cur.control_inputs:
-            new._add_control_inputs(cur.control_inputs)  # pylint: disable=protected-access
+            tfg.add_control_inputs(new, cur.control_inputs)
         copies[cur] = new
 
 
@@ -341,7 +341,7 @@ def _order(copies, rewired, backward):
     for b, _, t in rewired:
         readers.setdefault(find(copies[t.op]), set()).add(b)
     # Latest segment (in forward order) first.
-    ordered = sorted(groups.items(), key=lambda kv: -max(origin[op]._id for op in kv[1]))  # pylint: disable=protected-access
+    ordered = sorted(groups.items(), key=lambda kv: -max(tfg.op_id(origin[op]) for op in kv[1]))
     later = ()
     for root, members in ordered:
         down = ir.downstream(members)
@@ -356,4 +356,4 @@ def _order(copies, rewired, backward):
             continue
         heads = [op for op in members if not any(t.op in made for t in op.inputs)]
         for h in heads:
-            h._add_control_inputs(sorted(triggers, key=lambda o: o._id))  # pylint: disable=protected-access
+            tfg.add_control_inputs(h, sorted(triggers, key=tfg.op_id))
