@@ -446,17 +446,65 @@ def _apply_gradients_v2(self, grads_and_vars, *args, **kwargs):
 def _route_override(optimizer, patched):
     """An optimizer class that overrides ``apply_gradients`` (BERT's AdamWeightDecay,
     LAMB...) never reaches the patched base method: give the instance a wrapper that
-    captures its own method the same way."""
+    captures its own method the same way.  Its arguments are read by its own
+    signature: an override need not order them as the base class does (a keras
+    OptimizerV2's second parameter is ``name``)."""
+    import inspect
     import types
     own = type(optimizer).apply_gradients
     if own is patched or "apply_gradients" in vars(optimizer):
         return
+    signature = inspect.signature(own)
 
-    def apply_gradients(self, grads_and_vars, *args, **kwargs):
-        step = kwargs.get("global_step", args[0] if args else None)
-        return _capture_apply(grads_and_vars, step,
-                              lambda gvs: own(self, gvs, *args, **kwargs))
+    def apply_gradients(self, *args, **kwargs):
+        try:
+            call = signature.bind(self, *args, **kwargs)
+        except TypeError:
+            return own(self, *args, **kwargs)   # Python's own error for the call
+        pairs, replace = _pairs_argument(signature, call)
+
+        def apply(gvs):
+            replace(gvs)
+            return own(*call.args, **call.kwargs)
+        return _capture_apply(pairs, _global_step_argument(signature, call), apply)
     optimizer.apply_gradients = types.MethodType(apply_gradients, optimizer)
+
+
+def _pairs_argument(signature, call):
+    """The (gradient, variable) pairs a bound ``apply_gradients`` call got (its first
+    parameter after ``self``, the first of its ``*args``, or ``grads_and_vars=`` in
+    its ``**kwargs``), and a function that replaces them in the call."""
+    params = list(signature.parameters.values())[1:]
+    first = params[0] if params else None
+    if first is not None and first.kind not in (first.VAR_POSITIONAL, first.VAR_KEYWORD):
+        def replace_named(pairs):
+            call.arguments[first.name] = pairs
+        return call.arguments[first.name], replace_named
+    if first is not None and first.kind == first.VAR_POSITIONAL and call.arguments.get(first.name):
+        rest = call.arguments[first.name]
+
+        def replace_first(pairs):
+            call.arguments[first.name] = (pairs,) + tuple(rest[1:])
+        return rest[0], replace_first
+    for p in params:
+        given = call.arguments.get(p.name, {}) if p.kind == p.VAR_KEYWORD else {}
+        if "grads_and_vars" in given:
+            return given["grads_and_vars"], lambda pairs: given.update(grads_and_vars=pairs)
+    raise TypeError("apply_gradients() missing its first argument, grads_and_vars")
+
+
+def _global_step_argument(signature, call):
+    """The ``global_step`` of a bound ``apply_gradients`` call: the parameter of that
+    name, or a keyword collected by ``**kwargs``; None where the method takes none
+    (a keras OptimizerV2 counts its own ``iterations``)."""
+    param = signature.parameters.get("global_step")
+    if param is not None and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+        default = None if param.default is param.empty else param.default
+        return call.arguments.get("global_step", default)
+    for p in signature.parameters.values():
+        if p.kind == p.VAR_KEYWORD:
+            return call.arguments.get(p.name, {}).get("global_step")
+    return None
 
 
 def _optimizer_init(self, *args, **kwargs):

@@ -311,3 +311,73 @@ def test_per_replica_state_each_replica_keeps_its_own(copies):
     # replicas pull from the shared iterator), and the copies differ.
     np.testing.assert_allclose(mine + other, x.sum(axis=0), rtol=1e-5, atol=1e-5)
     assert np.abs(mine - other).max() > 1e-3
+
+
+class MomentumByHandNameFirst(MomentumByHand):
+    """A tf.compat.v1 override whose parameters come in another order than the base
+    class's (grads_and_vars, global_step=None, name=None)."""
+
+    def apply_gradients(self, grads_and_vars, name=None, global_step=None):
+        return super(MomentumByHandNameFirst, self).apply_gradients(grads_and_vars,
+                                                                    global_step, name)
+
+
+class MomentumByHandForwarding(MomentumByHand):
+    """An override that forwards whatever it gets (a wrapper's usual signature)."""
+
+    def apply_gradients(self, *args, **kwargs):
+        return super(MomentumByHandForwarding, self).apply_gradients(*args, **kwargs)
+
+
+class KerasSGDByHand(tf.keras.optimizers.SGD):
+    """A tf.keras OptimizerV2 override: (grads_and_vars, name=None), its own step
+    counter (``iterations``) advanced by the base method."""
+
+    def apply_gradients(self, grads_and_vars, name=None):
+        pairs = [(g * 1.0, v) for g, v in grads_and_vars]
+        return super(KerasSGDByHand, self).apply_gradients(pairs, name)
+
+
+@pytest.mark.parametrize("kind, call", [
+    ("v1", "positional"), ("v1", "keyword"), ("v1_name_first", "positional"),
+    ("v1_name_first", "keyword"), ("v1_forwarding", "keyword"),
+    ("v1_forwarding", "all_keywords"), ("keras", "positional"), ("keras", "keyword")])
+def test_override_arguments_bound_by_its_signature(kind, call):
+    """The capture reads ``global_step`` by the signature of the override actually
+    called (issue 24, item 6): a keras override's positional ``name`` is not taken as
+    the step; training equals plain TF on the big batch and the step counts it."""
+    n = 2
+    x, y = _data(STEPS * n * BATCH)
+
+    def build(bx, by):
+        loss, tvars = _mlp(bx, by, use_resource=True)
+        grads = _gradients(loss, tvars)
+        step = tf.compat.v1.train.get_or_create_global_step()
+        if kind == "keras":
+            opt = KerasSGDByHand(0.1)
+            op = opt.apply_gradients(zip(grads, tvars), "train") if call == "positional" \
+                else opt.apply_gradients(zip(grads, tvars), name="train")
+            counter = opt.iterations
+        else:
+            opt = {"v1": MomentumByHand, "v1_name_first": MomentumByHandNameFirst,
+                   "v1_forwarding": MomentumByHandForwarding}[kind]()
+            args = (step, "train") if kind == "v1" else ("train", step)
+            if call == "positional":
+                op = opt.apply_gradients(zip(grads, tvars), *args)
+            elif call == "keyword":
+                op = opt.apply_gradients(zip(grads, tvars), name="train", global_step=step)
+            else:
+                op = opt.apply_gradients(grads_and_vars=zip(grads, tvars), name="train",
+                                         global_step=step)
+            counter = step
+        if epl.Env.initialized():
+            record = epl.Graph.get().apply_records[-1]
+            assert record.global_step is (None if kind == "keras" else step), \
+                record.global_step
+        assert "train" in op.name.split("/")     # the name reached the override
+        return op, tvars + [counter]
+
+    want = _run(build, x, y, n * BATCH)
+    got = _run(build, x, y, BATCH, n)
+    _assert_close(got, want)
+    assert got[-1] == want[-1] == STEPS
