@@ -263,3 +263,40 @@ def test_train_and_evaluate_on_two_workers(tmp_path):
     assert got.pop("step")[0] == STEPS
     assert 0 <= got.pop("acc")[0] <= 1 and np.isfinite(got.pop("loss")[0])
     models.assert_weights_close(got, _local_oracle(2, 1))
+
+
+def test_warm_start_with_global_step_on_two_workers(tmp_path):
+    """BERT's warm start across workers: ``init_from_checkpoint(ckpt, {"/": "/"})`` from a
+    checkpoint holding ``global_step`` (the restores replace the initializers; worker 0's
+    restored values reach every worker); equals the same program without EPL on the
+    global batch, and the step continues from the checkpoint's (issue 24, item 1)."""
+    import tensorflow as tf
+    from tests import mw_warm_start
+    ckpt = str(tmp_path / "pretrained")
+    with tf.Graph().as_default():
+        x, y = models.data(2)
+        models.forward(tf.constant(x), tf.constant(y))
+        step = tf.compat.v1.train.get_or_create_global_step()
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run([v.assign(v * 0.5 + 0.1) for v in tf.compat.v1.trainable_variables()]
+                     + [step.assign(5)])
+            tf.compat.v1.train.Saver().save(sess, ckpt)
+    x, y = models.data(STEPS * BATCH * 2)
+    with tf.Graph().as_default():
+        bx, by = models.input_batch(x, y, BATCH * 2)
+        op, step = mw_warm_start.train(bx, by, ckpt)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for _ in range(STEPS):
+                sess.run(op)
+            want = models.weights(sess)
+            assert sess.run(step) == 5 + STEPS
+    code, out = launch(["--num_workers", "2", "--gpu_per_worker", "1",
+                        os.path.join(HERE, "mw_warm_start.py"), ckpt, str(tmp_path)],
+                       cwd=str(tmp_path))
+    assert code == 0, out[-5000:]
+    for w in range(2):
+        got = dict(np.load(str(tmp_path / ("worker_%d.npz" % w))))
+        assert got.pop("step") == 5 + STEPS
+        models.assert_weights_close(got, want)

@@ -47,7 +47,9 @@ def broadcast_initial_values(state, since=-1):
     from epl.rewrite.cloner import new_ops
     timeout = state.config.get("communication.timeout_seconds")
     for v in state.graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES):
-        init = v.initializer
+        # (init_from_checkpoint makes a ref variable's initializer its restore's Assign
+        # tensor, not an op)
+        init = getattr(v.initializer, "op", v.initializer)
         if tfg.op_id(init) <= since:
             continue
         if init.type not in ASSIGN_OPS or len(init.inputs) < 2:
