@@ -109,50 +109,83 @@ def test_fed_flag_reaches_every_replica(tmpdir):
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
-def _loop_across_stages(boundary_inside):
+def _loop_across_stages(boundary_inside, pipeline=True):
     """A tf.while_loop built outside the stages' scopes whose body runs its first half
     on stage 0 and its second on stage 1 (``boundary_inside``), or a loop built inside
-    stage 0 followed by a stage 1 head."""
+    stage 0 followed by a stage 1 head.  ``pipeline``: 2 stages x 2 micro-batches of B
+    rows under EPL, else the same program without EPL on the global batch (2 B rows).
+    Returns the train op (updates after every gradient: deterministic)."""
     models.reset()
-    epl.init(epl.Config({"cluster.devices_per_worker": 2, "pipeline.num_micro_batch": 2}))
-    stages = [epl.replicate(1, name="stage_0"), epl.replicate(1, name="stage_1")]
-    x, y = _batches(B)
-    with stages[0]:
+    if pipeline:
+        epl.init(epl.Config({"cluster.devices_per_worker": 2, "pipeline.num_micro_batch": 2}))
+        stages = [epl.replicate(1, name="stage_0"), epl.replicate(1, name="stage_1")]
+        stage = stages.__getitem__
+    else:
+        stage = cf._no_scope  # pylint: disable=protected-access
+    x, y = _batches(B if pipeline else 2 * B, STEPS * 2 * B)
+    with stage(0):
         h = tf.reshape(x, [-1, cf.T, cf.F])[:, 0, :]
-        w = tf.compat.v1.get_variable("w", [cf.F, cf.F])
+        w = tf.compat.v1.get_variable(
+            "w", [cf.F, cf.F], initializer=tf.compat.v1.glorot_uniform_initializer(seed=3))
 
     def body(t, s):
         if boundary_inside:
-            with stages[0]:
+            with stage(0):
                 a = tf.matmul(s, w)
-            with stages[1]:
+            with stage(1):
                 return t + 1, tf.tanh(a)
         return t + 1, tf.tanh(tf.matmul(s, w))
     if boundary_inside:
         _, s = tf.while_loop(lambda t, s: t < 3, body, [0, h], name="mixed_loop")
     else:
-        with stages[0]:
+        with stage(0):
             _, s = tf.while_loop(lambda t, s: t < 3, body, [0, h], name="mixed_loop")
-    with stages[1]:
-        logits = tf.compat.v1.layers.dense(s, cf.CLASSES)
+    with stage(1):
+        logits = tf.compat.v1.layers.dense(
+            s, cf.CLASSES, kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=4))
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
             labels=y, logits=logits))
-    return tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    opt = tf.compat.v1.train.GradientDescentOptimizer(0.1)
+    grads = opt.compute_gradients(loss)
+    with tf.control_dependencies([g for g, _ in grads]):
+        return opt.apply_gradients(grads)
+
+
+def _train_loop_program(op):
+    """(variables before, variables after STEPS steps of ``op``)."""
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        read = lambda: {v.op.name: sess.run(v) for v in tf.compat.v1.trainable_variables()}
+        before = read()
+        for _ in range(STEPS):
+            sess.run(op)
+        return before, read()
 
 
 def test_stage_boundary_inside_a_loop_is_refused():
+    """The program is valid TensorFlow (without EPL it trains), but a loop cannot cross a
+    stage boundary: EPL refuses it with the loop's and the stages' names, and keeps
+    refusing it (the half-rewritten graph never runs)."""
+    before, after = _train_loop_program(_loop_across_stages(True, pipeline=False))
+    assert not np.allclose(before["w"], after["w"], atol=1e-4)
     op = _loop_across_stages(boundary_inside=True)
+    refusal = r"tf.while_loop 'mixed_loop' spans pipeline stages .*stage_0.*stage_1"
     with tf.compat.v1.Session() as sess:
-        with pytest.raises(ValueError, match=r"tf.while_loop 'mixed_loop' spans pipeline stages .*stage_0.*stage_1"):
+        with pytest.raises(ValueError, match=refusal):
             sess.run(tf.compat.v1.global_variables_initializer())
-    assert op is not None
+        with pytest.raises(ValueError, match=refusal):
+            sess.run(op)
 
 
-def test_loop_inside_one_stage_is_accepted():
-    op = _loop_across_stages(boundary_inside=False)
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
-        sess.run(op)
+def test_loop_inside_one_stage_trains_like_the_program_without_epl():
+    """A loop inside stage 0 of a 2-stage pipeline with 2 micro-batches equals the same
+    program without EPL on one device with the global batch."""
+    before, want = _train_loop_program(_loop_across_stages(False, pipeline=False))
+    _, got = _train_loop_program(_loop_across_stages(False))
+    assert sorted(got) == sorted(want) == ["dense/bias", "dense/kernel", "w"]
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    assert not np.allclose(want["w"], before["w"], atol=1e-4)
 
 
 def test_rewritten_graph_exports_and_reimports(tmpdir):

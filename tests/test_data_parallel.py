@@ -58,24 +58,48 @@ def test_dp_resource_variables(copies):
         models.assert_weights_close(got, want)
 
 
-def test_replicas_start_from_replica_zero_random_init():
-    """Random initializers are broadcast: every copy starts from replica 0's value."""
-    models.init_data_parallel(3, **{"cluster.variable_copies": "per_device"})
-    v = tf.get_variable("v", [50], initializer=tf.random_normal_initializer())
-    r = tf.get_variable("r", [50], initializer=tf.random_uniform_initializer(),
-                        use_resource=True)
+def _random_init_program():
+    """Two variables with random initializers (a ref and a resource variable, explicit op
+    seeds), a loss that reads both, and an update after every gradient."""
+    v = tf.compat.v1.get_variable("v", [50], initializer=tf.random_normal_initializer(seed=5))
+    r = tf.compat.v1.get_variable("r", [50], initializer=tf.random_uniform_initializer(seed=6),
+                                  use_resource=True)
     loss = tf.reduce_sum(v * r)
-    op = tf.train.GradientDescentOptimizer(0.1).minimize(loss)
-    with tf.Session() as sess:
-        sess.run(tf.global_variables_initializer())
-        g = tf.get_default_graph()
-        v0, r0 = sess.run([v, r])
-        for c in (1, 2):
-            vc = sess.run(g.get_tensor_by_name("EPL_REPLICA_%d/v:0" % c))
-            rc = sess.run(g.get_tensor_by_name("EPL_REPLICA_%d/r/Read/ReadVariableOp:0" % c))
-            np.testing.assert_array_equal(vc, v0)
-            np.testing.assert_array_equal(rc, r0)
-        assert op is not None
+    opt = tf.compat.v1.train.GradientDescentOptimizer(0.1)
+    grads = opt.compute_gradients(loss)
+    with tf.control_dependencies([g for g, _ in grads]):
+        return v, r, opt.apply_gradients(grads)
+
+
+def test_replicas_start_from_replica_zero_random_init():
+    """Random initializers are broadcast: every copy starts from replica 0's value, which
+    is the value of the program without EPL (same seeds), and after two steps every copy
+    equals that program's variables."""
+    v, r, op = _random_init_program()
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        want_init = sess.run([v, r])
+        sess.run(op)
+        sess.run(op)
+        want_trained = sess.run([v, r])
+    models.reset()
+    models.init_data_parallel(3, **{"cluster.variable_copies": "per_device"})
+    v, r, op = _random_init_program()
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        g = tf.compat.v1.get_default_graph()
+        copies = [(v, r)] + [(g.get_tensor_by_name("EPL_REPLICA_%d/v:0" % c),
+                              g.get_tensor_by_name("EPL_REPLICA_%d/r/Read/ReadVariableOp:0" % c))
+                             for c in (1, 2)]
+        for pair in copies:
+            for got, want in zip(sess.run(pair), want_init):
+                np.testing.assert_array_equal(got, want)
+        sess.run(op)
+        sess.run(op)
+        for pair in copies:
+            for got, want in zip(sess.run(pair), want_trained):
+                np.testing.assert_allclose(got, want, rtol=1e-6)
+        assert not np.allclose(want_trained[0], want_init[0])
 
 
 def test_dp_estimator(tmp_path):
