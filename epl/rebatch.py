@@ -42,8 +42,9 @@ def inputs_for(graph, taskgraph, inputs, phase=ir.FORWARD):
     """The inputs a new op of ``taskgraph`` should read: fixed-batch tensors that
     enter the scope (in the backward pass: the gradients other scopes send in) are
     replaced by their relaxed views."""
-    if not rebatches(taskgraph):
+    if taskgraph is None:
         return inputs
+    whole = rebatches(taskgraph)
     epl_graph = ir.Graph.get(graph)
     out = None
     for i, t in enumerate(inputs):
@@ -51,6 +52,8 @@ def inputs_for(graph, taskgraph, inputs, phase=ir.FORWARD):
             continue
         src = t.op
         if src.name in epl_graph.relaxed:
+            continue
+        if not whole and not _from_split(epl_graph, src, taskgraph):
             continue
         if getattr(src, "_control_flow_context", None) is not None \
                 or graph._get_control_flow_context() is not None:  # pylint: disable=protected-access
@@ -62,6 +65,15 @@ def inputs_for(graph, taskgraph, inputs, phase=ir.FORWARD):
             out = list(inputs)
         out[i] = _relaxed(graph, epl_graph, t, taskgraph, phase)
     return inputs if out is None else out
+
+
+def _from_split(epl_graph, src, taskgraph):
+    """``src`` is a forward op of a split scope read by another scope: the split may have
+    computed more rows than each replica reads (it read the input pipeline itself,
+    the global batch, and each replica reads its share of its output)."""
+    tg = epl_graph.taskgraph_of(src)
+    return (tg is not None and tg is not taskgraph and tg.kind == "split"
+            and epl_graph.phase_of(src) == ir.FORWARD)   # (not a variable's gradient)
 
 
 def _relaxed(graph, epl_graph, t, taskgraph, phase):

@@ -61,6 +61,9 @@ Patch points (all installed by :func:`install`, idempotent):
     ``tf.losses.sparse_softmax_cross_entropy``) and ``math_ops.argmax``, rebound
     in every TensorFlow module that exports them: on class-sharded logits they
     run sharded (``epl.tensor_parallel.losses``); on anything else, unchanged.
+    ``special_math_ops.einsum`` (``tf.einsum``), rebound the same way: under ``split``
+    an einsum over a split variable's first axis runs shard by shard
+    (``epl.tensor_parallel.einsum``).
 
 15. ``ops.Graph._create_op_internal``: before a user op of a scope that runs on
     another number of rows than it is built for (``replicate(k > 1)``, ``split``)
@@ -706,6 +709,11 @@ def _argmax(input, axis=None, name=None, dimension=None, output_type=None):  # p
     return _originals["argmax"](input, axis=axis, name=name, output_type=output_type)
 
 
+def _einsum(equation, *inputs, **kwargs):
+    from epl.tensor_parallel import einsum
+    return einsum.einsum(_originals["einsum"], equation, *inputs, **kwargs)
+
+
 def _scope_get_variable(self, var_store, name, *args, **kwargs):
     from epl.tensor_parallel import variables
     return variables.get_variable(_originals["scope_get_variable"], self, var_store, name,
@@ -897,6 +905,8 @@ def install():
     _rebind("sparse_softmax_ce", nn_ops.sparse_softmax_cross_entropy_with_logits,
             _sparse_softmax_ce)
     _rebind("argmax", math_ops.argmax, _argmax)
+    from tensorflow.python.ops import special_math_ops
+    _rebind("einsum", special_math_ops.einsum, _einsum)
     from tensorflow.python.ops import embedding_ops
     _rebind("embedding_lookup", embedding_ops.embedding_lookup, _embedding_lookup)
 
@@ -909,5 +919,5 @@ def uninstall():
     while _rebound:
         module, attr, original = _rebound.pop()
         setattr(module, attr, original)
-    for key in ("sparse_softmax_ce", "argmax", "embedding_lookup"):
+    for key in ("sparse_softmax_ce", "argmax", "embedding_lookup", "einsum"):
         _originals.pop(key, None)

@@ -28,6 +28,7 @@ import tensorflow as tf
 from tensorflow.python.ops import gen_array_ops
 
 from epl import ir
+from epl.tf_adapter import graph as tfg
 from epl.rewrite.cloner import clone_op, new_ops
 from epl.rewrite.selection import VARIABLE_OPS
 
@@ -52,17 +53,17 @@ def place(state):
         def where(d):
             return state.cluster.local_device(d % per)
     for tg in split_taskgraphs(state):
+        devices = [where(d) for d in state.layout.split_devices[tg]]
         unsplit = sorted(set("%s (%s)" % (op.name, op.type) for op in tg.ops
                              if op.type in _HEAVY and state.ir_graph.shard_of(op) is None
                              and state.ir_graph.phase_of(op) == ir.FORWARD))
-        if unsplit:
+        if unsplit and len(devices) > 1:   # (a split over one device: nothing to spread)
             log.warning(
                 "EPL split %r: %d compute-heavy op(s) run unsplit on the split's first device: "
                 "%s. EPL shards tf.layers/keras Dense, sparse softmax cross-entropy, argmax, "
                 "tf.get_variable tables and epl.moe_layer; build these parts with them to "
                 "spread the work.", tg.strategy, len(unsplit), ", ".join(unsplit[:5])
                 + (" ..." if len(unsplit) > 5 else ""))
-        devices = [where(d) for d in state.layout.split_devices[tg]]
         for op in tg.ops:
             if state.ir_graph.phase_of(op) == ir.REWRITE:
                 continue
@@ -165,9 +166,14 @@ def bridge(state):
             else:
                 op._update_input(i, whole)  # pylint: disable=protected-access
     batch_rows, on_batch = gather.batch_rows, gather.on_batch
+    if n == 1:
+        # One clone (a split over one device, or the only replica of this process):
+        # the split computed exactly its batch, so the replica reads its outputs as
+        # they are, whatever their layout (e.g. an expert-major [E, G, C, M]).
+        return
     # Split -> replica: each clone's rows (not of the gradient of a split variable,
     # e.g. read by the user's global-norm clipping: every clone reads the same).
-    weight_grads = _variable_gradients(state)
+    weight_grads = _variable_gradients(state, split_ops)
     sliced = {}
     for op in sel.ops:
         # (a clone reads the user's split tensors where the user's op does: split ops
@@ -190,11 +196,6 @@ def bridge(state):
                         "into the split scope. (EPL knows the batch as the input pipeline's "
                         "outputs or placeholders with an unknown first dimension.)"
                         % (op.name, t.name, op.name))
-                if batch_rows is None:
-                    raise NotImplementedError(
-                        "EPL split: replicated op %r reads %r from a split scope, but no "
-                        "batch crosses from the replicas into the split; put the consumer "
-                        "inside the split scope." % (op.name, t.name))
                 key = (t, c)
                 if key not in sliced:
                     with new_ops(state.graph), tf.device(mine.device):
@@ -203,11 +204,33 @@ def bridge(state):
                         # replica's rows while it holds all of them.
                         whole = tf.compat.v1.placeholder_with_default(
                             t, [None] + t.shape.as_list()[1:]) if t.shape.ndims else t
-                        parts = tf.split(whole, tf.stack(batch_rows), num=n, axis=0,
+                        rows = (tf.stack(batch_rows) if batch_rows is not None
+                                else _equal_rows(whole, n, op, t))
+                        parts = tf.split(whole, rows, num=n, axis=0,
                                          name="EPL_SPLIT_SCATTER/%s_%d" % (t.op.name, t.value_index))
                         for cc in range(n):
                             sliced[(t, cc)] = parts[cc]
                 mine._update_input(i, sliced[key])  # pylint: disable=protected-access
+
+
+def _equal_rows(t, n, reader, original):
+    """Each clone's rows of a split output when no batch crossed from the replicas
+    into the split (the split read the input pipeline itself: one pull, the global
+    batch): n equal parts, as a fed global batch is divided over the clones."""
+    if original.shape.ndims == 0:
+        raise NotImplementedError(
+            "EPL split: replicated op %r reads the scalar %r of the split scope, which has no "
+            "rows to divide over the %d replicas; compute it inside one of the scopes."
+            % (reader.name, original.name, n))
+    size = gen_array_ops.shape(t)[0]
+    check = tf.compat.v1.debugging.assert_equal(
+        tf.math.floormod(size, n), 0, data=[size],
+        message="EPL split: the %d replicas each read their rows of the split's output %r "
+                "(read by %r), which has a number of rows that cannot be divided into %d "
+                "equal parts; use a batch size divisible by %d. Rows:"
+                % (n, original.name, reader.name, n, n))
+    with tf.control_dependencies([check]):
+        return tf.fill([n], size // n)
 
 
 def scale_split_gradients(state):
@@ -222,6 +245,15 @@ def scale_split_gradients(state):
     if (n == 1 or not split_ops
             or state.config.get("communication.gradients_reduce_method") != "mean"):
         return
+    names = []
+
+    def copies():
+        """Names of the other clones' copies of the replica's ops (they read the split's
+        gradients as the user's op does: the user's clipping in every replica)."""
+        if not names:
+            names.append(set(state.op_name(c, op) for c in range(1, n)
+                             for op in state.selection.ops))
+        return names[0]
     for rec in state.ir_graph.gradient_records:
         if loss_of_split(state.ir_graph, rec) or not any(
                 y.op in state.selection for y in rec.ys):
@@ -234,9 +266,11 @@ def scale_split_gradients(state):
             with new_ops(state.graph), tf.device(value.device):
                 scaled = value * tf.cast(1.0 / n, value.dtype)
             for consumer in list(value.consumers()):
-                if (consumer is scaled.op or consumer._id in rec.op_ids  # pylint: disable=protected-access
-                        or state.ir_graph.phase_of(consumer) == ir.REWRITE):
+                if consumer is scaled.op or consumer._id in rec.op_ids:  # pylint: disable=protected-access
                     continue
+                if (state.ir_graph.phase_of(consumer) == ir.REWRITE
+                        and consumer.name not in copies()):
+                    continue   # EPL's own reader (not a replica's copy of the user's op)
                 for i, inp in enumerate(consumer.inputs):
                     if inp is value:
                         consumer._update_input(i, scaled)  # pylint: disable=protected-access
@@ -267,9 +301,13 @@ class _Gather(object):
             if all(cp is t for cp in copies):
                 return t   # (one clone: nothing to gather)
             _check_batch_major(t, reader)
+            from epl.tensor_parallel import einsum
+            einsum.check_not_gathered(t, copies)
             with new_ops(state.graph), tf.device(reader.device):
                 whole = tf.concat(copies, axis=0, name="EPL_SPLIT_GATHER/" + t.op.name)
-                if self.batch_rows is None:
+                if self.batch_rows is None and state.ir_graph.phase_of(reader) == ir.FORWARD:
+                    # (forward only: the replicas' forward reads these rows, and a
+                    # backward gather is computed from it.)
                     # (gen_array_ops: a clone-0 tensor may still claim the fixed batch it
                     # was built with; tf.shape would fold that in)
                     self.batch_rows = [gen_array_ops.shape(c)[0] for c in copies]
@@ -291,15 +329,41 @@ class _Gather(object):
         return self.done[t]
 
 
-def _variable_gradients(state):
-    """The gradients of variables (tensors every clone reads alike, not batch rows)."""
+def _variable_gradients(state, split_ops):
+    """The gradients of variables (tensors every clone reads alike, not batch rows).
+
+    The gradient call may finish a split variable's gradient in the loss's scope (AMP
+    divides it by the loss scale there): the split tensors that such a gradient is
+    computed from inside the call are the variable's gradient too."""
     out = set()
     for rec in state.ir_graph.gradient_records:
         for g, x in zip(rec.grads, rec.xs):
             handle = getattr(x, "op", None)
-            if handle is not None and handle.type in ("VariableV2", "Variable", "VarHandleOp"):
-                out.update(ir.components(g))
+            if handle is None or handle.type not in ("VariableV2", "Variable", "VarHandleOp"):
+                continue
+            parts = ir.components(g)
+            out.update(parts)
+            if handle in split_ops:
+                out.update(_split_sources(parts, split_ops, rec.op_ids))
     return out
+
+
+def _split_sources(tensors, split_ops, op_ids):
+    """The split tensors ``tensors`` are computed from through ops of the gradient call
+    ``op_ids`` outside the split."""
+    found, seen = set(), set()
+    stack = [t.op for t in tensors if t.op not in split_ops]
+    while stack:
+        op = stack.pop()
+        if op in seen or tfg.op_id(op) not in op_ids:
+            continue
+        seen.add(op)
+        for t in op.inputs:
+            if t.op in split_ops:
+                found.add(t)
+            else:
+                stack.append(t.op)
+    return found
 
 
 def _rewire(old, new):

@@ -42,7 +42,7 @@ def get_variable(original, scope, var_store, name, *args, **kwargs):
     if (params.get("partitioner") is not None or scope.partitioner is not None or not dims
             or dims[0] is None or dims[0] < n or n == 1):
         return original(*bound.args, **bound.kwargs)
-    params["partitioner"] = tf.fixed_size_partitioner(n, axis=0)
+    params["partitioner"] = tf.compat.v1.fixed_size_partitioner(n, axis=0)
     if _is_constant(params.get("initializer")):
         params["initializer"] = _sliced(params["initializer"])
     graph = tf.compat.v1.get_default_graph()
