@@ -97,9 +97,32 @@ def all_to_all(x, group, rank, size, split_sizes=None, timeout_seconds=600,
 
 
 def _attrs(op):
-    return dict(group=op.get_attr("group").decode() + "/grad", rank=op.get_attr("rank"),
+    """The attributes of the collective that computes ``op``'s gradient: the same ranks,
+    in a group of its own for each backward pass through ``op``."""
+    return dict(group=_gradient_group(op), rank=op.get_attr("rank"),
                 size=op.get_attr("size"), timeout_seconds=op.get_attr("timeout_seconds"),
                 transport=op.get_attr("transport").decode())
+
+
+def _gradient_group(op):
+    """``<group>/grad_<k>`` for the k-th backward pass through rank r's op of ``group``.
+
+    Every backward pass (two losses through one layer, each with its own tf.gradients
+    call; gradient checkpointing's check; a GradientTape) builds one gradient op per
+    rank, and the ranks of one pass must meet in one group, apart from the other
+    passes (a shared group would see a rank arrive twice, or add one pass's values to
+    another's).  A pass differentiates every rank of the collective (a rank left out
+    would wait forever), so the k-th gradient of rank 0's op and the k-th gradient of
+    rank 1's op belong to the same pass; the count is kept per graph (the graph is
+    built in the same order on every worker, so the names agree across workers).
+    ``op`` may be a GradientTape's stand-in for the op: only its attributes are read.
+    """
+    graph = ops.get_default_graph()
+    counts = graph.__dict__.setdefault("_epl_collective_gradients", {})
+    group = op.get_attr("group").decode()
+    key = (group, op.get_attr("rank"))
+    counts[key] = counts.get(key, 0) + 1
+    return "%s/grad_%d" % (group, counts[key])
 
 
 @ops.RegisterGradient("EplAllReduce")
