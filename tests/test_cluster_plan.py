@@ -116,7 +116,7 @@ def test_plan_split_errors_name_the_fix():
 
 
 def test_plan_split_across_workers_runs_in_graph():
-    from epl.distributed_runtime import spans_workers
+    from epl.plan import spans_workers
     two = Cluster(_cfg(cluster__devices_per_worker=2),
                   tf_config={"cluster": {"worker": ["a:1", "b:1"]},
                              "task": {"type": "worker", "index": 0}}, visible_gpus=0)
@@ -130,7 +130,7 @@ def test_plan_split_across_workers_runs_in_graph():
 def test_zero_across_workers_runs_in_graph():
     """zero.level over several workers: one copy of the state in the job (in-graph);
     plain DP and ZeRO on one worker stay as they were."""
-    from epl.distributed_runtime import in_graph
+    from epl.plan import in_graph
     two = Cluster(_cfg(cluster__devices_per_worker=2),
                   tf_config={"cluster": {"worker": ["a:1", "b:1"]},
                              "task": {"type": "worker", "index": 0}}, visible_gpus=0)
