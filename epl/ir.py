@@ -200,6 +200,9 @@ class Graph(object):
         self.rewrite_error = None   # the exception a failed rewrite raised
         self.pending = False        # model ops were added since the last rewrite
         self.gc_checks = []         # gradient_checkpoint.check_gradients tensors
+        # (tensor, {state variable op name: aggregation}): values computed from per-replica
+        # state (tf.keras metric results, epl.keras_reports); merged by epl.rewrite.merge
+        self.state_results = []
         self.apply_flags = []       # predicates gating optimizer updates (epl.apply_gate)
         self.step_guarded_id = -1   # apply_gate.guard_step has seen the ops up to this id
         self.amp_guarded_id = -1    # amp.guard_updates has seen the ops up to this id

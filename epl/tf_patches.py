@@ -74,6 +74,9 @@ Patch points (all installed by :func:`install`, idempotent):
     fetches), ``get_operations``, ``_add_new_tf_operations`` and ``_as_graph_def``: the
     replicas' copies get their Python ``Operation`` on first use
     (``epl.tf_adapter.deferred``).
+17. tf.keras ``Model._prepare_total_loss``, ``Metric.__call__`` and
+    ``Model._make_predict_function``: the loss, the metrics and the predictions keras
+    fetches are the global batch's, not clone 0's (``epl.keras_reports``).
 
 Everything else reads and edits graphs through :mod:`epl.ir` and the rewriter.
 """
@@ -661,6 +664,27 @@ def _train_and_evaluate_locally(self):
     return _originals["train_and_evaluate_local"](self)
 
 
+def _keras_total_loss(self, *args, **kwargs):
+    from epl import keras_reports
+    total_loss = _originals["keras_total_loss"](self, *args, **kwargs)
+    keras_reports.loss_built(total_loss)
+    return total_loss
+
+
+def _keras_metric_call(self, *args, **kwargs):
+    from epl import keras_reports
+    result = _originals["keras_metric_call"](self, *args, **kwargs)
+    keras_reports.metric_called(self, result)
+    return result
+
+
+def _keras_predict_function(self, *args, **kwargs):
+    from epl import keras_reports
+    out = _originals["keras_predict_function"](self, *args, **kwargs)
+    keras_reports.predict_function_made(self)
+    return out
+
+
 def _dense_build(self, input_shape):
     from epl.tensor_parallel import sharding
     for observer in _c().dense:
@@ -876,6 +900,17 @@ def _optional_patches():
         out.append(("optimizer_v2_init", optimizer_v2.OptimizerV2, "__init__",
                     _optimizer_v2_init))
     except ImportError:  # pragma: no cover
+        pass
+    try:
+        from tensorflow.python.keras import metrics as keras_metrics
+        from tensorflow.python.keras.engine import training as keras_training
+        out += [("keras_total_loss", keras_training.Model, "_prepare_total_loss",
+                 _keras_total_loss),
+                ("keras_metric_call", keras_metrics.Metric, "__call__", _keras_metric_call),
+                ("keras_predict_function", keras_training.Model, "_make_predict_function",
+                 _keras_predict_function)]
+        out = [p for p in out if hasattr(p[1], p[2])]
+    except ImportError:  # pragma: no cover - another keras
         pass
     try:
         from tensorflow_estimator.python.estimator import run_config, training

@@ -27,7 +27,7 @@ LAYERS = [
     ("communicators", ["epl.native", "epl.communicators"]),
     ("capture", ["epl.tf_patches", "epl.amp", "epl.gradient_checkpoint", "epl.auto_stages",
                  "epl.rebatch", "epl.tensor_parallel", "epl.accumulate", "epl.apply_gate",
-                 "epl.grouped_apply", "epl.io_slicing"]),
+                 "epl.grouped_apply", "epl.io_slicing", "epl.keras_reports"]),
     ("rewrite", ["epl.rewrite"]),
     ("runtime", ["epl.runtime", "epl.distributed_runtime", "epl.launcher",
                  "epl.keras_reports"]),
