@@ -29,8 +29,7 @@ LAYERS = [
                  "epl.rebatch", "epl.tensor_parallel", "epl.accumulate", "epl.apply_gate",
                  "epl.grouped_apply", "epl.io_slicing", "epl.keras_reports"]),
     ("rewrite", ["epl.rewrite"]),
-    ("runtime", ["epl.runtime", "epl.distributed_runtime", "epl.launcher",
-                 "epl.keras_reports"]),
+    ("runtime", ["epl.runtime", "epl.distributed_runtime", "epl.launcher"]),
     ("api", ["epl", "epl.api", "epl.auto"]),
 ]
 
