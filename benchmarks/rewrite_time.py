@@ -1,16 +1,28 @@
-"""How long EPL's rewrite takes on a BERT-base-sized graph (12 layers, hidden 768,
-Adam), data parallel on D virtual CPU devices with M micro-batches (D x M clones).
+"""What a user waits for before the first training step of a BERT-base-sized graph
+(12 layers, hidden 768, Adam) under EPL, data parallel on D virtual CPU devices with M
+micro-batches (D x M clones) -- measured cold.
 
-Table: clones, ops before / after the rewrite, the ops of a hand-written tower
-replication of the same clones (the classic TF1 pattern: one copy of forward and
-backward per clone, gradients averaged with add_n, one Adam update), rewrite
-seconds, ops made per second, the first step's seconds, and the floor: one
-``tf.import_graph_def`` of the user's graph per clone into a fresh graph (the C++
-import plus TensorFlow's own Python wrappers).  Goal: 8 x 4 rewritten in under
-5 s and within 3x of the floor.
+Every measurement is its own fresh process (``--repeat`` processes per configuration),
+and in it the rewrite is the process's first: no figure comes from a process that has
+rewritten (or run) a graph before.  Table, one row per process:
 
-    python benchmarks/rewrite_time.py [--configs 2x1,8x1,2x4,8x4] [--no-step] [--repeat 2]
-                                      [--json FILE]
+* build_s: the user's own Python building the one-replica graph (model + minimize);
+* rewrite_s: EPL's rewrite of it (cold), and rewrite_vs_build, its ratio to build_s;
+* init_run_s, first_step_s: TensorFlow's first runs of the rewritten graph (the
+  initializer, then the first training step: the session takes in the large graph,
+  prunes it and builds its executors), tf_first_run_s their sum;
+* wait_s: build + rewrite + TensorFlow's first runs, what the user waits for;
+* with ``--second-step``, second_step_s: the step's own math (no first-run setup);
+* ops before / after the rewrite, and the floor: one ``tf.import_graph_def`` of the
+  user's graph per clone into a fresh graph (in a fresh process of its own, once per
+  configuration), vs_floor = rewrite_s / import_floor_s.
+``--towers`` also counts the ops of hand-written tower replication of the same clones
+(the classic TF1 pattern: one copy of forward and backward per clone, gradients
+averaged with add_n, one Adam update).  ``--tiny`` runs the corpus's mini-BERT instead
+(a quick check of the benchmark itself).
+
+    python benchmarks/rewrite_time.py [--configs 2x1,8x1,2x4,8x4] [--repeat 2] [--no-step]
+                                      [--second-step] [--towers] [--tiny] [--json FILE]
 """
 import argparse
 import json
@@ -29,10 +41,11 @@ import watchdog  # noqa: E402
 SEQ, ROWS = 16, 2     # small batches: the first step's time is the graph's, not the math's
 
 
-def _bert_base():
+def _bert(tiny):
     import bert
-    bert.VOCAB, bert.SEQ, bert.HIDDEN, bert.HEADS = 30522, SEQ, 768, 12
-    bert.LAYERS, bert.FFN, bert.CLASSES = 12, 3072, 2
+    if not tiny:
+        bert.VOCAB, bert.SEQ, bert.HIDDEN, bert.HEADS = 30522, SEQ, 768, 12
+        bert.LAYERS, bert.FFN, bert.CLASSES = 12, 3072, 2
     return bert
 
 
@@ -49,93 +62,137 @@ def _optimizer():
     return tf.compat.v1.train.AdamOptimizer(1e-4)
 
 
-def child(devices, micro, run_step, repeat):
+def child(devices, micro, run_step, tiny):
+    """One cold measurement: this process builds, rewrites and runs the graph once."""
     import tensorflow as tf
     tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
     import epl
-    bert = _bert_base()
-    out = {"config": "%dx%d" % (devices, micro), "clones": devices * micro}
+    from epl.rewrite import rewrite_if_needed
+    bert = _bert(tiny)
+    out = {"config": "%dx%d" % (devices, micro), "clones": devices * micro, "pid": os.getpid()}
 
-    # The user's program under EPL, built and rewritten ``repeat`` times: the best
-    # time is reported (these machines are noisy; the rewrite is deterministic).
-    for attempt in range(repeat):
-        with tf.Graph().as_default() as g:
-            epl.init(epl.Config({"cluster.devices_per_worker": devices,
-                                 "pipeline.num_micro_batch": micro}))
-            epl.set_default_strategy(epl.replicate(1))
-            loss = bert.model(_features(bert, ROWS * micro))
-            step = tf.compat.v1.train.get_or_create_global_step()
-            train = _optimizer().minimize(loss, global_step=step)
-            out["ops_before"] = len(g.get_operations())
-            user_def = g.as_graph_def()
-            cfg = tf.compat.v1.ConfigProto(device_count={"CPU": devices})
-            with tf.compat.v1.Session(config=cfg) as sess:
+    with tf.Graph().as_default() as g:
+        t0 = time.perf_counter()
+        epl.init(epl.Config({"cluster.devices_per_worker": devices,
+                             "pipeline.num_micro_batch": micro}))
+        epl.set_default_strategy(epl.replicate(1))
+        loss = bert.model(_features(bert, ROWS * micro))
+        step = tf.compat.v1.train.get_or_create_global_step()
+        train = _optimizer().minimize(loss, global_step=step)
+        out["build_s"] = time.perf_counter() - t0
+        out["ops_before"] = len(g.get_operations())
+        cfg = tf.compat.v1.ConfigProto(device_count={"CPU": devices})
+        with tf.compat.v1.Session(config=cfg) as sess:
+            # What the first sess.run does first (timed apart from TensorFlow's part).
+            t0 = time.perf_counter()
+            rewrite_if_needed(g)
+            out["rewrite_s"] = time.perf_counter() - t0
+            out["ops_after"] = len(g.get_operations())
+            out["rewrite_vs_build"] = out["rewrite_s"] / out["build_s"]
+            init = tf.compat.v1.global_variables_initializer()
+            t0 = time.perf_counter()
+            sess.run(init)
+            out["init_run_s"] = time.perf_counter() - t0
+            out["tf_first_run_s"] = out["init_run_s"]
+            if run_step:
                 t0 = time.perf_counter()
-                from epl.rewrite import rewrite_if_needed
-                rewrite_if_needed(g)
-                took = time.perf_counter() - t0
-                out["rewrite_s"] = min(took, out.get("rewrite_s", took))
-                out["ops_after"] = len(g.get_operations())
-                out["ops_per_s"] = (out["ops_after"] - out["ops_before"]) / out["rewrite_s"]
-                if run_step and attempt == repeat - 1:
-                    sess.run(tf.compat.v1.global_variables_initializer())
-                    t0 = time.perf_counter()
-                    sess.run(train)
-                    out["first_step_s"] = time.perf_counter() - t0
+                sess.run(train)
+                out["first_step_s"] = time.perf_counter() - t0
+                out["tf_first_run_s"] += out["first_step_s"]
+            if run_step == "twice":   # the step's own math, without the first run's setup
+                t0 = time.perf_counter()
+                sess.run(train)
+                out["second_step_s"] = time.perf_counter() - t0
+    out["wait_s"] = out["build_s"] + out["rewrite_s"] + out["tf_first_run_s"]
+    return out
 
-    # The floor: one import of the user's graph per clone.
+
+def floor_child(devices, micro, towers, tiny):
+    """In a fresh process of its own (the large graph of a measurement would slow it:
+    Python's garbage collector walks every object alive): one ``tf.import_graph_def``
+    of the user's graph per clone; with ``towers``, the ops of hand-written towers."""
+    import tensorflow as tf
+    tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+    bert = _bert(tiny)
+    out = {}
+    with tf.Graph().as_default() as g:
+        loss = bert.model(_features(bert, ROWS * micro))
+        _optimizer().minimize(loss, global_step=tf.compat.v1.train.get_or_create_global_step())
+        user_def = g.as_graph_def()
     with tf.Graph().as_default():
         t0 = time.perf_counter()
         for c in range(devices * micro):
             tf.import_graph_def(user_def, name="clone_%d" % c)
         out["import_floor_s"] = time.perf_counter() - t0
-    out["vs_floor"] = out["rewrite_s"] / out["import_floor_s"]
-
-    # Hand-written towers of the same clones (counted, not run).
-    with tf.Graph().as_default() as g:
-        it_ops = _features(bert, ROWS)
-        opt = _optimizer()
-        tower_grads = []
-        for c in range(devices * micro):
-            with tf.device("/cpu:%d" % (c % devices)), \
-                    tf.compat.v1.variable_scope("", reuse=tf.compat.v1.AUTO_REUSE):
-                tower_grads.append(opt.compute_gradients(bert.model(it_ops)))
-        avg = []
-        for gvs in zip(*tower_grads):
-            avg.append((tf.add_n([gr for gr, _ in gvs]) / float(len(gvs)), gvs[0][1]))
-        opt.apply_gradients(avg, global_step=tf.compat.v1.train.get_or_create_global_step())
-        out["ops_towers"] = len(g.get_operations())
+    if towers:   # hand-written towers of the same clones (counted, not run)
+        with tf.Graph().as_default() as g:
+            it_ops = _features(bert, ROWS)
+            opt = _optimizer()
+            tower_grads = []
+            for c in range(devices * micro):
+                with tf.device("/cpu:%d" % (c % devices)), \
+                        tf.compat.v1.variable_scope("", reuse=tf.compat.v1.AUTO_REUSE):
+                    tower_grads.append(opt.compute_gradients(bert.model(it_ops)))
+            avg = []
+            for gvs in zip(*tower_grads):
+                avg.append((tf.add_n([gr for gr, _ in gvs]) / float(len(gvs)), gvs[0][1]))
+            opt.apply_gradients(avg,
+                                global_step=tf.compat.v1.train.get_or_create_global_step())
+            out["ops_towers"] = len(g.get_operations())
     return out
+
+
+def _run(cmd, timeout, cfg):
+    """One fresh process's RESULT (under the watchdog: bounded, nothing left behind)."""
+    try:
+        out = watchdog.run_one(cmd, timeout, has_result=watchdog.prefixed_result("RESULT "))
+    except watchdog.Failed as e:
+        sys.exit("rewrite_time: configuration %s failed: %s" % (cfg, e))
+    line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+    return json.loads(line[-1][len("RESULT "):])
+
+
+COLUMNS = ["config", "clones", "ops_before", "ops_after", "ops_towers", "build_s", "rewrite_s",
+           "rewrite_vs_build", "init_run_s", "first_step_s", "tf_first_run_s", "wait_s",
+           "second_step_s", "import_floor_s", "vs_floor"]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default="2x1,8x1,2x4,8x4")
-    ap.add_argument("--no-step", action="store_true", help="skip the first step")
-    ap.add_argument("--repeat", type=int, default=2, help="rewrites per config (best kept)")
+    ap.add_argument("--no-step", action="store_true", help="skip the first training step")
+    ap.add_argument("--repeat", type=int, default=2,
+                    help="fresh processes per configuration (each one cold)")
+    ap.add_argument("--second-step", action="store_true",
+                    help="also time a second step (the step's math without the setup)")
+    ap.add_argument("--towers", action="store_true",
+                    help="also count the ops of hand-written towers")
+    ap.add_argument("--tiny", action="store_true", help="the corpus's mini-BERT (quick)")
+    ap.add_argument("--timeout", type=int, default=1800, help="bound of each process")
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", default=None)
+    ap.add_argument("--floor", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         d, m = (int(x) for x in a.child.split("x"))
-        print("RESULT " + json.dumps(child(d, m, not a.no_step, a.repeat)))
+        step = False if a.no_step else "twice" if a.second_step else True
+        res = floor_child(d, m, a.towers, a.tiny) if a.floor else child(d, m, step, a.tiny)
+        print("RESULT " + json.dumps(res))
         return
     rows = []
+    flags = [f for f, on in (("--no-step", a.no_step), ("--second-step", a.second_step),
+                             ("--towers", a.towers), ("--tiny", a.tiny)) if on]
     for cfg in a.configs.split(","):
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", cfg,
-               "--repeat", str(a.repeat)]
-        if a.no_step:
-            cmd.append("--no-step")
-        try:
-            out = watchdog.run_one(cmd, 1800, has_result=watchdog.prefixed_result("RESULT "))
-        except watchdog.Failed as e:
-            sys.exit("rewrite_time: configuration %s failed: %s" % (cfg, e))
-        line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-        rows.append(json.loads(line[-1][len("RESULT "):]))
-        print_table(rows[-1:], ["config", "rewrite_s"])
-    print_table(rows, ["config", "clones", "ops_before", "ops_after", "ops_towers", "rewrite_s",
-                       "ops_per_s", "first_step_s", "import_floor_s", "vs_floor"],
-                title="EPL rewrite of a BERT-base graph (DP devices x micro-batches)")
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", cfg] + flags
+        floor = _run(cmd + ["--floor"], a.timeout, cfg)
+        for _ in range(a.repeat):
+            row = _run(cmd, a.timeout, cfg)
+            row.update(floor)
+            row["vs_floor"] = row["rewrite_s"] / row["import_floor_s"]
+            rows.append(row)
+            print_table(rows[-1:], ["config", "build_s", "rewrite_s", "tf_first_run_s"])
+    print_table(rows, COLUMNS, title="EPL rewrite of a %s graph, cold: one fresh process per "
+                "row (DP devices x micro-batches)" % ("mini-BERT" if a.tiny else "BERT-base"))
     write_json("rewrite_time", rows, a.json)
 
 
