@@ -395,8 +395,10 @@ def main(argv=None):
                 failed = early[0]
                 reason = ("exited with status 0 before it joined the job's collectives (it "
                           "never ran the job's graph), while worker%s %s joined and would "
-                          "wait for it in them" % ("s" if len(early[1]) > 1 else "",
-                                                   ", ".join(str(w.index) for w in early[1])))
+                          "wait for it in them (every worker of a job runs its steps: look "
+                          "for what ended worker %d's script early)"
+                          % ("s" if len(early[1]) > 1 else "",
+                             ", ".join(str(w.index) for w in early[1]), early[0].index))
                 break
             if a.timeout and time.time() - start > a.timeout:
                 failed = next(w for w, c in zip(workers, codes) if c is None)
