@@ -23,30 +23,34 @@ benchmark (a rank holding gigabytes kept running after its caller was killed).  
     text = run_one(cmd, timeout=600)        # raises Failed
 """
 import atexit
+import importlib.util
 import inspect
 import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 GRACE_SECONDS = 3
 POLL_SECONDS = 0.05
 
-# Runs in the child before its program: die with the caller (Linux), and if the caller
-# is already gone by then, do not start at all.
-_TRAMPOLINE = (
-    "import os, signal, sys\n"
-    "try:\n"
-    "    import ctypes\n"
-    "    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)\n"
-    "except Exception:\n"
-    "    pass\n"
-    "if os.getppid() != int(sys.argv[1]):\n"
-    "    os._exit(70)\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n")
+
+def _load_epl_processes():
+    """EPL's epl/processes.py (the trampoline that makes a child die with its caller, which
+    epl-launch uses for its workers), loaded by its path: ``import epl.processes`` would
+    import the epl package, and with it TensorFlow, into every benchmark's parent process
+    (seconds and hundreds of MB that only the children need), and would need the
+    repository's root on sys.path."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "epl", "processes.py")
+    spec = importlib.util.spec_from_file_location("_epl_processes", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_processes = _load_epl_processes()
 
 _live = set()            # Popen objects whose group may still have processes
 _live_lock = threading.Lock()
@@ -151,9 +155,9 @@ def _install_handlers():
 
 def _start(cmd, env, cwd, capture):
     _install_handlers()
-    full = [sys.executable, "-c", _TRAMPOLINE, str(os.getpid())] + list(cmd)
-    proc = subprocess.Popen(full, env=env, cwd=cwd, start_new_session=True,
-                            stdout=subprocess.PIPE if capture else None)
+    # (die with the caller: SIGKILL from the kernel, PR_SET_PDEATHSIG)
+    proc = subprocess.Popen(_processes.dies_with_parent(cmd), env=env, cwd=cwd,
+                            start_new_session=True, stdout=subprocess.PIPE if capture else None)
     with _live_lock:
         _live.add(proc)
     chunks = []

@@ -43,6 +43,8 @@ import tempfile
 import threading
 import time
 
+from epl.processes import dies_with_parent
+
 GRACE_SECONDS = 10
 # The folder through which the workers tell the launcher that they joined the job.
 LAUNCH_DIR_ENV = "EPL_LAUNCH_DIR"
@@ -218,26 +220,6 @@ def command(a):
     return ["bash", a.script] + a.args
 
 
-# Runs in each worker before its script: the worker gets SIGKILL when the launcher dies
-# (Linux's PR_SET_PDEATHSIG; the workers run in their own sessions, so nothing else would
-# stop them when the launcher is killed outright), and does not start if it already has.
-_DIE_WITH_LAUNCHER = (
-    "import os, signal, sys\n"
-    "try:\n"
-    "    import ctypes\n"
-    "    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)\n"
-    "except Exception:\n"
-    "    pass\n"
-    "if os.getppid() != int(sys.argv[1]):\n"
-    "    os._exit(70)\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n")
-
-
-def dies_with_launcher(cmd):
-    """``cmd`` started so that it ends when this process does, however it ends."""
-    return [sys.executable, "-c", _DIE_WITH_LAUNCHER, str(os.getpid())] + list(cmd)
-
-
 class Worker(object):
     def __init__(self, index, proc, log_path):
         self.index = index
@@ -365,7 +347,7 @@ def main(argv=None):
     for local, i in enumerate(mine):
         log_path = os.path.join(a.log_dir, "worker_%d.log" % i)
         env = worker_env(a, addrs, comm, i, job_id, gpus, local, run_id, secret, launch_dir)
-        proc = subprocess.Popen(dies_with_launcher(command(a)), env=env,
+        proc = subprocess.Popen(dies_with_parent(command(a)), env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         w = Worker(i, proc, log_path)

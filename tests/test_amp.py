@@ -253,6 +253,21 @@ def test_gradient_tape_overflow_skips_the_step():
     assert last[-2] == 2 and all(np.isfinite(w).all() for w in last[:-2])
 
 
+def _tape_mlp_start(config):
+    """A fresh graph -- under EPL with ``config``, plain TensorFlow with None -- with a
+    batch of 8 and the three resource weights of a small MLP (seeded: the same in both
+    programs), for the tests that write the layers by hand around a tape."""
+    models.reset()
+    if config is not None:
+        epl.init(epl.Config(config))
+    x, y = models.data(8)
+    rng = np.random.RandomState(0)
+    variables = [tf.compat.v1.get_variable(
+        "w%d" % i, initializer=(rng.randn(*s) * 0.3).astype(np.float32), use_resource=True)
+        for i, s in enumerate([(models.IN, 16), (16, 16), (16, models.CLASSES)])]
+    return x, y, variables
+
+
 @pytest.mark.parametrize("amp", [False, True])
 def test_gradient_tape_keeps_its_semantics(amp):
     """Under AMP the tape still answers as a tape: a variable it did not watch gets no
@@ -260,14 +275,7 @@ def test_gradient_tape_keeps_its_semantics(amp):
     structure, output_gradients weigh the targets, a non-persistent tape answers
     once.  The numbers equal the float32 tape's to the tolerance above."""
     def run(config):
-        models.reset()
-        if config is not None:
-            epl.init(epl.Config(config))
-        x, y = models.data(8)
-        rng = np.random.RandomState(0)
-        variables = [tf.compat.v1.get_variable(
-            "w%d" % i, initializer=(rng.randn(*s) * 0.3).astype(np.float32), use_resource=True)
-            for i, s in enumerate([(models.IN, 16), (16, 16), (16, models.CLASSES)])]
+        x, y, variables = _tape_mlp_start(config)
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(variables[:2])
             h = tf.constant(x)
@@ -297,14 +305,7 @@ def test_gradients_stop_where_plain_tensorflow_stops(amp):
     stop_recording) and tf.gradients' stop_gradients at a product AMP rebuilds in
     float16 stop the gradient as without AMP."""
     def run(config):
-        models.reset()
-        if config is not None:
-            epl.init(epl.Config(config))
-        x, y = models.data(8)
-        rng = np.random.RandomState(0)
-        w = [tf.compat.v1.get_variable("w%d" % i, initializer=(rng.randn(*s) * 0.3).astype(
-            np.float32), use_resource=True)
-            for i, s in enumerate([(models.IN, 16), (16, 16), (16, models.CLASSES)])]
+        x, y, w = _tape_mlp_start(config)
         with tf.GradientTape(persistent=True) as tape:
             h = tf.tanh(tf.matmul(tf.constant(x), w[0]))
             with tape.stop_recording():
