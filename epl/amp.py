@@ -30,7 +30,7 @@ import logging
 
 import tensorflow as tf
 
-from epl import apply_gate, ir
+from epl import apply_gate, capture_context, ir
 from epl.tf_adapter import graph as tfg
 
 log = logging.getLogger("epl")
@@ -54,7 +54,6 @@ def half_dtype():
 
 def convert(graph, ys):
     """Rebuild the allow-listed float32 ops ``ys`` depend on in float16."""
-    from epl import tf_patches
     epl_graph = ir.Graph.get(graph)
     converted = getattr(epl_graph, "amp_converted", None)
     if converted is None:
@@ -66,7 +65,7 @@ def convert(graph, ys):
         tg = epl_graph.taskgraph_of(op)
         g = op.graph
         with g.name_scope(None), g.control_dependencies(None), \
-                tf_patches.creating_for(tg, ir.FORWARD), tf.compat.v1.device(op.device or None):
+                capture_context.creating_for(tg, ir.FORWARD), tf.compat.v1.device(op.device or None):
             halves = [_half(t, half) for t in op.inputs]
             attrs = dict(op.node_def.attr.items())
             attrs["T"] = tf.compat.v1.AttrValue(type=half.as_datatype_enum)

@@ -6,7 +6,7 @@ upwards to do so.
 """
 import tensorflow as tf
 
-from epl import auto_stages, strategies, tf_patches
+from epl import auto_stages, integration, strategies, tf_patches
 from epl.cluster import Cluster
 from epl.config import Config
 from epl.env import Env
@@ -42,6 +42,7 @@ def init(config=None):
     env = Env.install(config, Cluster(config))
     strategies.reset()
     tf_patches.install()
+    integration.install()
     if again:
         _start_over()
     return env

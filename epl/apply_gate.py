@@ -20,7 +20,7 @@ import logging
 
 import tensorflow as tf
 
-from epl import ir
+from epl import capture_context, ir
 from epl.tf_adapter import graph as tfg
 
 log = logging.getLogger("epl")
@@ -53,7 +53,6 @@ def guard_step(epl_graph):
     ``apply_gradients`` run only when every registered predicate holds: the increment
     becomes ``where(pred, step + 1, step)`` (``where(pred, 1, 0)`` for an
     ``assign_add``).  Initializers and restores set the step: left alone."""
-    from epl import tf_patches
     from epl.variable_writes import advances, written_variable
     graph = epl_graph.tf_graph
     since = epl_graph.step_guarded_id
@@ -69,7 +68,7 @@ def guard_step(epl_graph):
         if tfg.op_id(op) in handled or written_variable(op) is not step.op \
                 or epl_graph.phase_of(op) in (ir.SAVE, ir.REWRITE) or not advances(op, step.op):
             continue
-        with graph.name_scope(None), tf_patches.rewriting(), \
+        with graph.name_scope(None), capture_context.rewriting(), \
                 tf.compat.v1.device(op.device or None):
             pred = flags[0] if len(flags) == 1 else tf.reduce_all(tf.stack(flags))
             value = op.inputs[1]

@@ -127,7 +127,7 @@ def build(model_fn, dataset_fn, optimizer_fn, strategy, devices):
     default graph: (loss, train_op, global_step, config)."""
     import tensorflow as tf
     import epl
-    from epl import tf_patches
+    from epl import capture_context
     strategy = normalize(strategy)
     cfg, default = config_of(strategy, devices)
     split = [arg for name, arg in strategy if name == "split"]
@@ -148,7 +148,7 @@ def build(model_fn, dataset_fn, optimizer_fn, strategy, devices):
     if observer is None:
         loss = model_fn(features)
     else:
-        with tf_patches.observing_dense(observer):
+        with capture_context.observing_dense(observer):
             loss = model_fn(features)
         observer.check()
     step = tf.compat.v1.train.get_or_create_global_step()
@@ -214,7 +214,7 @@ def split_head(model_fn, dataset_fn):
     try:
         with tf.Graph().as_default():
             features = tf.compat.v1.data.make_one_shot_iterator(dataset_fn()).get_next()
-            with tf_patches.observing_dense(probe):
+            with capture_context.observing_dense(probe):
                 model_fn(features)
     finally:
         strategies.reset()

@@ -30,7 +30,7 @@ What it does to the backward ops just built:
 """
 import logging
 
-from epl import ir
+from epl import capture_context, ir
 from epl.tf_adapter import graph as tfg
 
 log = logging.getLogger("epl")
@@ -119,10 +119,9 @@ def add_check(graph, recomputed, plain):
     and logged.  The plain gradients run only then: with the first run that computes
     the recomputed ones (a training step, not the initializer)."""
     import tensorflow as tf
-    from epl import tf_patches
     diffs = []
     # EPL's own ops: they read the replica's gradients, not the all-reduced ones.
-    with tf.compat.v1.name_scope("EPL_GC_CHECK"), tf_patches.rewriting():
+    with tf.compat.v1.name_scope("EPL_GC_CHECK"), capture_context.rewriting():
         for a, b in zip(recomputed, plain):
             if a is None or b is None:
                 continue
@@ -287,7 +286,6 @@ def _cost(picks, pos, cum, total):
 
 def _copy_upstream(op, kept, copies, epl_graph):
     """Copy ``op`` and the not-kept forward ops it reads (iteratively: deep models)."""
-    from epl import tf_patches
     stack = [op]
     while stack:
         cur = stack[-1]
@@ -303,7 +301,7 @@ def _copy_upstream(op, kept, copies, epl_graph):
         g = cur.graph
         attrs = dict(cur.node_def.attr.items())
         with g.name_scope(None), g.control_dependencies(None), \
-                tf_patches.creating_for(epl_graph.taskgraph_of(cur), ir.BACKWARD):
+                capture_context.creating_for(epl_graph.taskgraph_of(cur), ir.BACKWARD):
             new = tfg.create_op(g, cur.type, inputs, [o.dtype for o in cur.outputs],
                                 input_types=[t.dtype for t in cur.inputs],
                                 name=cur.name + "_recompute", attrs=attrs, op_def=cur.op_def)

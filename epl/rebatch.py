@@ -80,11 +80,11 @@ def _relaxed(graph, epl_graph, t, taskgraph, phase):
     key = (t.name, taskgraph.index)
     view = epl_graph.relax_cache.get(key)
     if view is None:
-        from epl import tf_patches
+        from epl import capture_context
         shape = [None] + t.shape.as_list()[1:]
         with graph.name_scope(None), graph.control_dependencies(None), \
                 graph.colocate_with(None, ignore_existing=True), \
-                tf_patches.creating_for(taskgraph, phase):
+                capture_context.creating_for(taskgraph, phase):
             view = tf.compat.v1.placeholder_with_default(
                 t, shape, name="EPL_RELAXED_BATCH/" + t.op.name.replace(":", "_"))
         epl_graph.relaxed[view.op.name] = t

@@ -81,69 +81,16 @@ Patch points (all installed by :func:`install`, idempotent):
 Everything else reads and edits graphs through :mod:`epl.ir` and the rewriter.
 """
 import contextlib
-import os
-import threading
 
-from tensorflow.python.client import session as tf_session
-from tensorflow.python.data.ops import readers as tf_readers
-from tensorflow.python.eager import backprop as tf_backprop
-from tensorflow.python.framework import ops
-from tensorflow.python.ops import gradients_util
-from tensorflow.python.summary.writer import writer as tf_writer
-from tensorflow.python.training import monitored_session as tf_monitored
-from tensorflow.python.training import optimizer as tf_optimizer
-from tensorflow.python.training import saver as tf_saver
+import tensorflow as tf
 
 from epl import ir
+from epl.capture_context import creating_for, observing_dense, rewriting  # noqa: F401
+from epl.capture_context import state as _c
+from epl.tf_adapter import deferred, objects, patching
+from epl.tf_adapter import graph as tfg
 
-_ctx = threading.local()
-_originals = {}
-
-
-def _c():
-    if not hasattr(_ctx, "grad_ops"):
-        _ctx.grad_ops = []      # forward ops whose gradients are being built
-        _ctx.grad_default = []  # TaskGraph of the loss of each tf.gradients call
-        _ctx.apply = []         # TaskGraph of each apply_gradients call in progress
-        _ctx.apply_depth = 0
-        _ctx.save = 0
-        _ctx.rewriting = 0
-        _ctx.forced = []        # (TaskGraph, phase) EPL creates an op for (epl.rebatch)
-        _ctx.dense = []         # observers of Dense layers (observing_dense)
-    return _ctx
-
-
-@contextlib.contextmanager
-def _pushed(stack, item):
-    stack.append(item)
-    try:
-        yield
-    finally:
-        stack.pop()
-
-
-def creating_for(taskgraph, phase):
-    """Ops created inside belong to ``taskgraph`` in ``phase`` (EPL builds them on the
-    user's behalf while the user builds the graph)."""
-    return _pushed(_c().forced, (taskgraph, phase))
-
-
-def observing_dense(observer):
-    """Inside, ``observer.building(layer, input_shape)`` runs before every Dense layer
-    builds its variables and ``observer.called(layer)`` after each of its calls (the
-    strategy search opens ``epl.split`` around a model's head this way)."""
-    return _pushed(_c().dense, observer)
-
-
-@contextlib.contextmanager
-def rewriting():
-    """Ops created inside are EPL's own (phase REWRITE), not the user's."""
-    c = _c()
-    c.rewriting += 1
-    try:
-        yield
-    finally:
-        c.rewriting -= 1
+original = patching.original
 
 
 # A variable and the writes of it (not computations colocated with a shard, like
@@ -175,7 +122,7 @@ def _classify(graph, op):
             tg = c.grad_default[-1]
         # A shard's backward runs on the shard's device.
         return tg, ir.BACKWARD, (epl_graph.shard_of(fwd) if fwd is not None else None)
-    if len(graph._colocation_stack):  # pylint: disable=protected-access
+    if tfg.colocating(graph):
         # State kept beside a variable (an ExponentialMovingAverage's shadow, its
         # initializer) belongs to the variable's scope when no scope is current, and
         # to its shard of a split scope, whatever scope is current.
@@ -223,7 +170,7 @@ def _create_op_internal(self, op_type, inputs, *args, **kwargs):
         else:
             tg, phase = _forward_taskgraph(epl_graph, inputs), ir.FORWARD
         inputs = rebatch.inputs_for(self, tg, inputs, phase)
-    return _originals["create_op_internal"](self, op_type, inputs, *args, **kwargs)
+    return original("graph.create_op_internal")(self, op_type, inputs, *args, **kwargs)
 
 
 def _colocated(epl_graph, op):
@@ -238,14 +185,19 @@ def _colocated(epl_graph, op):
 
 
 def _create_op_helper(self, op, compute_device=True):
-    _originals["create_op_helper"](self, op, compute_device=compute_device)
+    original("graph.create_op_helper")(self, op, compute_device=compute_device)
     from epl.env import Env
     if Env.initialized():
         tg, phase, shard = _classify(self, op)
         ir.Graph.get(self).record(op, tg, phase, shard)
         if phase != ir.REWRITE:
-            from epl.rewrite import on_new_op
-            on_new_op(self, op)
+            for listener in NEW_OP_LISTENERS:
+                listener(self, op)
+
+
+# Called with (graph, op) for every user op made (the runtime registers the rewrite's
+# handling of ops made after a graph was rewritten; capture does not import it).
+NEW_OP_LISTENERS = []
 
 
 @contextlib.contextmanager
@@ -253,7 +205,7 @@ def _maybe_colocate_with(op, gradient_uid, colocate_gradients_with_ops):
     c = _c()
     c.grad_ops.append(op)
     try:
-        with _originals["maybe_colocate_with"](op, gradient_uid, colocate_gradients_with_ops):
+        with original("gradients.colocate")(op, gradient_uid, colocate_gradients_with_ops):
             yield
     finally:
         c.grad_ops.pop()
@@ -284,7 +236,7 @@ def _backward_call(ys, xs, compute):
         finally:
             c.grad_ops.pop()
             c.grad_default.pop()
-    first_id = graph._last_id + 1 if graph is not None else 0  # pylint: disable=protected-access
+    first_id = tfg.last_op_id(graph) + 1 if graph is not None else 0
     result = backward()
     if Env.initialized() and graph is not None and not c.rewriting:
         from epl import gradient_checkpoint
@@ -297,7 +249,7 @@ def _backward_call(ys, xs, compute):
         grads = nest.flatten(result) if not isinstance(result, list) else list(result)
         ir.Graph.get(graph).gradient_records.append(ir.GradientRecord(
             ys_list, nest.flatten(xs), grads,
-            range(first_id, graph._last_id + 1)))  # pylint: disable=protected-access
+            range(first_id, tfg.last_op_id(graph) + 1)))
     return result
 
 
@@ -343,19 +295,19 @@ def _gradients_helper(ys, xs, *args, **kwargs):
             graph = ys_list[0].graph
             amp.convert(graph, ys_list)
             scale, _ = amp.loss_scale(graph, config)
-            call = inspect.signature(_originals["gradients_helper"]).bind(ys, xs, *args, **kwargs)
+            call = inspect.signature(original("gradients.helper")).bind(ys, xs, *args, **kwargs)
             given = call.arguments
             given["grad_ys"] = amp.scaled_grad_ys(ys, given.get("grad_ys"), scale)
             if given.get("stop_gradients") is not None:
                 given["stop_gradients"] = amp.rebuilt(graph, nest.flatten(given["stop_gradients"]))
 
             def compute():
-                first = graph._last_id + 1  # pylint: disable=protected-access
-                grads = _originals["gradients_helper"](*call.args, **call.kwargs)
+                first = tfg.last_op_id(graph) + 1
+                grads = original("gradients.helper")(*call.args, **call.kwargs)
                 amp.recast_weights(graph, first)
                 return amp.unscale(grads, scale)
             return _backward_call(ys, xs, compute)
-    return _backward_call(ys, xs, lambda: _originals["gradients_helper"](ys, xs, *args, **kwargs))
+    return _backward_call(ys, xs, lambda: original("gradients.helper")(ys, xs, *args, **kwargs))
 
 
 def _tape_gradient(self, target, sources, output_gradients=None, unconnected_gradients=None):
@@ -363,10 +315,10 @@ def _tape_gradient(self, target, sources, output_gradients=None, unconnected_gra
     from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
     unconnected = UnconnectedGradients(unconnected_gradients or UnconnectedGradients.NONE)
     if tf.executing_eagerly():
-        return _originals["tape_gradient"](self, target, sources, output_gradients, unconnected)
-    if _amp_backward() and self._tape is not None:  # pylint: disable=protected-access
+        return original("tape.gradient")(self, target, sources, output_gradients, unconnected)
+    if _amp_backward() and objects.tape_live(self):
         return _tape_as_gradients(self, target, sources, output_gradients, unconnected)
-    return _backward_call(target, sources, lambda: _originals["tape_gradient"](
+    return _backward_call(target, sources, lambda: original("tape.gradient")(
         self, target, sources, output_gradients, unconnected))
 
 
@@ -382,9 +334,8 @@ def _tape_as_gradients(tape, target, sources, output_gradients, unconnected):
     import tensorflow as tf
     from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
     from tensorflow.python.util import nest, object_identity
-    # pylint: disable=protected-access
-    if tape._recording and not tape._persistent:
-        tape._pop_tape()
+
+    objects.tape_stop_recording_now(tape)
     targets = [tf.convert_to_tensor(t) if isinstance(t, tf.Variable) else t
                for t in nest.flatten(target)]
     flat = nest.flatten(sources)
@@ -399,8 +350,7 @@ def _tape_as_gradients(tape, target, sources, output_gradients, unconnected):
                for s in flat]
     for i, g in zip(live, grads):
         out[i] = g
-    if not tape._persistent:
-        tape._tape = None
+    objects.tape_release(tape)
     return nest.pack_sequence_as(sources, out)
 
 
@@ -412,41 +362,41 @@ def _unrecorded(tape, targets, sources):
     spans = tape.__dict__.get("_epl_spans", [])
 
     def recorded(op):
-        return any(g is op.graph and start <= op._id and (end is None or op._id <= end)  # pylint: disable=protected-access
+        return any(g is op.graph and start <= tfg.op_id(op) and (end is None or tfg.op_id(op) <= end)
                    for g, start, end in spans)
     starts = set((s.handle if isinstance(s, tf.Variable) and hasattr(s, "handle") else s).op
                  for s in sources)
     between = ir.upstream([t.op for t in targets], control=False) & ir.downstream(starts)
-    return [op.outputs[0] for op in sorted(between, key=lambda o: o._id)  # pylint: disable=protected-access
+    return [op.outputs[0] for op in sorted(between, key=tfg.op_id)
             if op not in starts and op.outputs and not recorded(op)]
 
 
 def _tape_push(self):
     """A tape records the ops built while it is pushed: keep the graph's op id spans."""
-    _originals["tape_push"](self)
-    graph = ops.get_default_graph()
+    original("tape.push")(self)
+    graph = tf.compat.v1.get_default_graph()
     self.__dict__.setdefault("_epl_spans", []).append(
-        [graph, graph._last_id + 1, None])  # pylint: disable=protected-access
+        [graph, tfg.last_op_id(graph) + 1, None])
 
 
 def _tape_pop(self):
     spans = self.__dict__.get("_epl_spans")
     if spans and spans[-1][2] is None:
-        spans[-1][2] = spans[-1][0]._last_id  # pylint: disable=protected-access
-    _originals["tape_pop"](self)
+        spans[-1][2] = tfg.last_op_id(spans[-1][0])
+    original("tape.pop")(self)
 
 
 def _apply_gradients(self, grads_and_vars, global_step=None, name=None):
     return _capture_apply(
         grads_and_vars, global_step,
-        lambda gvs: _originals["apply_gradients"](self, gvs, global_step, name))
+        lambda gvs: original("optimizer.apply_gradients")(self, gvs, global_step, name))
 
 
 def _apply_gradients_v2(self, grads_and_vars, *args, **kwargs):
     """tf.keras (OptimizerV2): the same capture; its ``iterations`` counter is its own."""
     return _capture_apply(
         grads_and_vars, None,
-        lambda gvs: _originals["apply_gradients_v2"](self, gvs, *args, **kwargs))
+        lambda gvs: original("keras_optimizer.apply_gradients")(self, gvs, *args, **kwargs))
 
 
 def _route_override(optimizer, patched):
@@ -514,12 +464,12 @@ def _global_step_argument(signature, call):
 
 
 def _optimizer_init(self, *args, **kwargs):
-    _originals["optimizer_init"](self, *args, **kwargs)
+    original("optimizer.init")(self, *args, **kwargs)
     _route_override(self, _apply_gradients)
 
 
 def _optimizer_v2_init(self, *args, **kwargs):
-    _originals["optimizer_v2_init"](self, *args, **kwargs)
+    original("keras_optimizer.init")(self, *args, **kwargs)
     _route_override(self, _apply_gradients_v2)
 
 
@@ -556,7 +506,7 @@ def _capture_apply(grads_and_vars, global_step, apply):
             "each run." % config.get("pipeline.num_micro_batch"))
     c.apply.append(tg)
     c.apply_depth += 1
-    first_id = graph._last_id + 1  # pylint: disable=protected-access
+    first_id = tfg.last_op_id(graph) + 1
     gates = []      # each wraps the gradients the optimizer gets, and its result
     try:
         if across:
@@ -577,7 +527,7 @@ def _capture_apply(grads_and_vars, global_step, apply):
     if groups > 1:
         from epl import grouped_apply
         grouped_apply.apply(graph, grads_and_vars, first_id, groups)
-    record.op_ids = range(first_id, graph._last_id + 1)  # pylint: disable=protected-access
+    record.op_ids = range(first_id, tfg.last_op_id(graph) + 1)
     record.result = result
     epl_graph.apply_records.append(record)
     return result
@@ -586,29 +536,15 @@ def _capture_apply(grads_and_vars, global_step, apply):
 def _saver_build(self, *args, **kwargs):
     c = _c()
     c.save += 1
-    if self._var_list is None and not self._is_built:  # pylint: disable=protected-access
+    if objects.saver_default_var_list(self):
         from epl import internal_state
-        graph = ops.get_default_graph()
+        graph = tf.compat.v1.get_default_graph()
         if graph.get_collection(internal_state.COLLECTION):
-            self._var_list = internal_state.saveable_default(graph)  # pylint: disable=protected-access
+            objects.set_saver_var_list(self, internal_state.saveable_default(graph))
     try:
-        return _originals["saver_build"](self, *args, **kwargs)
+        return original("saver.build")(self, *args, **kwargs)
     finally:
         c.save -= 1
-
-
-def _saver_save(self, sess, save_path, *args, **kwargs):
-    from epl.env import Env
-    if Env.initialized() and not Env.get().cluster.is_chief:
-        return None  # only the chief writes checkpoints
-    return _originals["saver_save"](self, sess, save_path, *args, **kwargs)
-
-
-def _add_event(self, event):
-    from epl.env import Env
-    if Env.initialized() and not Env.get().cluster.is_chief:
-        return None  # only the chief writes summaries
-    return _originals["add_event"](self, event)
 
 
 def _reader_init(key):
@@ -618,69 +554,23 @@ def _reader_init(key):
     return init
 
 
-def _worker_session(self):
-    from epl.env import Env
-    if Env.initialized() and ir.Graph.get().taskgraphs:
-        raise RuntimeError(
-            "EPL trains between-graph: every worker runs its own local session and initializes "
-            "it (initial values come from worker 0). Create MonitoredTrainingSession with "
-            "is_chief=True on every worker (the default); EPL still writes checkpoints and "
-            "summaries only on the chief. A non-chief session would wait forever.")
-    return _originals["worker_session"](self)
-
-
-def _run_config_init(self, *args, **kwargs):
-    from epl.env import Env
-    if Env.initialized():
-        for key in ("train_distribute", "eval_distribute", "experimental_distribute"):
-            if kwargs.get(key) is not None:
-                import logging
-                logging.getLogger("epl").warning(
-                    "EPL: RunConfig(%s=%r) is ignored: EPL distributes this Estimator "
-                    "(epl.replicate / epl.split annotations).", key, kwargs[key])
-                kwargs[key] = None
-    saved = os.environ.get("TF_CONFIG")
-    hide = Env.initialized() and Env.get().cluster.distributed and saved is not None
-    if hide:
-        del os.environ["TF_CONFIG"]
-    try:
-        return _originals["run_config_init"](self, *args, **kwargs)
-    finally:
-        if hide:
-            os.environ["TF_CONFIG"] = saved
-
-
-def _train_and_evaluate_locally(self):
-    from epl.env import Env
-    if Env.initialized() and not Env.get().cluster.is_chief:
-        import logging
-        logging.getLogger("epl").info(
-            "EPL: worker %d trains; the chief evaluates the checkpoints it writes.",
-            Env.get().cluster.worker_index)
-        hooks = list(self._train_spec.hooks) + list(self._train_hooks)
-        self._estimator.train(input_fn=self._train_spec.input_fn,
-                              max_steps=self._train_spec.max_steps, hooks=hooks)
-        return None, []
-    return _originals["train_and_evaluate_local"](self)
-
-
 def _keras_total_loss(self, *args, **kwargs):
     from epl import keras_reports
-    total_loss = _originals["keras_total_loss"](self, *args, **kwargs)
+    total_loss = original("keras.total_loss")(self, *args, **kwargs)
     keras_reports.loss_built(total_loss)
     return total_loss
 
 
 def _keras_metric_call(self, *args, **kwargs):
     from epl import keras_reports
-    result = _originals["keras_metric_call"](self, *args, **kwargs)
+    result = original("keras.metric_call")(self, *args, **kwargs)
     keras_reports.metric_called(self, result)
     return result
 
 
 def _keras_predict_function(self, *args, **kwargs):
     from epl import keras_reports
-    out = _originals["keras_predict_function"](self, *args, **kwargs)
+    out = original("keras.predict_function")(self, *args, **kwargs)
     keras_reports.predict_function_made(self)
     return out
 
@@ -692,7 +582,7 @@ def _dense_build(self, input_shape):
     if sharding.routing() and sharding.active_split() is not None:
         from epl.tensor_parallel import layers
         return layers.build(self, input_shape)
-    return _originals["dense_build"](self, input_shape)
+    return original("keras.dense_build")(self, input_shape)
 
 
 def _dense_call(self, inputs):
@@ -700,7 +590,7 @@ def _dense_call(self, inputs):
         from epl.tensor_parallel import layers
         out = layers.call(self, inputs)
     else:
-        out = _originals["dense_call"](self, inputs)
+        out = original("keras.dense_call")(self, inputs)
     for observer in _c().dense:
         observer.called(self)
     return out
@@ -712,7 +602,7 @@ def _sparse_softmax_ce(_sentinel=None, labels=None, logits=None, name=None):
     if sharded is not None and sharding.last_axis(sharded, logits.shape.ndims):
         from epl.tensor_parallel import losses
         return losses.sparse_softmax_cross_entropy(sharded, labels, name)
-    return _originals["sparse_softmax_ce"](_sentinel, labels=labels, logits=logits, name=name)
+    return original("nn.sparse_softmax_cross_entropy")(_sentinel, labels=labels, logits=logits, name=name)
 
 
 def _argmax(input, axis=None, name=None, dimension=None, output_type=None):  # pylint: disable=redefined-builtin
@@ -728,19 +618,19 @@ def _argmax(input, axis=None, name=None, dimension=None, output_type=None):  # p
             from epl.tensor_parallel import losses
             return losses.argmax(sharded, output_type, name)
     if dimension is not None:   # (passing dimension=None still warns it is deprecated)
-        return _originals["argmax"](input, axis=axis, name=name, dimension=dimension,
+        return original("math.argmax")(input, axis=axis, name=name, dimension=dimension,
                                     output_type=output_type)
-    return _originals["argmax"](input, axis=axis, name=name, output_type=output_type)
+    return original("math.argmax")(input, axis=axis, name=name, output_type=output_type)
 
 
 def _einsum(equation, *inputs, **kwargs):
     from epl.tensor_parallel import einsum
-    return einsum.einsum(_originals["einsum"], equation, *inputs, **kwargs)
+    return einsum.einsum(original("math.einsum"), equation, *inputs, **kwargs)
 
 
 def _scope_get_variable(self, var_store, name, *args, **kwargs):
     from epl.tensor_parallel import variables
-    return variables.get_variable(_originals["scope_get_variable"], self, var_store, name,
+    return variables.get_variable(original("variable_scope.get_variable"), self, var_store, name,
                                   *args, **kwargs)
 
 
@@ -748,211 +638,61 @@ def _embedding_lookup(params, ids, partition_strategy="mod", *args, **kwargs):
     from epl.tensor_parallel import variables
     if variables.is_split_variable(params):
         partition_strategy = "div"   # EPL's contiguous shards hold the local model's rows
-    return _originals["embedding_lookup"](params, ids, partition_strategy, *args, **kwargs)
+    return original("nn.embedding_lookup")(params, ids, partition_strategy, *args, **kwargs)
 
 
-def _finalize(self):
-    from epl.rewrite import rewrite_if_needed
-    rewrite_if_needed(self)
-    return _originals["finalize"](self)
+def _reader_init(point):
+    def init(self, filenames, *args, **kwargs):
+        from epl.io_slicing import sliced_filenames
+        return original(point)(self, sliced_filenames(filenames), *args, **kwargs)
+    return init
 
 
-def _session_init(self, target="", graph=None, config=None):
-    from epl import distributed_runtime
-    from epl.runtime import session_config
-    import tensorflow as tf
-    config = session_config(config)
-    if not target and distributed_runtime.needed(graph or tf.compat.v1.get_default_graph()):
-        from epl.env import Env
-        if not Env.get().cluster.is_chief:
-            distributed_runtime.serve_until_chief_exits()
-        target = distributed_runtime.server().target
-    return _originals["session_init"](self, target, graph, config)
-
-
-def _session_run(self, fetches, feed_dict=None, options=None, run_metadata=None):
-    from epl.runtime import before_run, map_fetches
-    from epl import gradient_checkpoint
-    before_run(self)
-    fetches = map_fetches(self.graph, fetches)
-    when, checks = gradient_checkpoint.pending_checks(self, fetches)
-    if when == "before":
-        gradient_checkpoint.report(_originals["session_run"](self, checks, feed_dict))
-    elif when == "with":
-        out, values = _originals["session_run"](self, (fetches, checks), feed_dict, options,
-                                                run_metadata)
-        gradient_checkpoint.report(values)
-        return out
-    return _originals["session_run"](self, fetches, feed_dict, options, run_metadata)
-
-
-def _make_callable(self, fetches, feed_list=None, accept_options=False):
-    from epl.runtime import before_run, map_fetches
-    before_run(self)
-    return _originals["make_callable"](self, map_fetches(self.graph, fetches), feed_list,
-                                       accept_options)
-
-
-def _make_callable_from_options(self, callable_options):
-    """tf.keras runs its train, test and predict functions through callables."""
-    from epl.runtime import before_run, map_callable
-    before_run(self)
-    return _originals["make_callable_from_options"](self, map_callable(self.graph,
-                                                                       callable_options))
-
-
-def _get_operation_by_name_unsafe(self, name):
-    try:
-        return _originals["get_op_by_name"](self, name)
-    except KeyError:
-        from epl.tf_adapter import deferred
-        op = deferred.materialize(self, name)
-        if op is None:
-            raise
-        return op
-
-
-def _as_graph_element_locked(self, obj, allow_tensor, allow_operation):
-    if isinstance(obj, str) and "_epl_deferred" in self.__dict__:
-        from epl.tf_adapter import deferred
-        deferred.materialize(self, obj.split(":")[0] if ":" in obj else obj)
-    return _originals["as_graph_element_locked"](self, obj, allow_tensor, allow_operation)
-
-
-def _deferred_first(key):
-    def patched(self, *args, **kwargs):
-        if "_epl_deferred" in self.__dict__:
-            from epl.tf_adapter import deferred
-            deferred.materialize_all(self)
-        return _originals[key](self, *args, **kwargs)
-    return patched
-
-
-def _as_graph_def(self, from_version=None, add_shapes=False):
-    """Shapes come from the Python ops (export_meta_graph asks for them)."""
-    if add_shapes and "_epl_deferred" in self.__dict__:
-        from epl.tf_adapter import deferred
-        deferred.materialize_all(self)
-    return _originals["as_graph_def_internal"](self, from_version, add_shapes)
-
-
-_PATCHES = [
-    ("get_op_by_name", ops.Graph, "_get_operation_by_name_unsafe", _get_operation_by_name_unsafe),
-    ("as_graph_element_locked", ops.Graph, "_as_graph_element_locked", _as_graph_element_locked),
-    ("get_operations", ops.Graph, "get_operations", _deferred_first("get_operations")),
-    ("add_new_tf_operations", ops.Graph, "_add_new_tf_operations",
-     _deferred_first("add_new_tf_operations")),
-    ("as_graph_def_internal", ops.Graph, "_as_graph_def", _as_graph_def),
-    ("create_op_helper", ops.Graph, "_create_op_helper", _create_op_helper),
-    ("create_op_internal", ops.Graph, "_create_op_internal", _create_op_internal),
-    ("maybe_colocate_with", gradients_util, "_maybe_colocate_with", _maybe_colocate_with),
-    ("gradients_helper", gradients_util, "_GradientsHelper", _gradients_helper),
-    ("apply_gradients", tf_optimizer.Optimizer, "apply_gradients", _apply_gradients),
-    ("optimizer_init", tf_optimizer.Optimizer, "__init__", _optimizer_init),
-    ("tape_gradient", tf_backprop.GradientTape, "gradient", _tape_gradient),
-    ("tape_push", tf_backprop.GradientTape, "_push_tape", _tape_push),
-    ("tape_pop", tf_backprop.GradientTape, "_pop_tape", _tape_pop),
-    ("saver_build", tf_saver.Saver, "build", _saver_build),
-    ("saver_save", tf_saver.Saver, "save", _saver_save),
-    ("add_event", tf_writer.FileWriter, "add_event", _add_event),
-    ("finalize", ops.Graph, "finalize", _finalize),
-    ("worker_session", tf_monitored.WorkerSessionCreator, "create_session", _worker_session),
-    ("tfrecord_init", tf_readers.TFRecordDatasetV2, "__init__", _reader_init("tfrecord_init")),
-    ("textline_init", tf_readers.TextLineDatasetV2, "__init__", _reader_init("textline_init")),
-    ("fixedlength_init", tf_readers.FixedLengthRecordDatasetV2, "__init__",
-     _reader_init("fixedlength_init")),
-    ("session_init", tf_session.BaseSession, "__init__", _session_init),
-    ("session_run", tf_session.BaseSession, "run", _session_run),
-    ("make_callable", tf_session.BaseSession, "make_callable", _make_callable),
-    ("make_callable_from_options", tf_session.BaseSession, "_make_callable_from_options",
-     _make_callable_from_options),
+# point (epl.tf_adapter.patching) -> the capture hook that replaces it.  Points a
+# TensorFlow line lacks (another Keras, no Estimator) are skipped.
+CAPTURE = [
+    ("graph.create_op_helper", _create_op_helper),
+    ("graph.create_op_internal", _create_op_internal),
+    ("gradients.colocate", _maybe_colocate_with),
+    ("gradients.helper", _gradients_helper),
+    ("tape.gradient", _tape_gradient),
+    ("tape.push", _tape_push),
+    ("tape.pop", _tape_pop),
+    ("optimizer.apply_gradients", _apply_gradients),
+    ("optimizer.init", _optimizer_init),
+    ("keras_optimizer.apply_gradients", _apply_gradients_v2),
+    ("keras_optimizer.init", _optimizer_v2_init),
+    ("saver.build", _saver_build),
+    ("readers.tfrecord", _reader_init("readers.tfrecord")),
+    ("readers.textline", _reader_init("readers.textline")),
+    ("readers.fixed_length", _reader_init("readers.fixed_length")),
+    ("keras.total_loss", _keras_total_loss),
+    ("keras.metric_call", _keras_metric_call),
+    ("keras.predict_function", _keras_predict_function),
+    ("keras.dense_build", _dense_build),
+    ("keras.dense_call", _dense_call),
+    ("variable_scope.get_variable", _scope_get_variable),
+    ("nn.sparse_softmax_cross_entropy", _sparse_softmax_ce),
+    ("math.argmax", _argmax),
+    ("math.einsum", _einsum),
+    ("nn.embedding_lookup", _embedding_lookup),
 ]
 
-
-def _rebind(key, original, replacement):
-    """Replace function ``original`` by ``replacement`` in every TensorFlow module that
-    exports it (tf.nn, tf.compat.v1.nn, the op modules...)."""
-    import sys
-    _originals[key] = original
-    for name, module in list(sys.modules.items()):
-        if module is None or not name.startswith(("tensorflow", "tensorflow_core")):
-            continue
-        for attr, value in list(vars(module).items()):
-            if value is original:
-                setattr(module, attr, replacement)
-                _rebound.append((module, attr, original))
-
-
-_rebound = []
-
-
-def _optional_patches():
-    from tensorflow.python.keras.layers import core as keras_core
-    from tensorflow.python.ops import variable_scope
-    out = [("dense_build", keras_core.Dense, "build", _dense_build),
-           ("dense_call", keras_core.Dense, "call", _dense_call),
-           ("scope_get_variable", variable_scope.VariableScope, "get_variable",
-            _scope_get_variable)]
-    try:
-        from tensorflow.python.keras.optimizer_v2 import optimizer_v2
-        out.append(("apply_gradients_v2", optimizer_v2.OptimizerV2, "apply_gradients",
-                    _apply_gradients_v2))
-        out.append(("optimizer_v2_init", optimizer_v2.OptimizerV2, "__init__",
-                    _optimizer_v2_init))
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        from tensorflow.python.keras import metrics as keras_metrics
-        from tensorflow.python.keras.engine import training as keras_training
-        out += [("keras_total_loss", keras_training.Model, "_prepare_total_loss",
-                 _keras_total_loss),
-                ("keras_metric_call", keras_metrics.Metric, "__call__", _keras_metric_call),
-                ("keras_predict_function", keras_training.Model, "_make_predict_function",
-                 _keras_predict_function)]
-        out = [p for p in out if hasattr(p[1], p[2])]
-    except ImportError:  # pragma: no cover - another keras
-        pass
-    try:
-        from tensorflow_estimator.python.estimator import run_config, training
-        out.append(("run_config_init", run_config.RunConfig, "__init__", _run_config_init))
-        out.append(("train_and_evaluate_local", training._TrainingExecutor, "run_local",  # pylint: disable=protected-access
-                    _train_and_evaluate_locally))
-    except ImportError:  # pragma: no cover - estimator not installed
-        pass
-    return out
-
-
-_active = []   # the patches install() applied (the fixed list and the optional ones)
+_installed = []
 
 
 def install():
-    if _originals:
+    """Install the capture hooks and the lazy-wrapper hooks (idempotent)."""
+    if _installed:
         return
-    from epl.tf_adapter import deferred
     deferred.set_wrap_context(rewriting)
-    from epl.tf_adapter import deferred
-    deferred.set_wrap_context(rewriting)
-    _active[:] = list(_PATCHES) + _optional_patches()
-    for key, owner, attr, replacement in _active:
-        _originals[key] = getattr(owner, attr)
-        setattr(owner, attr, replacement)
-    from tensorflow.python.ops import math_ops, nn_ops
-    _rebind("sparse_softmax_ce", nn_ops.sparse_softmax_cross_entropy_with_logits,
-            _sparse_softmax_ce)
-    _rebind("argmax", math_ops.argmax, _argmax)
-    from tensorflow.python.ops import special_math_ops
-    _rebind("einsum", special_math_ops.einsum, _einsum)
-    from tensorflow.python.ops import embedding_ops
-    _rebind("embedding_lookup", embedding_ops.embedding_lookup, _embedding_lookup)
+    deferred.install_hooks()
+    for point, hook in CAPTURE:
+        patching.install(point, hook)
+    _installed.append(True)
 
 
 def uninstall():
-    for key, owner, attr, _ in _active:
-        if key in _originals:
-            setattr(owner, attr, _originals.pop(key))
-    del _active[:]
-    while _rebound:
-        module, attr, original = _rebound.pop()
-        setattr(module, attr, original)
-    for key in ("sparse_softmax_ce", "argmax", "embedding_lookup", "einsum"):
-        _originals.pop(key, None)
+    """Put every patched TensorFlow point back (the runtime integrations' too)."""
+    patching.uninstall_all()
+    del _installed[:]

@@ -14,7 +14,7 @@ Two ways, one per need:
 """
 import tensorflow as tf
 
-from epl import tf_patches
+from epl import capture_context
 from epl.tf_adapter import c_graph, deferred
 from epl.tf_adapter import graph as tfg
 
@@ -38,7 +38,7 @@ def clone_op(op, inputs, name, device, control_inputs=(), seed_offset=0, attr_ov
     for k, v in (attr_overrides or {}).items():
         attrs[k] = v
     with g.name_scope(None), g.control_dependencies(None), \
-            g.colocate_with(None, ignore_existing=True), tf_patches.rewriting():
+            g.colocate_with(None, ignore_existing=True), capture_context.rewriting():
         new = tfg.create_op(g, op.type, inputs, [o.dtype for o in op.outputs],
                             input_types=[t.dtype for t in op.inputs], name=name,
                             attrs=attrs, op_def=op.op_def)
@@ -292,7 +292,7 @@ class _NewOps(object):
     def __enter__(self):
         g = self.graph
         self._cms = [g.as_default(), g.name_scope(None), g.control_dependencies(None),
-                     g.colocate_with(None, ignore_existing=True), tf_patches.rewriting()]
+                     g.colocate_with(None, ignore_existing=True), capture_context.rewriting()]
         for cm in self._cms:
             cm.__enter__()
         return self

@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from epl.tf_adapter import c_graph
 from epl.tf_adapter import graph as tfg
+from epl.tf_adapter import patching
 
 _wrap_context = [contextlib.suppress]   # (a no-op context manager by default)
 
@@ -139,3 +140,47 @@ def create_op(graph, op_type, name, device, inputs, attrs):
                           [[tf_output(y) for y in x] if isinstance(x, (list, tuple))
                            else tf_output(x) for x in inputs], attrs)
     return _wrap(graph, [node])[0]
+
+
+# -- the graph hooks that make a deferred copy's wrapper when someone asks for it --------
+
+def _op_by_name(self, name):
+    try:
+        return patching.original("graph.op_by_name")(self, name)
+    except KeyError:
+        op = materialize(self, name)
+        if op is None:
+            raise
+        return op
+
+
+def _as_graph_element_locked(self, obj, *args, **kwargs):
+    if isinstance(obj, str) and "_epl_deferred" in self.__dict__:
+        materialize(self, obj.split(":")[0] if ":" in obj else obj)
+    return patching.original("graph.as_graph_element_locked")(self, obj, *args, **kwargs)
+
+
+def _all_first(point):
+    def patched(self, *args, **kwargs):
+        if "_epl_deferred" in self.__dict__:
+            materialize_all(self)
+        return patching.original(point)(self, *args, **kwargs)
+    return patched
+
+
+def _as_graph_def(self, *args, **kwargs):
+    """Shapes come from the Python ops (export_meta_graph asks for them)."""
+    add_shapes = kwargs.get("add_shapes", args[1] if len(args) > 1 else False)
+    if add_shapes and "_epl_deferred" in self.__dict__:
+        materialize_all(self)
+    return patching.original("graph.as_graph_def")(self, *args, **kwargs)
+
+
+def install_hooks():
+    """Every way TensorFlow finds an op by name, lists ops or wraps new C nodes first
+    makes the deferred wrappers it needs (idempotent)."""
+    patching.install("graph.op_by_name", _op_by_name)
+    patching.install("graph.as_graph_element_locked", _as_graph_element_locked)
+    patching.install("graph.get_operations", _all_first("graph.get_operations"))
+    patching.install("graph.add_new_tf_operations", _all_first("graph.add_new_tf_operations"))
+    patching.install("graph.as_graph_def", _as_graph_def)

@@ -39,6 +39,8 @@ POINTS = {
     "gradients.colocate": ("tensorflow.python.ops.gradients_util", None, "_maybe_colocate_with"),
     "gradients.helper": ("tensorflow.python.ops.gradients_util", None, "_GradientsHelper"),
     "tape.gradient": ("tensorflow.python.eager.backprop", "GradientTape", "gradient"),
+    "tape.push": ("tensorflow.python.eager.backprop", "GradientTape", "_push_tape"),
+    "tape.pop": ("tensorflow.python.eager.backprop", "GradientTape", "_pop_tape"),
     # optimizers
     "optimizer.apply_gradients": ("tensorflow.python.training.optimizer", "Optimizer",
                                   "apply_gradients"),
@@ -49,6 +51,14 @@ POINTS = {
     "keras_optimizer.init": (_KERAS + ".optimizers.legacy.optimizer_v2"
                              if IS_TF2 else _KERAS + ".optimizer_v2.optimizer_v2",
                              "OptimizerV2", "__init__"),
+    # what tf.keras reports (the global batch's loss, metrics, predictions)
+    "keras.total_loss": (_KERAS + (".engine.training_v1" if IS_TF2 else ".engine.training"),
+                         "Model", "_prepare_total_loss"),
+    "keras.predict_function": (_KERAS + (".engine.training_v1" if IS_TF2
+                                         else ".engine.training"),
+                               "Model", "_make_predict_function"),
+    "keras.metric_call": (_KERAS + (".metrics.base_metric" if IS_TF2 else ".metrics"),
+                          "Metric", "__call__"),
     # layers and ops routed to tensor parallelism
     "keras.dense_build": (_KERAS + ".layers.core.dense" if IS_TF2 else _KERAS + ".layers.core",
                           "Dense", "build"),
@@ -85,6 +95,7 @@ FUNCTIONS = {
     "nn.sparse_softmax_cross_entropy": ("tensorflow.python.ops.nn_ops",
                                         "sparse_softmax_cross_entropy_with_logits"),
     "math.argmax": ("tensorflow.python.ops.math_ops", "argmax"),
+    "math.einsum": ("tensorflow.python.ops.special_math_ops", "einsum"),
     "nn.embedding_lookup": ("tensorflow.python.ops.embedding_ops", "embedding_lookup"),
 }
 

@@ -1,0 +1,145 @@
+"""Session, Estimator, checkpoint and summary integration: where EPL meets the user's
+own training loop at run time.
+
+* The first ``Session.run`` / ``make_callable`` of a graph (and ``Graph.finalize``, which
+  MonitoredTrainingSession and the Estimator call) rewrites it (``epl.rewrite``);
+  fetches of merged tensors are mapped (``epl.runtime``); the first run also fetches
+  the gradient-checkpoint checks.
+* A session of a job whose model spans workers runs on the chief's TF server; the other
+  workers serve (``epl.distributed_runtime``).
+* Only the chief writes checkpoints and summaries; every worker creates its session as
+  a chief would (EPL trains between-graph); an Estimator's distribution settings and
+  TF_CONFIG are EPL's, not the RunConfig's, and only the chief evaluates.
+
+Installed by ``epl.init`` through the adapter's patch table, above the capture hooks.
+"""
+import logging
+import os
+
+import tensorflow as tf
+
+from epl import distributed_runtime, gradient_checkpoint, ir, rewrite, runtime, tf_patches
+from epl.env import Env
+from epl.tf_adapter import objects, patching
+
+log = logging.getLogger("epl")
+original = patching.original
+
+
+def _saver_save(self, sess, save_path, *args, **kwargs):
+    if Env.initialized() and not Env.get().cluster.is_chief:
+        return None  # only the chief writes checkpoints
+    return original("saver.save")(self, sess, save_path, *args, **kwargs)
+
+
+def _add_event(self, event):
+    if Env.initialized() and not Env.get().cluster.is_chief:
+        return None  # only the chief writes summaries
+    return original("summary.add_event")(self, event)
+
+
+def _worker_session(self):
+    if Env.initialized() and ir.Graph.get().taskgraphs:
+        raise RuntimeError(
+            "EPL trains between-graph: every worker runs its own local session and initializes "
+            "it (initial values come from worker 0). Create MonitoredTrainingSession with "
+            "is_chief=True on every worker (the default); EPL still writes checkpoints and "
+            "summaries only on the chief. A non-chief session would wait forever.")
+    return original("monitored.worker_session")(self)
+
+
+def _run_config_init(self, *args, **kwargs):
+    if Env.initialized():
+        for key in ("train_distribute", "eval_distribute", "experimental_distribute"):
+            if kwargs.get(key) is not None:
+                log.warning(
+                    "EPL: RunConfig(%s=%r) is ignored: EPL distributes this Estimator "
+                    "(epl.replicate / epl.split annotations).", key, kwargs[key])
+                kwargs[key] = None
+    saved = os.environ.get("TF_CONFIG")
+    hide = Env.initialized() and Env.get().cluster.distributed and saved is not None
+    if hide:
+        del os.environ["TF_CONFIG"]
+    try:
+        return original("estimator.run_config_init")(self, *args, **kwargs)
+    finally:
+        if hide:
+            os.environ["TF_CONFIG"] = saved
+
+
+def _train_and_evaluate_locally(self):
+    if Env.initialized() and not Env.get().cluster.is_chief:
+        log.info(
+            "EPL: worker %d trains; the chief evaluates the checkpoints it writes.",
+            Env.get().cluster.worker_index)
+        estimator, train_spec, train_hooks = objects.training_executor_parts(self)
+        estimator.train(input_fn=train_spec.input_fn, max_steps=train_spec.max_steps,
+                        hooks=list(train_spec.hooks) + train_hooks)
+        return None, []
+    return original("estimator.run_local")(self)
+
+
+def _finalize(self):
+    rewrite.rewrite_if_needed(self)
+    return original("graph.finalize")(self)
+
+
+def _session_init(self, target="", graph=None, config=None):
+    config = runtime.session_config(config)
+    if not target and distributed_runtime.needed(graph or tf.compat.v1.get_default_graph()):
+        if not Env.get().cluster.is_chief:
+            distributed_runtime.serve_until_chief_exits()
+        target = distributed_runtime.server().target
+    return original("session.init")(self, target, graph, config)
+
+
+def _session_run(self, fetches, feed_dict=None, options=None, run_metadata=None):
+    runtime.before_run(self)
+    fetches = runtime.map_fetches(self.graph, fetches)
+    when, checks = gradient_checkpoint.pending_checks(self, fetches)
+    if when == "before":
+        gradient_checkpoint.report(original("session.run")(self, checks, feed_dict))
+    elif when == "with":
+        out, values = original("session.run")(self, (fetches, checks), feed_dict, options,
+                                                run_metadata)
+        gradient_checkpoint.report(values)
+        return out
+    return original("session.run")(self, fetches, feed_dict, options, run_metadata)
+
+
+def _make_callable(self, fetches, feed_list=None, accept_options=False):
+    runtime.before_run(self)
+    return original("session.make_callable")(self, runtime.map_fetches(self.graph, fetches), feed_list,
+                                       accept_options)
+
+
+def _make_callable_from_options(self, callable_options):
+    """tf.keras runs its train, test and predict functions through callables."""
+    runtime.before_run(self)
+    return original("session.make_callable_from_options")(self, runtime.map_callable(self.graph,
+                                                                       callable_options))
+
+
+# point (epl.tf_adapter.patching) -> the hook that replaces it.
+HOOKS = [
+    ("graph.finalize", _finalize),
+    ("session.init", _session_init),
+    ("session.run", _session_run),
+    ("session.make_callable", _make_callable),
+    ("session.make_callable_from_options", _make_callable_from_options),
+    ("saver.save", _saver_save),
+    ("summary.add_event", _add_event),
+    ("monitored.worker_session", _worker_session),
+    ("estimator.run_config_init", _run_config_init),
+    ("estimator.run_local", _train_and_evaluate_locally),
+]
+
+
+def install():
+    """Install the run-time hooks (idempotent; points a TensorFlow line lacks, like the
+    Estimator from TF 2.16 on, are skipped), and let the rewrite see ops made after it
+    ran."""
+    for point, hook in HOOKS:
+        patching.install(point, hook)
+    if rewrite.on_new_op not in tf_patches.NEW_OP_LISTENERS:
+        tf_patches.NEW_OP_LISTENERS.append(rewrite.on_new_op)
