@@ -23,6 +23,7 @@ and pipelines keep every static shape (each clone pulls a whole batch).
 import tensorflow as tf
 
 from epl import ir
+from epl.tf_adapter import graph as tfg
 
 
 def rebatches(taskgraph):
@@ -55,8 +56,8 @@ def inputs_for(graph, taskgraph, inputs, phase=ir.FORWARD):
             continue
         if not whole and not _from_split(epl_graph, src, taskgraph):
             continue
-        if getattr(src, "_control_flow_context", None) is not None \
-                or graph._get_control_flow_context() is not None:  # pylint: disable=protected-access
+        if tfg.control_flow_context(src) is not None \
+                or tfg.graph_control_flow_context(graph) is not None:
             continue   # inside a loop or condition: a view there would leave its frame
         enters = (epl_graph.taskgraph_of(src) is not taskgraph or src.type in ir.SOURCE_OPS)
         if not enters or not epl_graph.is_batch(src):

@@ -30,7 +30,7 @@ from tensorflow.python.ops import gen_array_ops
 from epl import ir
 from epl.tf_adapter import graph as tfg
 from epl.rewrite.cloner import clone_op, new_ops
-from epl.rewrite.selection import VARIABLE_OPS
+from epl.variable_writes import ASSIGN_OPS, VARIABLE_OPS
 
 log = logging.getLogger("epl")
 
@@ -69,8 +69,8 @@ def place(state):
                 continue
             shard = state.ir_graph.shard_of(op) or 0
             if "_class" in op.node_def.attr:
-                op._clear_attr("_class")  # pylint: disable=protected-access
-            op._set_device(devices[shard])  # pylint: disable=protected-access
+                tfg.clear_colocation(op)
+            tfg.set_device(op, devices[shard])
 
 
 def _split_ops(state):
@@ -115,15 +115,10 @@ def _initializes_only(state, op):
         if o in seen or o in inits:
             continue
         seen.add(o)
-        if state.ir_graph.phase_of(o) in (ir.BACKWARD, ir.APPLY) or o.type in _WRITES:
+        if state.ir_graph.phase_of(o) in (ir.BACKWARD, ir.APPLY) or o.type in ASSIGN_OPS:
             return False
-        stack.extend(c for out in o.outputs for c in out.consumers())
-        stack.extend(o._control_outputs)  # pylint: disable=protected-access
+        stack.extend(tfg.users(o))
     return True
-
-
-_WRITES = frozenset(["Assign", "AssignAdd", "AssignSub", "AssignVariableOp",
-                     "AssignAddVariableOp", "AssignSubVariableOp"])
 
 
 def _batch_ops(state):
@@ -154,7 +149,7 @@ def bridge(state):
     relaxed = state.ir_graph.relaxed
     # Replica -> split: the whole batch.
     readers = [op for op in split_ops if state.ir_graph.phase_of(op) in model]
-    for op in sorted(readers, key=lambda o: o._id):  # pylint: disable=protected-access
+    for op in tfg.by_id(readers):
         for i, t in enumerate(op.inputs):
             whole = gather(t, op)
             if whole is t:
@@ -162,9 +157,9 @@ def bridge(state):
             if op.name in relaxed:
                 # The scope reads the rows through a relaxed view (epl.rebatch), built
                 # for any batch: its readers take every clone's rows.
-                _rewire(op.outputs[0], whole)
+                tfg.rewire(op.outputs[0], whole)
             else:
-                op._update_input(i, whole)  # pylint: disable=protected-access
+                tfg.update_input(op, i, whole)
     batch_rows, on_batch = gather.batch_rows, gather.on_batch
     if n == 1:
         # One clone (a split over one device, or the only replica of this process):
@@ -210,7 +205,7 @@ def bridge(state):
                                          name="EPL_SPLIT_SCATTER/%s_%d" % (t.op.name, t.value_index))
                         for cc in range(n):
                             sliced[(t, cc)] = parts[cc]
-                mine._update_input(i, sliced[key])  # pylint: disable=protected-access
+                tfg.update_input(mine, i, sliced[key])
 
 
 def _equal_rows(t, n, reader, original):
@@ -265,15 +260,17 @@ def scale_split_gradients(state):
             value = g.values if isinstance(g, tf.IndexedSlices) else g
             with new_ops(state.graph), tf.device(value.device):
                 scaled = value * tf.cast(1.0 / n, value.dtype)
-            for consumer in list(value.consumers()):
-                if consumer is scaled.op or consumer._id in rec.op_ids:  # pylint: disable=protected-access
-                    continue
-                if (state.ir_graph.phase_of(consumer) == ir.REWRITE
-                        and consumer.name not in copies()):
-                    continue   # EPL's own reader (not a replica's copy of the user's op)
-                for i, inp in enumerate(consumer.inputs):
-                    if inp is value:
-                        consumer._update_input(i, scaled)  # pylint: disable=protected-access
+            tfg.rewire(value, scaled,
+                       skip=lambda op: _keeps_value(state, rec, op, copies))
+
+
+def _keeps_value(state, rec, op, copies):
+    """``op`` reads the split's unscaled gradient: an op of the gradient call itself
+    (it computed the gradient), or EPL's own reader (not a replica's copy of the user's
+    op)."""
+    if tfg.op_id(op) in rec.op_ids:
+        return True
+    return state.ir_graph.phase_of(op) == ir.REWRITE and op.name not in copies()
 
 
 class _Gather(object):
@@ -339,7 +336,7 @@ def _variable_gradients(state, split_ops):
     for rec in state.ir_graph.gradient_records:
         for g, x in zip(rec.grads, rec.xs):
             handle = getattr(x, "op", None)
-            if handle is None or handle.type not in ("VariableV2", "Variable", "VarHandleOp"):
+            if handle is None or handle.type not in VARIABLE_OPS:
                 continue
             parts = ir.components(g)
             out.update(parts)
@@ -364,13 +361,6 @@ def _split_sources(tensors, split_ops, op_ids):
             else:
                 stack.append(t.op)
     return found
-
-
-def _rewire(old, new):
-    for consumer in list(old.consumers()):
-        for i, inp in enumerate(consumer.inputs):
-            if inp is old:
-                consumer._update_input(i, new)  # pylint: disable=protected-access
 
 
 def _check_batch_major(t, reader):

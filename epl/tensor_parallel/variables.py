@@ -15,6 +15,7 @@ import tensorflow as tf
 from tensorflow.python.ops import variables as tf_variables
 
 from epl.tensor_parallel import sharding
+from epl.tf_adapter import graph as tfg
 
 
 def get_variable(original, scope, var_store, name, *args, **kwargs):
@@ -46,7 +47,7 @@ def get_variable(original, scope, var_store, name, *args, **kwargs):
     if _is_constant(params.get("initializer")):
         params["initializer"] = _sliced(params["initializer"])
     graph = tf.compat.v1.get_default_graph()
-    first = graph._last_id + 1  # pylint: disable=protected-access
+    first = tfg.last_op_id(graph) + 1
     var = original(*bound.args, **bound.kwargs)
     if isinstance(var, tf_variables.PartitionedVariable):
         var._epl_split = True  # pylint: disable=protected-access
@@ -81,12 +82,8 @@ def _rows_of(value):
 def _tag_parts(graph, var, first):
     from epl import ir
     ir_graph = ir.Graph.get(graph)
-    nodes = graph._nodes_by_id  # pylint: disable=protected-access
     prefixes = [(p.op.name, i) for i, p in enumerate(var)]
-    for op_id in range(first, graph._last_id + 1):  # pylint: disable=protected-access
-        op = nodes.get(op_id)
-        if op is None:
-            continue
+    for op in tfg.ops_between(graph, first):
         for prefix, i in prefixes:
             if op.name == prefix or op.name.startswith(prefix + "/"):
                 ir_graph.op_shard[op.name] = i
