@@ -24,6 +24,7 @@ import logging
 import time
 
 from epl import ir
+from epl.rewrite.pipeline import Pass, PassContext, PassPipeline
 from epl.tf_adapter import graph as tfg
 from epl.variable_writes import VARIABLE_OPS, hand_written_update, written_variable
 
@@ -156,22 +157,57 @@ def _rewrite(epl_graph, env):
 def _passes(state, sel, since, first):
     """The passes that copy ``sel`` (all of the replica, or the ops added after
     ``since``) per clone and connect the copies."""
-    from epl.rewrite import inputs, merge, mirror, replicate, schedule, split, step
     state.frozen_id = since
-    replicate.place_originals(state, sel)
-    state.reinstall()
-    inputs.shard_inputs(state, sel)
-    replicate.clone_replicas(state, sel)
-    if first:
-        split.bridge(state)
-        split.scale_split_gradients(state)
-        schedule.schedule_pipeline(state)
-    replicate.join_clones(state, sel, since)
-    step.order_global_step(state.graph, state.ir_graph, since)
-    mirror.broadcast_initial_values(state, since)
-    mirror.mirror_writes(state, since)
-    merge.merge_outputs(state)
+    PASSES.run(PassContext(state, sel, since, first))
     state.last_id = tfg.last_op_id(state.graph)
+
+
+def _default_pipeline():
+    from epl.rewrite import inputs, merge, mirror, replicate, schedule, split, step
+    return PassPipeline([
+        Pass("place_originals", lambda c: replicate.place_originals(c.state, c.selection),
+             provides={"originals_placed"},
+             doc="replica 0's ops (the originals) on their devices"),
+        Pass("reinstall", lambda c: c.state.reinstall(), requires={"originals_placed"},
+             provides={"replacements_read"},
+             doc="ops made after a rewrite read the tensors it replaced"),
+        Pass("shard_inputs", lambda c: inputs.shard_inputs(c.state, c.selection),
+             requires={"originals_placed"}, provides={"inputs_sharded"},
+             doc="each clone pulls or slices its own batch"),
+        Pass("clone_replicas", lambda c: replicate.clone_replicas(c.state, c.selection),
+             requires={"inputs_sharded", "replacements_read"},
+             provides={"replicas_cloned", "gradients_reduced"},
+             doc="the copies of every clone, gradients reduced across them"),
+        Pass("bridge_split", lambda c: split.bridge(c.state), first_only=True,
+             requires={"replicas_cloned"}, provides={"split_bridged"},
+             doc="rows cross between the replicas and the split scopes"),
+        Pass("scale_split_gradients", lambda c: split.scale_split_gradients(c.state),
+             first_only=True, requires={"split_bridged", "gradients_reduced"},
+             doc="a split scope's gradients are the sum over the replicas' parts"),
+        Pass("schedule_pipeline", lambda c: schedule.schedule_pipeline(c.state),
+             first_only=True, requires={"replicas_cloned"}, provides={"pipeline_scheduled"},
+             doc="control edges of the GPipe / 1F1B micro-batch order"),
+        Pass("join_clones", lambda c: replicate.join_clones(c.state, c.selection, c.since),
+             requires={"replicas_cloned"}, provides={"clones_joined"},
+             doc="the user's fetches and updates wait for every clone"),
+        Pass("order_global_step",
+             lambda c: step.order_global_step(c.state.graph, c.state.ir_graph, c.since),
+             requires={"clones_joined"},
+             doc="global_step advances after everything that reads it"),
+        Pass("broadcast_initial_values",
+             lambda c: mirror.broadcast_initial_values(c.state, c.since),
+             requires={"replicas_cloned"}, provides={"initial_values_shared"},
+             doc="every copy of a variable starts from replica 0's value"),
+        Pass("mirror_writes", lambda c: mirror.mirror_writes(c.state, c.since),
+             requires={"initial_values_shared"},
+             doc="writes of a shared variable reach every copy"),
+        Pass("merge_outputs", lambda c: merge.merge_outputs(c.state),
+             requires={"replicas_cloned"},
+             doc="fetched tensors merged across clones (epl.GraphKeys)"),
+    ])
+
+
+PASSES = _default_pipeline()
 
 
 def _extend(epl_graph, env, state):
