@@ -11,14 +11,16 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import epl
 from epl.rewrite import cloner
 from epl.rewrite.cloner import PREFIX, CopyPlan, Hole
+from epl.tf_adapter import deferred
 
 
 @pytest.fixture(autouse=True)
-def _epl():
-    epl.init()      # looking up an imported copy by name needs EPL's graph hooks
+def _lazy_wrappers():
+    # Looking up an imported copy by name needs the adapter's lazy-wrapper hooks, and
+    # nothing else of EPL (no epl.init, no cluster).
+    deferred.install_hooks()
 
 
 ONE = struct.unpack("<f", b"%%%?")[0]     # a constant whose bytes are '%'s
