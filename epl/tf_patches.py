@@ -1,6 +1,11 @@
-"""Every TensorFlow monkey-patch EPL needs, in one place.
+"""The capture hooks: how EPL learns, while the user builds the graph, what each op is.
 
-Patch points (all installed by :func:`install`, idempotent):
+Each hook replaces one point of the adapter's patch table (``epl.tf_adapter.patching``;
+the ``CAPTURE`` list at the end, installed by :func:`install`, idempotent).  The
+run-time hooks (Session, finalize, Saver.save, summaries, Estimator) are in
+``epl.integration``; the lazy-wrapper graph hooks in ``epl.tf_adapter.deferred``; the
+thread's capture flags in ``epl.capture_context``.  What each point does (numbered as
+before the split; 5-9 and 16 now live in those modules):
 
 1. ``ops.Graph._create_op_helper``: every new op is recorded in the IR with its
    TaskGraph and phase (capture).
