@@ -36,9 +36,10 @@ class BuildWithOps(build_py):
             print("pyepl: TensorFlow is not importable while building: the C++ ops are "
                   "built on first use (or by `python -m epl.native --build`).")
             return
-        out = os.path.join(self.build_lib, "epl", "lib", "libepl_ops.so")
+        # (named for the TensorFlow line it links against: csrc/build.py --out-dir)
+        out_dir = os.path.join(self.build_lib, "epl", "lib")
         code = subprocess.call([sys.executable, os.path.join(HERE, "csrc", "build.py"),
-                                "--out", out])
+                                "--out-dir", out_dir])
         if code != 0:
             print("pyepl: the C++ ops did not build (above); they are built on first use.")
 

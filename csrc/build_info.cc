@@ -22,7 +22,7 @@ class EplBuildInfoOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
-    out->scalar<string>()() = EPL_BACKENDS;
+    out->scalar<tstring>()() = EPL_BACKENDS;
   }
 };
 REGISTER_KERNEL_BUILDER(Name("EplBuildInfo").Device(DEVICE_CPU), EplBuildInfoOp);

@@ -22,7 +22,7 @@ Status ParseReduceOp(const string& name, ReduceOp* op) {
   else if (name == "max") *op = ReduceOp::kMax;
   else if (name == "min") *op = ReduceOp::kMin;
   else return InvalidArgument("reduce_op must be sum, mean, max or min; got '", name, "'");
-  return Status::OK();
+  return OkStatus();
 }
 
 Status GetReduceOp(tensorflow::OpKernelConstruction* c, string* name, ReduceOp* op) {
@@ -180,7 +180,7 @@ Status SendCounts(const Tensor& x, const Tensor& splits, int size, int src,
                              " rows, which do not split evenly over ", size,
                              " ranks; pass explicit split sizes.");
     for (int r = 0; r < size; ++r) (*counts)[r] = rows / size;
-    return Status::OK();
+    return OkStatus();
   }
   if (splits.NumElements() != size)
     return InvalidArgument("EPL all_to_all: rank ", src, " gave ", splits.NumElements(),
@@ -194,7 +194,7 @@ Status SendCounts(const Tensor& x, const Tensor& splits, int size, int src,
   if (total != rows)
     return InvalidArgument("EPL all_to_all: rank ", src, "'s split sizes add up to ", total,
                            " but its input has ", rows, " rows.");
-  return Status::OK();
+  return OkStatus();
 }
 
 string DescribeMissing(const std::vector<bool>& seen) {
@@ -317,7 +317,7 @@ Status AllocateShared(OpKernelContext* ctx, const string& group, DataType dtype,
         tensorflow::DMAHelper::buffer(&it->second) != nullptr &&
         tensorflow::DMAHelper::buffer(&it->second)->RefCountIsOne()) {
       *out = it->second;
-      return Status::OK();
+      return OkStatus();
     }
   }
   TF_RETURN_IF_ERROR(ctx->allocate_temp(dtype, shape, out));
@@ -325,7 +325,7 @@ Status AllocateShared(OpKernelContext* ctx, const string& group, DataType dtype,
     std::lock_guard<std::mutex> lock(mu);
     (*cache)[group] = *out;
   }
-  return Status::OK();
+  return OkStatus();
 }
 
 }  // namespace epl

@@ -61,7 +61,7 @@ Status Link::AllReduceSpans(const CrossArgs& a, DataType dtype, ReduceOp op,
   cursor.Read(0, total, packed.data());
   TF_RETURN_IF_ERROR(AllReduce(a, dtype, op, packed.data(), packed.data(), total / es));
   cursor.Write(0, total, packed.data());
-  return Status::OK();
+  return OkStatus();
 }
 
 Status Link::ReduceScatter(const CrossArgs& a, DataType dtype, ReduceOp op, const char* in,
@@ -75,7 +75,7 @@ Status Link::ReduceScatter(const CrossArgs& a, DataType dtype, ReduceOp op, cons
   TF_RETURN_IF_ERROR(AllReduce(a, dtype, op, in, full.data(),
                                total / tensorflow::DataTypeSize(dtype)));
   if (block[a.rank]) std::memcpy(out, full.data() + mine, block[a.rank]);
-  return Status::OK();
+  return OkStatus();
 }
 
 void StreamCopy(char* dst, const char* src, int64 n) {
@@ -174,7 +174,7 @@ Status JobState::Abort(const Status& why, int rank) {
     if (!status_.ok()) return status_;
     status_ = why;
     tell = tell_;
-    told = Status(why.code(), StrCat("rank ", rank, " reported: ", why.error_message()));
+    told = MakeStatus(static_cast<int>(why.code()), StrCat("rank ", rank, " reported: ", StatusMessage(why)));
   }
   for (auto& t : tell) t(told);
   return why;
@@ -336,12 +336,12 @@ Status OutputFor(OpKernelContext* ctx, const CrossArgs& a, int index, int input,
     if (fwd) {
       *out = *fwd;
       ctx->set_output(index, *out);
-      return Status::OK();
+      return OkStatus();
     }
   }
   TF_RETURN_IF_ERROR(AllocateShared(ctx, StrCat(a.group, "#out", index), dtype, shape, out));
   ctx->set_output(index, *out);
-  return Status::OK();
+  return OkStatus();
 }
 
 // A reused output that never aliases an input.
@@ -358,7 +358,7 @@ Status SameCount(Link* l, const CrossArgs& a, int64 count) {
     if (meta[k][0] != count)
       return InvalidArgument("EPL ", a.what, " (group '", a.group, "'): rank ", k, " has ",
                              meta[k][0], " elements, rank ", a.rank, " has ", count);
-  return Status::OK();
+  return OkStatus();
 }
 
 }  // namespace
@@ -391,7 +391,7 @@ Status CrossAllReduceN(Link* l, const CrossArgs& a, ReduceOp op, OpKernelContext
       spans.push_back(Span{in.tensor_data().data(), Data(&outs[i]),
                            static_cast<int64>(in.TotalBytes())});
   }
-  if (spans.empty()) return Status::OK();
+  if (spans.empty()) return OkStatus();
   return l->AllReduceSpans(a, ctx->input(0).dtype(), op, spans);
 }
 
@@ -417,7 +417,7 @@ Status CrossReduce(Link* l, const CrossArgs& a, int root, ReduceOp op, OpKernelC
   TF_RETURN_IF_ERROR(
       l->AllReduce(a, in.dtype(), op, in.tensor_data().data(), Data(&out), in.NumElements()));
   if (a.rank != root) std::memset(Data(&out), 0, out.TotalBytes());
-  return Status::OK();
+  return OkStatus();
 }
 
 Status CrossAllGather(Link* l, const CrossArgs& a, OpKernelContext* ctx) {

@@ -37,13 +37,13 @@ static Status FirstDimUnknown(InferenceContext* c) {
   ShapeHandle in = c->input(0);
   if (!c->RankKnown(in)) {
     c->set_output(0, c->UnknownShape());
-    return Status::OK();
+    return OkStatus();
   }
   if (c->Rank(in) == 0) return InvalidArgument("EPL collective input must have rank >= 1");
   ShapeHandle out;
   TF_RETURN_IF_ERROR(c->ReplaceDim(in, 0, c->UnknownDim(), &out));
   c->set_output(0, out);
-  return Status::OK();
+  return OkStatus();
 }
 
 REGISTER_OP("EplAllReduce")
@@ -63,7 +63,7 @@ REGISTER_OP("EplAllReduceN")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       for (int i = 0; i < c->num_inputs(); ++i) c->set_output(i, c->input(i));
-      return Status::OK();
+      return OkStatus();
     })
     .Doc("Fused all-reduce of N tensors: one collective for the whole list.");
 
@@ -78,7 +78,7 @@ REGISTER_OP("EplAllGather")
       int size;
       TF_RETURN_IF_ERROR(c->GetAttr("size", &size));
       c->set_output(1, c->Vector(size));
-      return Status::OK();
+      return OkStatus();
     });
 
 REGISTER_OP("EplReduceScatter")
@@ -118,7 +118,7 @@ REGISTER_OP("EplAllToAll")
       int size;
       TF_RETURN_IF_ERROR(c->GetAttr("size", &size));
       c->set_output(1, c->Vector(size));
-      return Status::OK();
+      return OkStatus();
     });
 
 namespace {
@@ -149,7 +149,7 @@ Status SameInnerShape(const std::vector<Arrival>& all, const char* what) {
                              " but rank 0 has ", a.shape().DebugString(),
                              "; all dimensions but the first must match.");
   }
-  return Status::OK();
+  return OkStatus();
 }
 
 Status SameShape(const std::vector<Arrival>& all, const char* what) {
@@ -158,7 +158,7 @@ Status SameShape(const std::vector<Arrival>& all, const char* what) {
       return InvalidArgument("EPL ", what, ": rank ", r, " has shape ",
                              all[r].inputs[0].shape().DebugString(), " but rank 0 has ",
                              all[0].inputs[0].shape().DebugString(), "; shapes must match.");
-  return Status::OK();
+  return OkStatus();
 }
 
 void FinishAll(std::vector<Arrival>* all, const Status& s) {

@@ -176,7 +176,7 @@ Status MapOwned(const string& name, int64 bytes, bool creator, const CrossArgs& 
         o->start = me.start;
         o->magic.store(kMagic, std::memory_order_release);
         *base = static_cast<char*>(p);
-        return Status::OK();
+        return OkStatus();
       }
       if (errno != EEXIST)
         return Internal("EPL shm: shm_open(", name, ") failed: ", strerror(errno));
@@ -215,7 +215,7 @@ Status MapOwned(const string& name, int64 bytes, bool creator, const CrossArgs& 
                           "') belongs to another live process (pid ", owner.pid, "): two "
                           "jobs with the same job id run on this host; give each its own "
                           "EPL_JOB_ID (epl-launch does).");
-        return Status::OK();
+        return OkStatus();
       }
       if (stale && creator) {
         shm_unlink(name.c_str());   // left by a dead run: never trusted, replaced
@@ -255,8 +255,8 @@ class ShmJob {
   // The job's first error, if a rank reported one.
   Status Aborted() const {
     const int64 who = ctl_->aborted.load(std::memory_order_acquire);
-    if (who == 0) return Status::OK();
-    return Status(static_cast<tensorflow::error::Code>(ctl_->code.load()), ctl_->message);
+    if (who == 0) return OkStatus();
+    return MakeStatus(static_cast<int>(ctl_->code.load()), ctl_->message);
   }
 
   // False when rank k's process has exited (unknown ranks count as alive).
@@ -284,14 +284,14 @@ class ShmJob {
     JobState::Get(job_)->AddPropagator([ctl](const Status& s) {
       int64 unclaimed = 0;
       if (!ctl->claim.compare_exchange_strong(unclaimed, 1)) return;   // (another rank's)
-      const string msg = s.error_message();
+      const string msg = StatusMessage(s);
       const size_t n = std::min(msg.size(), sizeof(ctl->message) - 1);
       std::memcpy(ctl->message, msg.data(), n);
       ctl->message[n] = 0;
       ctl->code.store(static_cast<int64>(s.code()));
       ctl->aborted.store(1, std::memory_order_release);
     });
-    return Status::OK();
+    return OkStatus();
   }
 
   string job_;
@@ -305,7 +305,7 @@ class ShmLink : public Link {
   ShmLink(const string& name, int size, int rank) : name_(name), size_(size), rank_(rank) {}
 
   Status Attach(const CrossArgs& a) {
-    if (base_) return Status::OK();
+    if (base_) return OkStatus();
     if (size_ > kMaxRanks)
       return InvalidArgument("EPL shm transport supports at most ", kMaxRanks, " ranks");
     Status s;
@@ -315,7 +315,7 @@ class ShmLink : public Link {
     TF_RETURN_IF_ERROR(MapOwned(SegmentName(JobOf(name_), name_), bytes_, rank_ == 0, a,
                                 "the group's segment", &base_));
     hdr_ = reinterpret_cast<Header*>(base_);
-    return Status::OK();
+    return OkStatus();
   }
 
   int size() const { return size_; }
@@ -378,7 +378,7 @@ class ShmLink : public Link {
       Set(hdr_->done, r + 1);
     }
     StreamFence();
-    return Status::OK();
+    return OkStatus();
   }
 
   // Each rank's slot is cut into one part per destination; in a round every rank
@@ -411,7 +411,7 @@ class ShmLink : public Link {
       Set(hdr_->reduced, r + 1);  // keep the counters in step with AllReduce rounds
       Set(hdr_->done, r + 1);
     }
-    return Status::OK();
+    return OkStatus();
   }
 
   Status AllToAll(const CrossArgs& a, const std::vector<const char*>& send,
@@ -479,7 +479,7 @@ class ShmLink : public Link {
       Set(hdr_->reduced, r + 1);  // keep the counters in step with AllReduce rounds
       Set(hdr_->done, r + 1);
     }
-    return Status::OK();
+    return OkStatus();
   }
 
  private:
@@ -543,7 +543,7 @@ class ShmLink : public Link {
         reached = c[k].v.load(std::memory_order_acquire) >= target;
       }
     }
-    return Status::OK();
+    return OkStatus();
   }
 
   string name_;

@@ -136,7 +136,7 @@ Status SendAll(int fd, const void* p, int64 n) {
     c += k;
     n -= k;
   }
-  return Status::OK();
+  return OkStatus();
 }
 
 // Reads exactly n bytes; fails at the deadline (none: wait forever) or when closed.
@@ -164,7 +164,7 @@ Status RecvAll(int fd, void* p, int64 n, bool has_deadline, Clock::time_point de
     c += k;
     n -= k;
   }
-  return Status::OK();
+  return OkStatus();
 }
 
 string PeerAddress(int fd) {
@@ -244,7 +244,7 @@ class Mesh {
       p += len;
       n -= len;
     } while (n > 0);
-    return Status::OK();
+    return OkStatus();
   }
 
   // The next `n` bytes `peer` sent for `group`.
@@ -279,13 +279,14 @@ class Mesh {
       out += frame.len;
       n -= frame.len;
     } while (n > 0);
-    return Status::OK();
+    return OkStatus();
   }
 
   // Tells every connected peer that the job failed, and wakes this process's waiters.
   void SendAbort(const Status& s) {
-    const string msg = StrCat(static_cast<int>(s.code()), ":", s.error_message());
-    for (int p = 0; p < size_; ++p) SendFrame(p, kAbort, 0, msg.data(), msg.size());
+    const string msg = StrCat(static_cast<int>(s.code()), ":", StatusMessage(s));
+    // (best effort: a peer that cannot be told has died or will time out itself)
+    for (int p = 0; p < size_; ++p) SendFrame(p, kAbort, 0, msg.data(), msg.size()).IgnoreError();
     std::lock_guard<std::mutex> lock(mu_);
     cv_.notify_all();
   }
@@ -316,7 +317,7 @@ class Mesh {
 
   Status Lost(int peer, const CrossArgs& a, const Status& s) {
     return Aborted("EPL ", a.what, " (group '", a.group, "'): cannot send to rank ", peer, " (",
-                   s.error_message(), "): a worker died or left the job.");
+                   StatusMessage(s), "): a worker died or left the job.");
   }
 
   // Called with mu_ held.
@@ -343,7 +344,7 @@ class Mesh {
         const string payload(frame.data.get(), h.len);
         const size_t colon = payload.find(':');
         const int code = std::atoi(payload.substr(0, colon).c_str());
-        Status why(static_cast<tensorflow::error::Code>(code ? code : tensorflow::error::ABORTED),
+        Status why = MakeStatus(code ? code : tensorflow::error::ABORTED,
                    payload.substr(colon == string::npos ? 0 : colon + 1));
         JobState::Get(job_)->Forward(why);   // (adopts, and tells the other peers)
         std::lock_guard<std::mutex> lock(mu_);
@@ -356,7 +357,7 @@ class Mesh {
     }
     std::lock_guard<std::mutex> lock(mu_);
     peers_[peer].dead = true;
-    peers_[peer].why = s.error_message();
+    peers_[peer].why = StatusMessage(s);
     cv_.notify_all();
   }
 
@@ -380,7 +381,7 @@ class Hub {
 
   Status Listen(int rank) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (listening_) return Status::OK();
+    if (listening_) return OkStatus();
     auto addrs = Addresses();
     if (rank >= static_cast<int>(addrs.size()))
       return InvalidArgument("EPL tcp transport: EPL_COMM_ADDRESSES has ", addrs.size(),
@@ -408,7 +409,7 @@ class Hub {
     }
     listening_ = true;
     std::thread([this, fd] { Accept(fd); }).detach();
-    return Status::OK();
+    return OkStatus();
   }
 
   void Register(Mesh* mesh) {
@@ -491,7 +492,7 @@ class Hub {
 Status Mesh::Ensure(int peer, Clock::time_point deadline, const CrossArgs& a) {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
-    if (peers_[peer].fd >= 0) return Status::OK();
+    if (peers_[peer].fd >= 0) return OkStatus();
     if (peers_[peer].dead)
       return Aborted("EPL ", a.what, " (group '", a.group, "'): rank ", peer, " disconnected (",
                      peers_[peer].why, ")");
@@ -553,9 +554,9 @@ Status Mesh::Connect(int peer, Clock::time_point deadline, const CrossArgs& a) {
         if (s.ok()) {
           std::lock_guard<std::mutex> lock(mu_);
           Start(peer, fd);
-          return Status::OK();
+          return OkStatus();
         }
-        last = s.error_message();
+        last = StatusMessage(s);
       }
       ::close(fd);
     }
@@ -597,7 +598,7 @@ class TcpLink : public Link {
       : mesh_(mesh), group_(Fnv1a(group)), rank_(mesh->rank()), size_(mesh->size()) {}
 
   Status Connect(const CrossArgs& a) {
-    if (size_ == 1) return Status::OK();
+    if (size_ == 1) return OkStatus();
     const auto deadline = Clock::now() + std::chrono::seconds(a.timeout_seconds);
     TF_RETURN_IF_ERROR(mesh_->Ensure(Next(), deadline, a));
     return mesh_->Ensure(Prev(), deadline, a);
@@ -646,7 +647,7 @@ class TcpLink : public Link {
     const int64 es = tensorflow::DataTypeSize(dtype);
     if (size_ == 1) {
       if (in != out) std::memcpy(out, in, count * es);
-      return Status::OK();
+      return OkStatus();
     }
     auto lo = [&](int k) { return count * k / size_; };
     const int64 need = (count / size_ + 1) * es;
@@ -672,7 +673,7 @@ class TcpLink : public Link {
       TF_RETURN_IF_ERROR(Step(out + lo(send) * es, (lo(send + 1) - lo(send)) * es,
                               out + lo(recv) * es, (lo(recv + 1) - lo(recv)) * es, a));
     }
-    return Status::OK();
+    return OkStatus();
   }
 
   Status Exchange(const CrossArgs& a, const char* mine, const std::vector<int64>& lens,
@@ -688,7 +689,7 @@ class TcpLink : public Link {
     }
     for (int k = 0; k < size_; ++k)
       if (lens[k] > 0) consume(k, 0, k == rank_ ? mine : all.data() + off[k], lens[k]);
-    return Status::OK();
+    return OkStatus();
   }
 
  private:
@@ -708,7 +709,7 @@ class TcpLink : public Link {
       return InvalidArgument("EPL ", a.what, " (group '", a.group, "'): rank ", Prev(),
                              " sent ", got, " bytes where ", in_len, " were expected");
     if (in_len) TF_RETURN_IF_ERROR(mesh_->Recv(Prev(), group_, in, in_len, a));
-    return Status::OK();
+    return OkStatus();
   }
 
   Mesh* mesh_;

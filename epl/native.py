@@ -1,4 +1,6 @@
-"""The one place that loads EPL's C++ op library (csrc/ -> epl/lib/libepl_ops.so).
+"""The one place that loads EPL's C++ op library (csrc/ -> epl/lib/libepl_ops.so on
+TensorFlow 1.15, epl/lib/libepl_ops-tf<major>.<minor>.so on 2.x: each line links its own,
+named by ``tf_adapter.version.op_library_name``).
 
 `make setup` and `pip install .` build the library.  When a pip install could not (no
 TensorFlow importable while it built), the first use builds it from the sources that
@@ -16,7 +18,6 @@ import subprocess
 import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_LIB = os.path.join(_HERE, "lib", "libepl_ops.so")
 _module = None
 _missing_reason = None
 
@@ -29,6 +30,13 @@ def _sources():
     return None
 
 
+def _lib():
+    """epl/lib/<the installed TensorFlow line's library> (TensorFlow is imported only
+    when a library is asked for)."""
+    from epl.tf_adapter import version
+    return os.path.join(_HERE, "lib", version.op_library_name())
+
+
 def _cache_lib():
     import tensorflow as tf
     return os.path.join(os.path.expanduser("~"), ".cache", "epl",
@@ -37,10 +45,11 @@ def _cache_lib():
 
 def library_path():
     """The library that is (or would be) loaded."""
-    if os.path.exists(_LIB):
-        return _LIB
+    lib = _lib()
+    if os.path.exists(lib):
+        return lib
     cached = _cache_lib()
-    return cached if os.path.exists(cached) else _LIB
+    return cached if os.path.exists(cached) else lib
 
 
 def build():
@@ -49,8 +58,9 @@ def build():
     if src is None:
         raise RuntimeError("EPL's C++ sources are not installed with this package; "
                            "reinstall it with `pip install .` from a checkout.")
-    lib_dir = os.path.dirname(_LIB)
-    out = _LIB if os.access(lib_dir if os.path.isdir(lib_dir) else _HERE, os.W_OK) \
+    lib = _lib()
+    lib_dir = os.path.dirname(lib)
+    out = lib if os.access(lib_dir if os.path.isdir(lib_dir) else _HERE, os.W_OK) \
         else _cache_lib()
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out + ".lock", "w") as lock:
@@ -122,8 +132,8 @@ def report():
             meta = json.load(f)
         if meta.get("skipped"):
             lines.append("nccl not built: %s" % meta["skipped"])
-        lines.append("built with TensorFlow %s, %s" % (meta.get("tensorflow"),
-                                                       meta.get("compiler")))
+        lines.append("built with TensorFlow %s, %s %s" % (
+            meta.get("tensorflow"), meta.get("compiler"), " ".join(meta.get("flags", ()))))
     return lines
 
 

@@ -601,13 +601,20 @@ def _dense_call(self, inputs):
     return out
 
 
-def _sparse_softmax_ce(_sentinel=None, labels=None, logits=None, name=None):
+def _sparse_softmax_ce(*args, **kwargs):
+    """TF 1.15's signature starts with ``_sentinel`` (keywords only), 2.x's compat.v1 one
+    with ``labels``: bind to the installed one's."""
+    import inspect
+    call = inspect.signature(original("nn.sparse_softmax_cross_entropy")).bind(*args, **kwargs)
+    call.apply_defaults()
+    labels, logits = call.arguments["labels"], call.arguments["logits"]
+    name = call.arguments["name"]
     from epl.tensor_parallel import sharding
     sharded = sharding.lookup(logits) if sharding.routing() else None
     if sharded is not None and sharding.last_axis(sharded, logits.shape.ndims):
         from epl.tensor_parallel import losses
         return losses.sparse_softmax_cross_entropy(sharded, labels, name)
-    return original("nn.sparse_softmax_cross_entropy")(_sentinel, labels=labels, logits=logits, name=name)
+    return original("nn.sparse_softmax_cross_entropy")(*call.args, **call.kwargs)
 
 
 def _argmax(input, axis=None, name=None, dimension=None, output_type=None):  # pylint: disable=redefined-builtin

@@ -46,7 +46,7 @@ namespace {
 std::mutex g_launch_mu;
 
 Status NcclStatus(ncclResult_t r, const char* what) {
-  if (r == ncclSuccess) return Status::OK();
+  if (r == ncclSuccess) return OkStatus();
   return Internal("NCCL ", what, " failed: ", ncclGetErrorString(r));
 }
 
@@ -65,9 +65,9 @@ ncclDataType_t NcclType(DataType t) {
 Status NcclOp(ReduceOp op, ncclRedOp_t* out, bool* scale) {
   *scale = false;
   switch (op) {
-    case ReduceOp::kMax: *out = ncclMax; return Status::OK();
-    case ReduceOp::kMin: *out = ncclMin; return Status::OK();
-    case ReduceOp::kSum: *out = ncclSum; return Status::OK();
+    case ReduceOp::kMax: *out = ncclMax; return OkStatus();
+    case ReduceOp::kMin: *out = ncclMin; return OkStatus();
+    case ReduceOp::kSum: *out = ncclSum; return OkStatus();
     case ReduceOp::kMean:
 #if EPL_NCCL_HAS_AVG
       *out = ncclAvg;
@@ -75,15 +75,15 @@ Status NcclOp(ReduceOp op, ncclRedOp_t* out, bool* scale) {
       *out = ncclSum;
       *scale = true;
 #endif
-      return Status::OK();
+      return OkStatus();
   }
-  return Status::OK();
+  return OkStatus();
 }
 
 // x *= 1/n on the kernel's stream, after the sum (the mean without ncclAvg): BLAS scal
 // of TensorFlow's stream executor, for float and double.
 Status ScaleOutput(OpKernelContext* ctx, Tensor* t, int n) {
-  if (t->NumElements() == 0) return Status::OK();
+  if (t->NumElements() == 0) return OkStatus();
   auto* stream = ctx->op_device_context()->stream();
   switch (t->dtype()) {
     case tensorflow::DT_FLOAT: {
@@ -105,7 +105,7 @@ Status ScaleOutput(OpKernelContext* ctx, Tensor* t, int n) {
           "and divide, or update NCCL.");
   }
   if (!stream->ok()) return Internal("EPL: scaling the mean on the GPU stream failed");
-  return Status::OK();
+  return OkStatus();
 }
 
 int GpuId(OpKernelContext* ctx) {
@@ -134,7 +134,7 @@ Status Comms(const std::vector<Arrival>& all, std::vector<ncclComm_t>** out) {
         "ncclCommInitAll"));
   }
   *out = &comms;
-  return Status::OK();
+  return OkStatus();
 }
 
 // An NCCL collective: the ranks (GPUs of this process) meet in the rendezvous every
@@ -210,7 +210,7 @@ class NcclAllReduce : public NcclReducing {
       for (size_t r = 0; r < all->size(); ++r)
         for (int i = 0; i < n_in; ++i)
           TF_RETURN_IF_ERROR(ScaleOutput((*all)[r].ctx, outs[r][i], size_));
-    return Status::OK();
+    return OkStatus();
   }
 };
 
@@ -243,7 +243,7 @@ class NcclReduce : public NcclReducing {
     }
     TF_RETURN_IF_ERROR(NcclStatus(ncclGroupEnd(), "ncclGroupEnd"));
     if (scale_) return ScaleOutput((*all)[root_].ctx, outs[root_], size_);
-    return Status::OK();
+    return OkStatus();
   }
 
  private:
@@ -295,7 +295,7 @@ class NcclReduceScatter : public NcclReducing {
     if (scale_)
       for (int r = 0; r < size_; ++r)
         TF_RETURN_IF_ERROR(ScaleOutput((*all)[r].ctx, outs[r], size_));
-    return Status::OK();
+    return OkStatus();
   }
 };
 

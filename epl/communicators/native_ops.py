@@ -118,7 +118,10 @@ def _gradient_group(op):
     ``op`` may be a GradientTape's stand-in for the op: only its attributes are read.
     """
     graph = ops.get_default_graph()
-    counts = graph.__dict__.setdefault("_epl_collective_gradients", {})
+    counts = getattr(graph, "_epl_collective_gradients", None)
+    if counts is None:   # (an attribute: TF 2.x's Graph has no __dict__)
+        counts = {}
+        setattr(graph, "_epl_collective_gradients", counts)
     group = op.get_attr("group").decode()
     key = (group, op.get_attr("rank"))
     counts[key] = counts.get(key, 0) + 1

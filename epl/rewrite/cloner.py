@@ -187,20 +187,13 @@ def import_copies(graph, plans):
 
 
 def _import(graph, plans, rename):
-    """The import of ``import_copies``; with ``rename``, returns the copies' names."""
+    """The import of ``import_copies``; returns the copies' names."""
     inputs = [item for plan in plans for item in plan.inputs.items()]
     controls = [item for plan in plans for item in plan.controls.items()]
     serialized = b"".join(b"".join(p.chunks) for p in plans)
     serialized += _field(b"\x22", graph.graph_def_versions.SerializeToString())
     planned = [name for p in plans for name in p.names]
-    if not rename:
-        c_graph.import_node_defs(graph, serialized, inputs, controls)
-        deferred.register(graph, planned)
-        return None
-    names, c_ops = c_graph.import_node_defs(graph, serialized, inputs, controls,
-                                            return_names=planned)
-    deferred.register(graph, names, c_ops)
-    return names
+    return deferred.import_nodes(graph, serialized, inputs, controls, planned, rename)
 
 
 def _pieces(tag, pieces):

@@ -95,16 +95,19 @@ def new_op(graph, op_type, name, device, inputs, attrs):
             raise ValueError("EPL could not make op %r (%s): %s" % (name, op_type, e.message))
 
 
-def import_node_defs(graph, serialized, input_map, control_map, return_names=None):
+def import_node_defs(graph, serialized, input_map, control_map, return_names=None,
+                     rename=None):
     """Import the serialized GraphDef ``serialized`` into ``graph`` in one call.
 
     ``input_map`` ("name:index" or "name", tf.Tensor) pairs feed the imported nodes'
     inputs of those names from existing tensors; ``control_map`` ("^name", op or C
-    node) pairs likewise for control inputs (dicts work too).  Without ``return_names`` the nodes keep their names
-    (ValueError when one is taken) and None is returned; with it the importer
-    uniquifies clashing names and the C nodes of ``return_names`` come back, in order,
-    with their final names: ``(names, c_nodes)``."""
-    rename = return_names is not None
+    node) pairs likewise for control inputs (dicts work too).  With ``rename`` (default:
+    when ``return_names`` is given) the importer uniquifies clashing names, without it
+    the nodes keep their names (ValueError when one is taken).  Without
+    ``return_names`` None is returned; with it the C nodes of ``return_names`` come
+    back, in order, with their final names: ``(names, c_nodes)``."""
+    if rename is None:
+        rename = return_names is not None
     scoped = _util.ScopedTFImportGraphDefOptions()
     options = scoped.options
     _c.TF_ImportGraphDefOptionsSetPrefix(options, "")
@@ -128,7 +131,7 @@ def import_node_defs(graph, serialized, input_map, control_map, return_names=Non
             except _tf.errors.InvalidArgumentError as e:
                 raise ValueError("EPL could not copy the replica's ops: %s" % e.message)
             results = _util.ScopedTFImportGraphDefResults(results)
-        if not rename:
+        if return_names is None:
             return None
         nodes = _c.TF_ImportGraphDefResultsReturnOperations(results.results)
         return [_c.TF_OperationName(n) for n in nodes], nodes

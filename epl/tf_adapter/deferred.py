@@ -36,16 +36,48 @@ def set_wrap_context(factory):
     _wrap_context[0] = factory
 
 
+def _table(graph):
+    """The graph's deferred nodes {name: C node or False}, or None.  (An attribute, not
+    ``graph.__dict__``: TF 2.x's ``Graph`` is a C++ class with no ``__dict__``.)"""
+    return getattr(graph, "_epl_deferred", None)
+
+
+def import_nodes(graph, serialized, input_map, control_map, names, rename):
+    """Import the serialized nodes ``names`` (``c_graph.import_node_defs``; ``rename``:
+    let the importer uniquify taken names) and register them; returns their final
+    names.  Where the C graph cannot find a node by name later (TF 2.x), the nodes
+    come back from the import itself and get their Python ops at once."""
+    if c_graph.DEFERRED_WRAPPERS and not rename:
+        c_graph.import_node_defs(graph, serialized, input_map, control_map)
+        register(graph, names)
+        return names
+    final, c_ops = c_graph.import_node_defs(graph, serialized, input_map, control_map,
+                                            return_names=names, rename=rename)
+    register(graph, final, c_ops)
+    return final
+
+
 def register(graph, names, c_ops=None):
     """The imported nodes named ``names`` (``c_ops``, when known: otherwise looked up
-    by name when used) get their wrappers on demand."""
-    table = graph.__dict__.setdefault("_epl_deferred", {})
+    by name when used) get their wrappers on demand -- or now, where wrappers cannot
+    be deferred (``c_graph.DEFERRED_WRAPPERS`` false: TF 2.x); returns the wrappers
+    made now (None when deferred)."""
+    if not c_graph.DEFERRED_WRAPPERS:
+        if c_ops is None:
+            raise ValueError("EPL: on this TensorFlow the imported nodes' C handles are "
+                             "needed to wrap them (import them with return_names)")
+        return _wrap(graph, list(c_ops))
+    table = _table(graph)
+    if table is None:
+        table = {}
+        setattr(graph, "_epl_deferred", table)
     in_use = tfg.names_in_use(graph)
     if c_ops is None:
         table.update(dict.fromkeys(names, False))
     else:
         table.update(zip(names, c_ops))
     in_use.update(zip(map(str.lower, names), itertools.repeat(1)))
+    return None
 
 
 def _node(graph, table, name):
@@ -57,12 +89,12 @@ def _node(graph, table, name):
 
 
 def waiting(graph):
-    return bool(graph.__dict__.get("_epl_deferred"))
+    return bool(_table(graph))
 
 
 def materialize(graph, name):
     """The wrapper of the deferred node ``name``, or None if there is none."""
-    table = graph.__dict__.get("_epl_deferred")
+    table = _table(graph)
     if not table:
         return None
     if name not in table:
@@ -73,7 +105,7 @@ def materialize(graph, name):
 
 
 def materialize_all(graph):
-    table = graph.__dict__.get("_epl_deferred")
+    table = _table(graph)
     if not table:
         return
     c_ops = [_node(graph, table, name) for name in table]
@@ -95,7 +127,7 @@ def get(graph, name):
 def c_op(graph, name):
     """The C node named ``name`` (of a deferred copy or an existing op), without
     making its Python op: control edges between copies are added in C."""
-    table = graph.__dict__.get("_epl_deferred")
+    table = _table(graph)
     if table and name in table:
         return _node(graph, table, name)
     return c_graph.c_op(tfg.op_by_name(graph, name))
@@ -103,6 +135,11 @@ def c_op(graph, name):
 
 def add_control_edges(graph, sources, targets):
     """Every node named in ``targets`` waits for every node named in ``sources``."""
+    if not c_graph.DEFERRED_WRAPPERS:   # (every copy has its Python op)
+        src = [get(graph, n) for n in sources]
+        for name in targets:
+            tfg.add_control_inputs(get(graph, name), src)
+        return
     src = [c_op(graph, n) for n in sources]
     for name in targets:
         dst = c_op(graph, name)
@@ -155,14 +192,14 @@ def _op_by_name(self, name):
 
 
 def _as_graph_element_locked(self, obj, *args, **kwargs):
-    if isinstance(obj, str) and "_epl_deferred" in self.__dict__:
+    if isinstance(obj, str) and _table(self):
         materialize(self, obj.split(":")[0] if ":" in obj else obj)
     return patching.original("graph.as_graph_element_locked")(self, obj, *args, **kwargs)
 
 
 def _all_first(point):
     def patched(self, *args, **kwargs):
-        if "_epl_deferred" in self.__dict__:
+        if _table(self):
             materialize_all(self)
         return patching.original(point)(self, *args, **kwargs)
     return patched
@@ -171,7 +208,7 @@ def _all_first(point):
 def _as_graph_def(self, *args, **kwargs):
     """Shapes come from the Python ops (export_meta_graph asks for them)."""
     add_shapes = kwargs.get("add_shapes", args[1] if len(args) > 1 else False)
-    if add_shapes and "_epl_deferred" in self.__dict__:
+    if add_shapes and _table(self):
         materialize_all(self)
     return patching.original("graph.as_graph_def")(self, *args, **kwargs)
 

@@ -13,3 +13,31 @@ IS_TF2 = VERSION[0] >= 2
 def describe():
     """One line for logs and ``python -m epl.native``."""
     return "TensorFlow %s (%s line)" % (_tf.__version__, "2.x" if IS_TF2 else "1.15")
+
+
+def op_library_name(version=None):
+    """The file name of EPL's C++ op library built against TensorFlow ``version``
+    (default: the installed one).  A library links against one TensorFlow line's
+    framework, so each line has its own file and the two never overwrite each other:
+    ``libepl_ops.so`` for 1.15 (the name ``make setup`` and ``pip install .`` have
+    always built), ``libepl_ops-tf<major>.<minor>.so`` for 2.x (TF 2.x's C++ ABI
+    changes between minor versions)."""
+    major, minor = version or VERSION
+    return "libepl_ops.so" if major < 2 else "libepl_ops-tf%d.%d.so" % (major, minor)
+
+
+def compile_flags(version=None):
+    """The C++ standard and the preprocessor definitions csrc/ is built with against
+    TensorFlow ``version``: C++17 from 2.x on (TF >= 2.10's headers need it), and
+    EPL_TF_MAJOR / EPL_TF_MINOR / EPL_TF_VERSION (major * 100 + minor) for the ``#if``
+    guards where the lines' headers differ."""
+    major, minor = version or VERSION
+    flags = ["-std=c++17" if major >= 2 else "-std=c++11",
+             "-DEPL_TF_MAJOR=%d" % major, "-DEPL_TF_MINOR=%d" % minor,
+             "-DEPL_TF_VERSION=%d" % (major * 100 + minor)]
+    if major >= 2:
+        # TF 2.x's own headers call its deprecated functions inline (errors::Internal,
+        # tsl::Status), and their Eigen reads hardware_destructive_interference_size:
+        # hundreds of warnings per build that say nothing about EPL.
+        flags += ["-Wno-deprecated-declarations", "-Wno-interference-size"]
+    return flags

@@ -1,0 +1,115 @@
+"""The quick start as a TF1 program on TensorFlow 2.x (``tf.compat.v1`` after
+``disable_v2_behavior``, examples/quick_start/local_model_tf2.py) on 2 virtual devices
+equals the same program without EPL on the global batch: the losses of every step and the
+weights after the last.
+
+The model, data, input pipeline (initializable iterator in TABLE_INITIALIZERS), optimizer
+and MonitoredTrainingSession are the quick start's; the initial weights are fixed numpy
+values and the update waits for every gradient, so the one-device program is deterministic
+(PLATFORM_NOTES: the ref-variable trap -- disable_v2_behavior makes ref variables).
+
+Runs on the TF 2.x line (``.venv-tf2``); on TF 1.15 the quick start is
+examples/quick_start/local_model.py, tested by the rest of the suite.
+"""
+import numpy as np
+import pytest
+import tensorflow as tf_root
+
+IS_TF2 = int(tf_root.__version__.split(".")[0]) >= 2
+pytestmark = pytest.mark.skipif(
+    not IS_TF2, reason="TF 2.x line only (tf.compat.v1 after disable_v2_behavior); TF %s "
+                       "runs the quick start as local_model.py" % tf_root.__version__)
+
+import tensorflow.compat.v1 as tf  # noqa: E402
+
+import epl  # noqa: E402
+
+if IS_TF2:
+    tf.disable_v2_behavior()
+
+DEVICES, BATCH, STEPS = 2, 10, 6
+FEATURES, HIDDEN, CLASSES = 20, 2, 10
+
+
+def _data():
+    rng = np.random.RandomState(0)
+    x = rng.randint(0, 10, (DEVICES * BATCH * STEPS, FEATURES)).astype(np.float32)
+    y = rng.randint(0, 10, DEVICES * BATCH * STEPS).astype(np.int64)
+    return x, y
+
+
+def _initial_weights():
+    rng = np.random.RandomState(1)
+    return [(rng.randn(FEATURES, HIDDEN) * 0.1).astype(np.float32),
+            (rng.randn(HIDDEN) * 0.1).astype(np.float32),
+            (rng.randn(HIDDEN, CLASSES) * 0.3).astype(np.float32),
+            (rng.randn(CLASSES) * 0.1).astype(np.float32)]
+
+
+def _quick_start(batch):
+    """The quick start's graph; returns (loss, train_op, global_step)."""
+    x_all, y_all = _data()
+    k1, b1, k2, b2 = _initial_weights()
+    dataset = tf.data.Dataset.from_tensor_slices((x_all, y_all)).batch(batch).repeat(1)
+    iterator = tf.data.make_initializable_iterator(dataset)
+    tf.add_to_collection(tf.GraphKeys.TABLE_INITIALIZERS, iterator.initializer)
+    x, labels = iterator.get_next()
+    logits = tf.layers.dense(x, HIDDEN, kernel_initializer=tf.constant_initializer(k1),
+                             bias_initializer=tf.constant_initializer(b1))
+    logits = tf.layers.dense(logits, CLASSES, kernel_initializer=tf.constant_initializer(k2),
+                             bias_initializer=tf.constant_initializer(b2))
+    loss = tf.losses.sparse_softmax_cross_entropy(labels=labels, logits=logits)
+    global_step = tf.train.get_or_create_global_step()
+    optimizer = tf.train.MomentumOptimizer(learning_rate=0.001, momentum=0.9)
+    grads = optimizer.compute_gradients(loss)
+    with tf.control_dependencies([g for g, _ in grads]):
+        train_op = optimizer.apply_gradients(grads, global_step=global_step)
+    return loss, train_op, global_step
+
+
+def _weights(sess, prefix=""):
+    names = ["dense/kernel", "dense/bias", "dense_1/kernel", "dense_1/bias"]
+    graph = sess.graph
+    return [sess.run(graph.get_tensor_by_name(prefix + n + ":0")) for n in names]
+
+
+def _op_names(graph):
+    return {op.name for op in graph.get_operations()}
+
+
+def _local():
+    """The oracle: no EPL, one device, the global batch."""
+    with tf.Graph().as_default():
+        loss, train_op, _ = _quick_start(DEVICES * BATCH)
+        with tf.train.MonitoredTrainingSession() as sess:
+            losses = [sess.run([loss, train_op])[0] for _ in range(STEPS)]
+            return losses, _weights(sess._tf_sess())  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("copies", ["auto", "per_device"])
+def test_quick_start_on_two_devices_equals_the_global_batch(copies):
+    want_losses, want_weights = _local()
+    epl.init(epl.Config({"cluster.devices_per_worker": DEVICES,
+                         "cluster.variable_copies": copies}))
+    epl.set_default_strategy(epl.replicate(1))
+    loss, train_op, global_step = _quick_start(BATCH)
+    graph = tf.get_default_graph()
+    with tf.train.MonitoredTrainingSession() as sess:
+        raw = sess._tf_sess()  # pylint: disable=protected-access
+        # (the replicas' losses: each replica's mean over its half of the global batch)
+        replica_losses = [loss] + [graph.get_tensor_by_name("EPL_REPLICA_%d/%s" % (r, loss.name))
+                                   for r in range(1, DEVICES)]
+        got_losses = []
+        for _ in range(STEPS):
+            values, _ = sess.run([replica_losses, train_op])
+            got_losses.append(np.mean(values))
+        step = raw.run(global_step)
+        # (every replica's copy of the weights, where each device has its own)
+        got_weights = [_weights(raw, "" if r == 0 else "EPL_REPLICA_%d/" % r)
+                       for r in range(DEVICES)
+                       if r == 0 or "EPL_REPLICA_%d/dense/kernel" % r in _op_names(graph)]
+    assert step == STEPS
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
+    for replica in got_weights:
+        for got, want in zip(replica, want_weights):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
