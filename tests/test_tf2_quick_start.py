@@ -70,7 +70,28 @@ def _quick_start(batch):
 def _weights(sess, prefix=""):
     names = ["dense/kernel", "dense/bias", "dense_1/kernel", "dense_1/bias"]
     graph = sess.graph
-    return [sess.run(graph.get_tensor_by_name(prefix + n + ":0")) for n in names]
+    return [sess.run(_value(graph, prefix + n)) for n in names]
+
+
+def _value(graph, name):
+    """The tensor holding variable ``name``'s value (ref or resource variable)."""
+    op = graph.get_operation_by_name(name)
+    if op.type == "VarHandleOp":
+        return graph.get_tensor_by_name(name + "/Read/ReadVariableOp:0")
+    return op.outputs[0]
+
+
+@pytest.fixture(params=["disable_v2_behavior", "disable_eager_execution"])
+def graph_mode(request):
+    """Both ways users put TF 2.x in graph mode: ``disable_v2_behavior()`` (ref variables,
+    v1 control flow; this module's default) or ``disable_eager_execution()`` alone
+    (resource variables, control flow v2).  The second is set for the test and undone."""
+    if request.param == "disable_eager_execution":
+        tf.enable_resource_variables()
+        tf.enable_control_flow_v2()
+    yield request.param
+    tf.disable_resource_variables()
+    tf.disable_control_flow_v2()
 
 
 def _op_names(graph):
@@ -87,13 +108,14 @@ def _local():
 
 
 @pytest.mark.parametrize("copies", ["auto", "per_device"])
-def test_quick_start_on_two_devices_equals_the_global_batch(copies):
+def test_quick_start_on_two_devices_equals_the_global_batch(graph_mode, copies):
     want_losses, want_weights = _local()
     epl.init(epl.Config({"cluster.devices_per_worker": DEVICES,
                          "cluster.variable_copies": copies}))
     epl.set_default_strategy(epl.replicate(1))
     loss, train_op, global_step = _quick_start(BATCH)
     graph = tf.get_default_graph()
+    variable_type = _value(graph, "dense/kernel").op.type
     with tf.train.MonitoredTrainingSession() as sess:
         raw = sess._tf_sess()  # pylint: disable=protected-access
         # (the replicas' losses: each replica's mean over its half of the global batch)
@@ -109,6 +131,8 @@ def test_quick_start_on_two_devices_equals_the_global_batch(copies):
                        for r in range(DEVICES)
                        if r == 0 or "EPL_REPLICA_%d/dense/kernel" % r in _op_names(graph)]
     assert step == STEPS
+    # (the mode took: resource variables exactly without disable_v2_behavior)
+    assert (variable_type == "ReadVariableOp") == (graph_mode == "disable_eager_execution")
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
     for replica in got_weights:
         for got, want in zip(replica, want_weights):
