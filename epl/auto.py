@@ -206,7 +206,7 @@ def split_head(model_fn, dataset_fn):
     """The build-order index of the model's largest Dense layer when it is the last
     one built (a head worth splitting), else None.  Probed in a scratch graph."""
     import tensorflow as tf
-    from epl import strategies, tf_patches
+    from epl import capture_context, strategies, tf_patches
     tf_patches.install()    # (idempotent; the probe needs the Dense observers)
     probe = _DenseLayers()
     saved = strategies.current_strategy()
