@@ -1,11 +1,33 @@
 # EPL build and test entry points.  `make demo` and `make test` set up
 # everything they need on a fresh machine (see README.md).
+#
+# Two TensorFlow lines from one code base:
+#   TF=1  TensorFlow 1.15.5 on Python 3.7              -> .venv,     epl/lib/libepl_ops.so
+#   TF=2  TensorFlow 2.21 (+ tf-keras) on Python 3.11+ -> .venv-tf2, epl/lib/libepl_ops-tf2.21.so
+# Without TF=..., line 1 when a Python 3.7 is found (tools/find_python.sh), otherwise line 2.
 SHELL := /bin/bash
+ifndef TF
+TF := $(shell tools/find_python.sh 1 >/dev/null 2>&1 && echo 1 || echo 2)
+endif
+TF2_VERSION := 2.21.0
+ifeq ($(TF),1)
 VENV := .venv
+OPS_SO := epl/lib/libepl_ops.so
+TF_PACKAGES := tensorflow==1.15.5 'numpy<1.19' 'protobuf<3.21'
+PIP_PIN := 'pip<24'
+else ifeq ($(TF),2)
+VENV := .venv-tf2
+OPS_SO := epl/lib/libepl_ops-tf$(basename $(TF2_VERSION)).so
+TF_PACKAGES := tensorflow-cpu==$(TF2_VERSION) tf-keras==$(TF2_VERSION)
+PIP_PIN := pip
+# tf.keras is Keras 3 from TF 2.16 on unless tf-keras is installed and this is set.
+export TF_USE_LEGACY_KERAS := 1
+else
+$(error TF=$(TF): use TF=1 (TensorFlow 1.15, Python 3.7) or TF=2 (TensorFlow 2.x, Python 3.11+))
+endif
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.epl-installed
-OPS_SO := epl/lib/libepl_ops.so
 CSRC := $(wildcard csrc/*.cc csrc/*.h csrc/build.py)
 
 .PHONY: setup demo test bench ops clean horovod docs gpu-ops-check
@@ -13,10 +35,10 @@ CSRC := $(wildcard csrc/*.cc csrc/*.h csrc/build.py)
 setup: $(STAMP) $(OPS_SO)
 
 $(STAMP): setup.py
-	@PYBIN=$$(tools/find_python37.sh) || exit 1; \
-	if [ ! -x $(PY) ]; then echo "Creating $(VENV) with $$PYBIN"; "$$PYBIN" -m venv $(VENV) || exit 1; fi
-	$(PIP) install -q --disable-pip-version-check 'pip<24'
-	$(PIP) install -q --disable-pip-version-check tensorflow==1.15.5 'numpy<1.19' 'protobuf<3.21' pytest pytest-timeout
+	@PYBIN=$$(tools/find_python.sh $(TF)) || exit 1; \
+	if [ ! -x $(PY) ]; then echo "Creating $(VENV) (TensorFlow line $(TF)) with $$PYBIN"; "$$PYBIN" -m venv $(VENV) || exit 1; fi
+	$(PIP) install -q --disable-pip-version-check $(PIP_PIN)
+	$(PIP) install -q --disable-pip-version-check $(TF_PACKAGES) pytest pytest-timeout
 	$(PIP) install -q --disable-pip-version-check --no-deps -e .
 	@touch $(STAMP)
 
@@ -39,7 +61,7 @@ docs: $(STAMP)
 
 # Horovod with Gloo in its own venv, only for the collectives comparison.
 horovod: $(STAMP)
-	@PYBIN=$$(tools/find_python37.sh) || exit 1; \
+	@PYBIN=$$(tools/find_python.sh 1) || exit 1; \
 	[ -x .venv-horovod/bin/python ] || "$$PYBIN" -m venv .venv-horovod
 	.venv-horovod/bin/pip install -q 'pip<24' && .venv-horovod/bin/pip install -q tensorflow==1.15.5 'numpy<1.19' 'protobuf<3.21' cffi psutil pyyaml cloudpickle packaging
 	HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
@@ -52,4 +74,4 @@ gpu-ops-check:
 	tools/gpu_ops_check.sh
 
 clean:
-	rm -rf $(VENV) epl/lib/*.so epl/lib/*.json csrc/build build *.egg-info
+	rm -rf .venv .venv-tf2 epl/lib/*.so epl/lib/*.json csrc/build build *.egg-info

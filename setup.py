@@ -1,4 +1,6 @@
-"""pyepl: Easy Parallel Library for TensorFlow 1.15 (import name ``epl``).
+"""pyepl: Easy Parallel Library for TensorFlow 1.x graphs (import name ``epl``), on two
+lines: TensorFlow 1.15.5 on Python 3.7, and TensorFlow 2.x (>= 2.16, with tf-keras) on
+Python 3.11+ through ``tf.compat.v1``.  The extras pick the line from the Python that installs.
 
 `pip install .[cpu]`, `pip install .[gpu]` and `pip wheel .` build EPL's C++ op library
 (csrc/ -> epl/lib/libepl_ops.so, NCCL where CUDA and NCCL are found) with the compile flags
@@ -16,6 +18,10 @@ from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# Environment markers of the two TensorFlow lines: 1.15 has wheels for Python 3.7 only,
+# TensorFlow 2.16+ for 3.9+ (we support 3.11+).
+_TF1 = "python_version < '3.8'"
+_TF2 = "python_version >= '3.11'"
 
 
 class BuildWithOps(build_py):
@@ -51,9 +57,14 @@ setup(
     license="Apache-2.0",
     packages=find_packages(include=["epl", "epl.*"]),
     package_data={"epl": ["lib/*.so", "lib/*.json"]},
-    python_requires=">=3.7,<3.8",
-    install_requires=["numpy<1.19", "protobuf<3.21"],
-    extras_require={"cpu": ["tensorflow==1.15.5"], "gpu": ["tensorflow-gpu==1.15.5"]},
+    python_requires=">=3.7",
+    install_requires=["numpy<1.19; " + _TF1, "numpy; " + _TF2, "protobuf<3.21; " + _TF1],
+    extras_require={
+        "cpu": ["tensorflow==1.15.5; " + _TF1,
+                "tensorflow-cpu>=2.16; " + _TF2, "tf-keras>=2.16; " + _TF2],
+        "gpu": ["tensorflow-gpu==1.15.5; " + _TF1,
+                "tensorflow[and-cuda]>=2.16; " + _TF2, "tf-keras>=2.16; " + _TF2],
+    },
     entry_points={"console_scripts": ["epl-launch=epl.launcher:main"]},
     cmdclass={"build_py": BuildWithOps},
 )

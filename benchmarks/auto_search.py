@@ -77,7 +77,7 @@ def bert_model(features):
 
 def adam():
     import tensorflow as tf
-    return tf.compat.v1.train.AdamOptimizer(1e-3)
+    return tf.train.AdamOptimizer(1e-3)
 
 
 CASES = {"mlp": (mlp_model, mlp_dataset), "mini_bert": (bert_model, bert_dataset),
@@ -137,7 +137,7 @@ def main():
 
 def epl_reset():
     import tensorflow as tf
-    tf.compat.v1.reset_default_graph()
+    tf.reset_default_graph()
 
 
 if __name__ == "__main__":

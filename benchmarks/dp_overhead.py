@@ -13,11 +13,13 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tensorflow as tf  # noqa: E402
+import tensorflow.compat.v1 as tf  # noqa: E402
+
+tf.disable_v2_behavior()  # TF 2.x: TF1 graph semantics (1.15: its defaults)
 
 from common import median, print_table, time_calls, write_json  # noqa: E402
 
-tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+tf.logging.set_verbosity(tf.logging.ERROR)
 WIDTH, DEPTH, IN, CLASSES = 512, 4, 256, 10
 
 
@@ -26,7 +28,7 @@ def _data(batch):
     x = rng.randn(batch * 8, IN).astype(np.float32)
     y = rng.randint(0, CLASSES, batch * 8).astype(np.int64)
     ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch).prefetch(8)
-    return tf.compat.v1.data.make_one_shot_iterator(ds)
+    return tf.data.make_one_shot_iterator(ds)
 
 
 def _mlp(x, y):

@@ -50,25 +50,25 @@ def _data(tf, model, batch, seed):
         x = rng.randint(0, VOCAB, (batch * 4, SEQ)).astype(np.int64)
         y = rng.randint(0, VOCAB, (batch * 4, SEQ)).astype(np.int64)
     ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch, drop_remainder=True)
-    return tf.compat.v1.data.make_one_shot_iterator(ds.prefetch(4)).get_next()
+    return tf.data.make_one_shot_iterator(ds.prefetch(4)).get_next()
 
 
 def _mlp(tf, x, y):
     h = x
     for i in range(MLP_DEPTH):
-        h = tf.compat.v1.layers.dense(h, MLP_WIDTH, activation=tf.nn.relu, name="l%d" % i)
-    logits = tf.compat.v1.layers.dense(h, CLASSES, name="out")
+        h = tf.layers.dense(h, MLP_WIDTH, activation=tf.nn.relu, name="l%d" % i)
+    logits = tf.layers.dense(h, CLASSES, name="out")
     return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
 
 
 def _transformer(tf, x, y):
-    dense = tf.compat.v1.layers.dense
-    emb = tf.compat.v1.get_variable("emb", [VOCAB, D])
-    pos = tf.compat.v1.get_variable("pos", [SEQ, D])
+    dense = tf.layers.dense
+    emb = tf.get_variable("emb", [VOCAB, D])
+    pos = tf.get_variable("pos", [SEQ, D])
     h = tf.gather(emb, x) + pos
     dh = D // HEADS
     for i in range(LAYERS):
-        with tf.compat.v1.variable_scope("layer%d" % i):
+        with tf.variable_scope("layer%d" % i):
             q, k, v = [tf.transpose(tf.reshape(dense(h, D, name=n), [-1, SEQ, HEADS, dh]),
                                     [0, 2, 1, 3]) for n in ("q", "k", "v")]
             att = tf.nn.softmax(tf.matmul(q, k, transpose_b=True) / float(dh) ** 0.5)
@@ -101,9 +101,9 @@ def _timed_steps(sess, op, steps):
 
 def child(impl, model, steps, out):
     import tensorflow as tf
-    tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
-    opt = tf.compat.v1.train.GradientDescentOptimizer(0.001)
-    cfg = tf.compat.v1.ConfigProto()
+    tf.logging.set_verbosity(tf.logging.ERROR)
+    opt = tf.train.GradientDescentOptimizer(0.001)
+    cfg = tf.ConfigProto()
     rank, replicas, extra = 0, 1, {}
     if impl == "single":
         x, y = _data(tf, model, BATCH, 0)
@@ -112,7 +112,7 @@ def child(impl, model, steps, out):
         import epl
         if impl == "epl_1proc":
             epl.init(epl.Config({"cluster.devices_per_worker": 2}))
-            cfg = tf.compat.v1.ConfigProto(device_count={"CPU": 2})
+            cfg = tf.ConfigProto(device_count={"CPU": 2})
             replicas = 2
         else:
             epl.init()
@@ -120,7 +120,7 @@ def child(impl, model, steps, out):
         epl.set_default_strategy(epl.replicate(1))
         x, y = _data(tf, model, BATCH, rank)
         train = opt.minimize(_loss(tf, model, x, y))
-        params = sum(int(v.shape.num_elements()) for v in tf.compat.v1.trainable_variables())
+        params = sum(int(v.shape.num_elements()) for v in tf.trainable_variables())
         extra["gradient_mib"] = params * 4 / float(1 << 20)
     elif impl == "horovod":
         import horovod.tensorflow as hvd
@@ -130,7 +130,7 @@ def child(impl, model, steps, out):
         train = hvd.DistributedOptimizer(opt).minimize(_loss(tf, model, x, y))
         bcast = hvd.broadcast_global_variables(0)
     elif impl == "mirrored":
-        cfg = tf.compat.v1.ConfigProto(device_count={"CPU": 2})
+        cfg = tf.ConfigProto(device_count={"CPU": 2})
         strategy = tf.distribute.MirroredStrategy(
             ["/cpu:0", "/cpu:1"],
             cross_device_ops=tf.distribute.ReductionToOneDevice("/cpu:0"))
@@ -142,8 +142,8 @@ def child(impl, model, steps, out):
             train = strategy.group(strategy.experimental_run_v2(step))
     else:
         raise SystemExit("unknown impl %r" % impl)
-    with tf.compat.v1.Session(config=cfg) as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
+    with tf.Session(config=cfg) as sess:
+        sess.run(tf.global_variables_initializer())
         if impl == "horovod":
             sess.run(bcast)
         sec = _timed_steps(sess, train, steps)

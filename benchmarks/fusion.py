@@ -15,13 +15,15 @@ sys.path.insert(0, os.path.dirname(HERE))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import tensorflow.compat.v1 as tf  # noqa: E402
+
+tf.disable_v2_behavior()  # TF 2.x: TF1 graph semantics (1.15: its defaults)
 
 from common import median, print_table, time_calls, write_json  # noqa: E402
 from epl.communicators.native import NativeCommunicator  # noqa: E402
 from epl.rewrite import fusion  # noqa: E402
 
-tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+tf.logging.set_verbosity(tf.logging.ERROR)
 
 
 def build(n, shapes, max_splits, mode):

@@ -51,17 +51,17 @@ def mlp(tf, x, depth, width):
         h = tf.layers.dense(h, width, activation=tf.nn.relu, name="layer_%d" % i,
                             kernel_initializer=tf.constant_initializer(w))
         if i % 5 == 4:
-            tf.compat.v1.add_to_collection("checkpoints", h)
+            tf.add_to_collection("checkpoints", h)
     return tf.reduce_mean(tf.square(h))
 
 
 def transformer(tf, x, layers, heads):
     """Pre-norm blocks: self-attention and a 4x feed-forward, residual stream."""
     batch, seq, d = x.shape.as_list()
-    init = tf.compat.v1.glorot_uniform_initializer(seed=1)
+    init = tf.glorot_uniform_initializer(seed=1)
     h = x
     for i in range(layers):
-        with tf.compat.v1.variable_scope("block_%d" % i):
+        with tf.variable_scope("block_%d" % i):
             a = _norm(tf, h)
             q, k, v = [tf.layers.dense(a, d, kernel_initializer=init, name=n) for n in "qkv"]
 
@@ -74,7 +74,7 @@ def transformer(tf, x, layers, heads):
             f = tf.layers.dense(_norm(tf, h), 4 * d, activation=tf.nn.relu,
                                 kernel_initializer=init, name="ff1")
             h = h + tf.layers.dense(f, d, kernel_initializer=init, name="ff2")
-            tf.compat.v1.add_to_collection("checkpoints", h)
+            tf.add_to_collection("checkpoints", h)
     return tf.reduce_mean(tf.square(h))
 
 
@@ -89,16 +89,16 @@ class AdamW(object):
 
     @staticmethod
     def make(tf, lr=1e-3):
-        class _AdamW(tf.compat.v1.train.Optimizer):
+        class _AdamW(tf.train.Optimizer):
             def __init__(self):
                 super(_AdamW, self).__init__(False, "AdamW")
 
             def apply_gradients(self, grads_and_vars, global_step=None, name=None):
                 out = []
                 for g, p in grads_and_vars:
-                    m = tf.compat.v1.get_variable(p.op.name + "/m", p.shape, trainable=False,
+                    m = tf.get_variable(p.op.name + "/m", p.shape, trainable=False,
                                                   initializer=tf.zeros_initializer())
-                    v = tf.compat.v1.get_variable(p.op.name + "/v", p.shape, trainable=False,
+                    v = tf.get_variable(p.op.name + "/v", p.shape, trainable=False,
                                                   initializer=tf.zeros_initializer())
                     nm = 0.9 * m + 0.1 * g
                     nv = 0.999 * v + 0.001 * tf.square(g)
@@ -111,7 +111,7 @@ class AdamW(object):
 def run_case(case, steps):
     import tensorflow as tf
     import epl
-    tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+    tf.logging.set_verbosity(tf.logging.ERROR)
     model, feature, arg = case["model"], case["feature"], case.get("arg")
     cfg = {}
     if feature == "gc":
@@ -139,7 +139,7 @@ def run_case(case, steps):
     adamw = case.get("optimizer") == "adamw"
     # Resource variables: an update may run as soon as its gradient is ready (a ref
     # variable's update would race with the backward pass still reading it).
-    with tf.compat.v1.variable_scope("", use_resource=not adamw):
+    with tf.variable_scope("", use_resource=not adamw):
         if model == "mlp":
             x = tf.constant(rng.randn(case["batch"], case["width"]).astype(np.float32))
             loss = mlp(tf, x, case["depth"], case["width"])
@@ -150,35 +150,35 @@ def run_case(case, steps):
         else:
             raise ValueError(model)
     if case.get("optimizer") == "adam":
-        op = tf.compat.v1.train.AdamOptimizer(1e-3).minimize(loss)
+        op = tf.train.AdamOptimizer(1e-3).minimize(loss)
     elif adamw:
         # The updates wait for every gradient (ref variables, PLATFORM_NOTES), so every
         # update's temporaries could be alive at once: what grouped apply is for.
-        variables = tf.compat.v1.trainable_variables()
+        variables = tf.trainable_variables()
         grads = tf.gradients(loss, variables)
         with tf.control_dependencies(grads):
             op = AdamW.make(tf).apply_gradients(list(zip(grads, variables)))
     else:
-        op = tf.compat.v1.train.MomentumOptimizer(0.01, 0.9).minimize(loss)
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
+        op = tf.train.MomentumOptimizer(0.01, 0.9).minimize(loss)
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
         peaks, device_peaks = [], []
         device = "/job:localhost/replica:0/task:0/device:CPU:0"
         for _ in range(3):
-            md = tf.compat.v1.RunMetadata()
-            sess.run(op, options=tf.compat.v1.RunOptions(
-                trace_level=tf.compat.v1.RunOptions.FULL_TRACE), run_metadata=md)
+            md = tf.RunMetadata()
+            sess.run(op, options=tf.RunOptions(
+                trace_level=tf.RunOptions.FULL_TRACE), run_metadata=md)
             peaks.append(peak_bytes(md))
             device_peaks.append(peak_bytes(md, device))
         # Variables (weights, slots) resident on the training device between steps.
         resident = sum(int(np.prod(v.shape)) * v.dtype.base_dtype.size
-                       for v in tf.compat.v1.global_variables()
+                       for v in tf.global_variables()
                        if v.op.device in ("", device) or v.op.device.endswith("CPU:0"))
         times = time_calls(lambda: sess.run(op), steps, warmup=1)
         final = float(sess.run(loss))
         # Optimizer state (slots, beta powers) per device, from where the variables live.
         state = {}
-        for v in tf.compat.v1.global_variables():
+        for v in tf.global_variables():
             if "Adam" in v.op.name or "_power" in v.op.name:
                 dev = v.op.device[-5:] if v.op.device else "CPU:0"
                 state[dev] = state.get(dev, 0) + int(np.prod(v.shape)) * 4
@@ -191,9 +191,9 @@ def run_case(case, steps):
         # Parameters (every variable the model trains, and any float16 variable) and the
         # gradients the updates read (Momentum's ApplyMomentum: input 3).
         params = sum(int(np.prod(v.shape)) * v.dtype.base_dtype.size
-                     for v in tf.compat.v1.trainable_variables())
+                     for v in tf.trainable_variables())
         half = sum(int(np.prod(v.shape)) * v.dtype.base_dtype.size
-                   for v in tf.compat.v1.global_variables() if v.dtype.base_dtype == tf.float16)
+                   for v in tf.global_variables() if v.dtype.base_dtype == tf.float16)
         grads = sum(int(np.prod(op.inputs[3].shape)) * op.inputs[3].dtype.size
                     for op in sess.graph.get_operations()
                     if op.type in ("ResourceApplyMomentum", "ApplyMomentum")

@@ -16,12 +16,14 @@ sys.path.insert(0, os.path.dirname(HERE))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import tensorflow.compat.v1 as tf  # noqa: E402
+
+tf.disable_v2_behavior()  # TF 2.x: TF1 graph semantics (1.15: its defaults)
 
 import epl  # noqa: E402
 from common import print_table, write_json  # noqa: E402
 
-tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+tf.logging.set_verbosity(tf.logging.ERROR)
 
 
 def _sleeper(seconds, tag):
@@ -49,7 +51,7 @@ def build(p, m, strategy, seconds):
                          "pipeline.strategy": strategy}))
     x = np.ones([64 * m, 4], np.float32)
     ds = tf.data.Dataset.from_tensor_slices(x).repeat().batch(1)
-    h = tf.compat.v1.data.make_one_shot_iterator(ds).get_next()
+    h = tf.data.make_one_shot_iterator(ds).get_next()
     for s in range(p):
         with epl.replicate(1, name="stage_%d" % s):
             w = tf.get_variable("w%d" % s, initializer=tf.ones([4]))

@@ -54,18 +54,18 @@ def _features(bert, rows):
     ids, types, mask, labels = bert.data(rows * 4)
     ds = tf.data.Dataset.from_tensor_slices((ids, types, mask, labels)).repeat()
     ds = ds.batch(rows, drop_remainder=True)
-    return tf.compat.v1.data.make_one_shot_iterator(ds).get_next()
+    return tf.data.make_one_shot_iterator(ds).get_next()
 
 
 def _optimizer():
     import tensorflow as tf
-    return tf.compat.v1.train.AdamOptimizer(1e-4)
+    return tf.train.AdamOptimizer(1e-4)
 
 
 def child(devices, micro, run_step, tiny):
     """One cold measurement: this process builds, rewrites and runs the graph once."""
     import tensorflow as tf
-    tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+    tf.logging.set_verbosity(tf.logging.ERROR)
     import epl
     from epl.rewrite import rewrite_if_needed
     bert = _bert(tiny)
@@ -77,19 +77,19 @@ def child(devices, micro, run_step, tiny):
                              "pipeline.num_micro_batch": micro}))
         epl.set_default_strategy(epl.replicate(1))
         loss = bert.model(_features(bert, ROWS * micro))
-        step = tf.compat.v1.train.get_or_create_global_step()
+        step = tf.train.get_or_create_global_step()
         train = _optimizer().minimize(loss, global_step=step)
         out["build_s"] = time.perf_counter() - t0
         out["ops_before"] = len(g.get_operations())
-        cfg = tf.compat.v1.ConfigProto(device_count={"CPU": devices})
-        with tf.compat.v1.Session(config=cfg) as sess:
+        cfg = tf.ConfigProto(device_count={"CPU": devices})
+        with tf.Session(config=cfg) as sess:
             # What the first sess.run does first (timed apart from TensorFlow's part).
             t0 = time.perf_counter()
             rewrite_if_needed(g)
             out["rewrite_s"] = time.perf_counter() - t0
             out["ops_after"] = len(g.get_operations())
             out["rewrite_vs_build"] = out["rewrite_s"] / out["build_s"]
-            init = tf.compat.v1.global_variables_initializer()
+            init = tf.global_variables_initializer()
             t0 = time.perf_counter()
             sess.run(init)
             out["init_run_s"] = time.perf_counter() - t0
@@ -112,12 +112,12 @@ def floor_child(devices, micro, towers, tiny):
     Python's garbage collector walks every object alive): one ``tf.import_graph_def``
     of the user's graph per clone; with ``towers``, the ops of hand-written towers."""
     import tensorflow as tf
-    tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+    tf.logging.set_verbosity(tf.logging.ERROR)
     bert = _bert(tiny)
     out = {}
     with tf.Graph().as_default() as g:
         loss = bert.model(_features(bert, ROWS * micro))
-        _optimizer().minimize(loss, global_step=tf.compat.v1.train.get_or_create_global_step())
+        _optimizer().minimize(loss, global_step=tf.train.get_or_create_global_step())
         user_def = g.as_graph_def()
     with tf.Graph().as_default():
         t0 = time.perf_counter()
@@ -131,13 +131,13 @@ def floor_child(devices, micro, towers, tiny):
             tower_grads = []
             for c in range(devices * micro):
                 with tf.device("/cpu:%d" % (c % devices)), \
-                        tf.compat.v1.variable_scope("", reuse=tf.compat.v1.AUTO_REUSE):
+                        tf.variable_scope("", reuse=tf.AUTO_REUSE):
                     tower_grads.append(opt.compute_gradients(bert.model(it_ops)))
             avg = []
             for gvs in zip(*tower_grads):
                 avg.append((tf.add_n([gr for gr, _ in gvs]) / float(len(gvs)), gvs[0][1]))
             opt.apply_gradients(avg,
-                                global_step=tf.compat.v1.train.get_or_create_global_step())
+                                global_step=tf.train.get_or_create_global_step())
             out["ops_towers"] = len(g.get_operations())
     return out
 

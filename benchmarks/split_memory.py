@@ -30,7 +30,7 @@ FEATURES, IN = 256, 64
 def run_mode(mode, devices, classes, batch, steps):
     import tensorflow as tf
     import epl
-    tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+    tf.logging.set_verbosity(tf.logging.ERROR)
     epl.init(epl.Config({"cluster.devices_per_worker": devices,
                          "cluster.colocate_split_and_replicate": True,
                          "cluster.variable_copies": "per_device"}))
@@ -38,7 +38,7 @@ def run_mode(mode, devices, classes, batch, steps):
     x = rng.randn(batch * 8, IN).astype(np.float32)
     y = rng.randint(0, classes, batch * 8).astype(np.int64)
     ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch).prefetch(8)
-    bx, by = tf.compat.v1.data.make_one_shot_iterator(ds).get_next()
+    bx, by = tf.data.make_one_shot_iterator(ds).get_next()
     with epl.replicate(1):
         feats = tf.layers.dense(bx, FEATURES, activation=tf.nn.relu, name="backbone")
     head_scope = epl.split(devices) if mode == "hybrid" else epl.replicate(1)

@@ -1,7 +1,7 @@
 """Model, input and optimizer functions for the strategy search tests (module level:
 the search runs them in processes of their own)."""
 import numpy as np
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 from tests import models
 
@@ -28,7 +28,7 @@ def model(features):
 
 
 def optimizer():
-    return tf.compat.v1.train.GradientDescentOptimizer(0.1)
+    return tf.train.GradientDescentOptimizer(0.1)
 
 
 def big_head_model(features):

@@ -13,9 +13,9 @@ atexit.register(shutil.rmtree, _LOGS, True)
 os.environ.setdefault("EPL_LOG_DIR", _LOGS)
 
 import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import tensorflow.compat.v1 as tf  # noqa: E402
 
-tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+tf.logging.set_verbosity(tf.logging.ERROR)
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,9 @@ import sys
 import time
 
 import numpy as np
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
+
+tf.disable_v2_behavior()  # TF 2.x: TF1 graph semantics (1.15: its defaults)
 
 from epl.communicators import native_ops as C
 
@@ -21,7 +23,7 @@ def all_reduce(value, group, sess_runs=1):
         x = tf.constant([float(value)])
         y = C.all_reduce(x, "%s/%s" % (JOB, group), RANK, SIZE, "sum", timeout_seconds=TIMEOUT,
                          transport=TRANSPORT)
-        with tf.compat.v1.Session() as sess:
+        with tf.Session() as sess:
             return [float(sess.run(y)[0]) for _ in range(sess_runs)]
 
 
@@ -36,7 +38,7 @@ def timed_error(fn):
 
 
 def run(fetches, feed=None):
-    with tf.compat.v1.Session() as sess:
+    with tf.Session() as sess:
         return sess.run(fetches, feed)
 
 

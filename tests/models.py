@@ -6,7 +6,7 @@ one-device program is deterministic (PLATFORM_NOTES: ref-variable trap) and
 two correct programs can be compared to ~1e-6.
 """
 import numpy as np
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 IN, HIDDEN, CLASSES = 12, 16, 5
 
@@ -18,7 +18,7 @@ def reset():
     from epl.env import Env
     strategies.reset()
     Env._instance = None  # pylint: disable=protected-access
-    tf.compat.v1.reset_default_graph()
+    tf.reset_default_graph()
 
 
 def init_data_parallel(n, **extra):
@@ -82,7 +82,7 @@ def train_op(loss, optimizer_name, global_step=None):
 
 def input_batch(x, y, batch):
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
-    it = tf.compat.v1.data.make_one_shot_iterator(ds)
+    it = tf.data.make_one_shot_iterator(ds)
     return it.get_next()
 
 
@@ -141,13 +141,13 @@ def checkpoint_handover(tmp_path, first, second, optimizer, devices=2, rows=16):
         reset()
         epl.init(epl.Config(dict(config, **{"cluster.devices_per_worker": devices})))
         epl.set_default_strategy(epl.replicate(1))
-        px = tf.compat.v1.placeholder(tf.float32, [None, IN])
-        py = tf.compat.v1.placeholder(tf.int64, [None])
+        px = tf.placeholder(tf.float32, [None, IN])
+        py = tf.placeholder(tf.int64, [None])
         _, loss = forward(px, py)
-        op = train_op(loss, optimizer, tf.compat.v1.train.get_or_create_global_step())
-        saver = tf.compat.v1.train.Saver()
-        with tf.compat.v1.Session() as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
+        op = train_op(loss, optimizer, tf.train.get_or_create_global_step())
+        saver = tf.train.Saver()
+        with tf.Session() as sess:
+            sess.run(tf.global_variables_initializer())
             if restore:
                 saver.restore(sess, path)
             for i in range(start, start + 2):

@@ -8,7 +8,9 @@ import os
 import sys
 
 import numpy as np
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
+
+tf.disable_v2_behavior()  # TF 2.x: TF1 graph semantics (1.15: its defaults)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import epl  # noqa: E402
@@ -27,8 +29,8 @@ def merge(out_dir, cluster, wx, wy):
     epl.add_to_collection(fetched["global_sum"], epl.GraphKeys.GLOBAL_SUM_OBJECTS)
     epl.add_to_collection(fetched["local_concat"], epl.GraphKeys.LOCAL_CONCAT_OBJECTS)
     epl.add_to_collection(fetched["local_mean"], epl.GraphKeys.LOCAL_MEAN_OBJECTS)
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
         got = sess.run(fetched)
     np.savez(os.path.join(out_dir, "merge_%d.npz" % cluster.worker_index), **got)
 
@@ -40,9 +42,9 @@ def train_and_evaluate(out_dir, cluster, wx, wy):
     def model_fn(features, labels, mode):
         logits, loss = models.forward(features, labels)
         if mode == tf.estimator.ModeKeys.EVAL:
-            acc = tf.compat.v1.metrics.accuracy(labels, tf.argmax(logits, 1))
+            acc = tf.metrics.accuracy(labels, tf.argmax(logits, 1))
             return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={"acc": acc})
-        op = models.train_op(loss, "adam", tf.compat.v1.train.get_global_step())
+        op = models.train_op(loss, "adam", tf.train.get_global_step())
         return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=op)
 
     est = tf.estimator.Estimator(model_fn, model_dir=os.path.join(out_dir, "est"))
@@ -64,7 +66,7 @@ def estimator_twice(out_dir, cluster, wx, wy):
 
     def model_fn(features, labels, mode):
         _, loss = models.forward(features, labels)
-        op = models.train_op(loss, "momentum", tf.compat.v1.train.get_global_step())
+        op = models.train_op(loss, "momentum", tf.train.get_global_step())
         return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=op)
 
     est = tf.estimator.Estimator(model_fn, model_dir=os.path.join(out_dir, "est"))
@@ -85,7 +87,7 @@ def two_losses(bx, by):
     loss1 = tf.reduce_mean(tf.square(h - 1.0))
     loss2 = tf.reduce_mean(tf.abs(o - tf.reduce_mean(bx, axis=1, keepdims=True)))
     grads = tup._gradients(loss1, v1) + tup._gradients(loss2, v2)
-    return tf.group(*[tf.compat.v1.assign_sub(v, 0.1 * g) for g, v in zip(grads, v1 + v2)]), \
+    return tf.group(*[tf.assign_sub(v, 0.1 * g) for g, v in zip(grads, v1 + v2)]), \
         v1 + v2
 
 

@@ -30,9 +30,9 @@ def main():
         return
     bx, by = models.input_batch(wx, wy, mw_train.BATCH)
     _, loss = models.forward(bx, by)
-    op = models.train_op(loss, "adam", tf.compat.v1.train.get_or_create_global_step())
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
+    op = models.train_op(loss, "adam", tf.train.get_or_create_global_step())
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
         for _ in range(mw_train.STEPS):
             sess.run(op)
         np.savez(os.path.join(out_dir, "worker_%d.npz" % w), **models.weights(sess))

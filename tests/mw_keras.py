@@ -4,7 +4,9 @@ import os
 import pickle
 import sys
 
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
+
+tf.disable_v2_behavior()  # TF 2.x: TF1 graph semantics (1.15: its defaults)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import epl  # noqa: E402
@@ -13,7 +15,7 @@ from tests import test_keras_metrics as tkm  # noqa: E402
 
 def main():
     out_dir = sys.argv[1]
-    tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+    tf.logging.set_verbosity(tf.logging.ERROR)
     epl.init()
     epl.set_default_strategy(epl.replicate(1))
     cluster = epl.Env.get().cluster

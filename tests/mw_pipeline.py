@@ -10,7 +10,9 @@ import os
 import sys
 
 import numpy as np
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
+
+tf.disable_v2_behavior()  # TF 2.x: TF1 graph semantics (1.15: its defaults)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import epl  # noqa: E402
@@ -22,7 +24,7 @@ STEPS, MB, MICRO = 4, 3, 2
 
 def main():
     out_dir = sys.argv[1]
-    tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+    tf.logging.set_verbosity(tf.logging.ERROR)
     epl.init(epl.Config({"pipeline.num_micro_batch": MICRO}))
     replicas = epl.Env.get().cluster.total_gpu_num // 2
     x, y = models.data(STEPS * replicas * MICRO * MB)

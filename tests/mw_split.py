@@ -10,7 +10,9 @@ import os
 import sys
 
 import numpy as np
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
+
+tf.disable_v2_behavior()  # TF 2.x: TF1 graph semantics (1.15: its defaults)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import epl  # noqa: E402
@@ -19,7 +21,7 @@ from tests import test_split as ts  # noqa: E402
 
 def main():
     mode, out_dir = sys.argv[1], sys.argv[2]
-    tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+    tf.logging.set_verbosity(tf.logging.ERROR)
     epl.init(epl.Config({"cluster.colocate_split_and_replicate": True}))
     n = epl.Env.get().cluster.total_gpu_num
     if mode == "hybrid":

@@ -7,7 +7,9 @@ import os
 import sys
 
 import numpy as np
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
+
+tf.disable_v2_behavior()  # TF 2.x: TF1 graph semantics (1.15: its defaults)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import epl  # noqa: E402
@@ -27,7 +29,7 @@ def worker_rows(x, y, worker, workers, per_worker_batch):
 
 def start_worker():
     """epl.init for this worker; returns (cluster, this worker's rows)."""
-    tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+    tf.logging.set_verbosity(tf.logging.ERROR)
     epl.init()
     epl.set_default_strategy(epl.replicate(1))
     cluster = epl.Env.get().cluster

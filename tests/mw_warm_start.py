@@ -5,7 +5,9 @@ import os
 import sys
 
 import numpy as np
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
+
+tf.disable_v2_behavior()  # TF 2.x: TF1 graph semantics (1.15: its defaults)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests import models  # noqa: E402
@@ -15,8 +17,8 @@ from tests.mw_train import BATCH, STEPS, start_worker  # noqa: E402
 def train(bx, by, checkpoint):
     """The program (with or without EPL): warm start, then the train op."""
     _, loss = models.forward(bx, by)
-    step = tf.compat.v1.train.get_or_create_global_step()
-    tf.compat.v1.train.init_from_checkpoint(checkpoint, {"/": "/"})
+    step = tf.train.get_or_create_global_step()
+    tf.train.init_from_checkpoint(checkpoint, {"/": "/"})
     return models.train_op(loss, "adam", step), step
 
 
@@ -25,11 +27,11 @@ def main():
     cluster, (wx, wy) = start_worker()
     bx, by = models.input_batch(wx, wy, BATCH)
     op, step = train(bx, by, checkpoint)
-    with tf.compat.v1.train.MonitoredTrainingSession(checkpoint_dir=None,
+    with tf.train.MonitoredTrainingSession(checkpoint_dir=None,
                                                      log_step_count_steps=None) as sess:
         for _ in range(STEPS):
             sess.run(op)
-        got = sess.run([models.value_tensor(tf.compat.v1.get_default_graph(), n)
+        got = sess.run([models.value_tensor(tf.get_default_graph(), n)
                         for n in sorted(models.initial_weights())])
         np.savez(os.path.join(out_dir, "worker_%d.npz" % cluster.worker_index),
                  step=sess.run(step), **dict(zip(sorted(models.initial_weights()), got)))

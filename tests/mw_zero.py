@@ -9,7 +9,9 @@ import os
 import sys
 
 import numpy as np
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
+
+tf.disable_v2_behavior()  # TF 2.x: TF1 graph semantics (1.15: its defaults)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import epl  # noqa: E402
@@ -20,7 +22,7 @@ STEPS, BATCH = 4, 4
 
 def main():
     optimizer, out_dir = sys.argv[1], sys.argv[2]
-    tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+    tf.logging.set_verbosity(tf.logging.ERROR)
     epl.init(epl.Config({"zero.level": "v1"}))
     epl.set_default_strategy(epl.replicate(1))
     replicas = epl.Env.get().cluster.total_gpu_num

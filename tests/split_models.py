@@ -1,7 +1,7 @@
 """Models for the tensor-parallel oracles: the same code runs locally and under
 ``epl.split`` (only the annotation differs)."""
 import numpy as np
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 IN, H1, H2, CLASSES = 12, 16, 10, 7
 

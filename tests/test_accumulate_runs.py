@@ -5,7 +5,7 @@ Oracle: 4m runs on micro-batches of 8 rows = 4 steps of the local model (no EPL)
 on batches of 8m rows, global_step included."""
 import numpy as np
 import pytest
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 import epl
 from epl import internal_state
@@ -20,11 +20,11 @@ def _accumulating(config, optimizer, runs):
     epl.init(epl.Config(dict({"pipeline.num_micro_batch": M}, **config)))
     bx, by = models.input_batch(x, y, MB)
     _, loss = models.forward(bx, by)
-    step = tf.compat.v1.train.get_or_create_global_step()
+    step = tf.train.get_or_create_global_step()
     op = models.train_op(loss, optimizer, step)
     seen = []
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
         start = models.weights(sess)
         for i in range(runs):
             sess.run(op)
@@ -59,8 +59,8 @@ def test_sum_of_micro_batches():
     with tf.Graph().as_default():
         bx, by = models.input_batch(x, y, M * MB)
         _, loss = models.forward(bx, by)
-        op = tf.compat.v1.train.GradientDescentOptimizer(0.1 * M).minimize(loss)
-        want = models.run_steps(op, STEPS, {n: models.value_tensor(tf.compat.v1.get_default_graph(), n)
+        op = tf.train.GradientDescentOptimizer(0.1 * M).minimize(loss)
+        want = models.run_steps(op, STEPS, {n: models.value_tensor(tf.get_default_graph(), n)
                                             for n in models.initial_weights()})
     got, _ = _accumulating({"communication.gradients_reduce_method": "sum"}, "sgd", M * STEPS)
     models.assert_weights_close(got, want)
@@ -73,8 +73,8 @@ def test_graph_does_not_grow_with_m():
         epl.init(epl.Config({"pipeline.num_micro_batch": m}))
         x, y = models.data(8)
         _, loss = models.forward(tf.constant(x), tf.constant(y))
-        tf.compat.v1.train.AdamOptimizer(0.1).minimize(loss)
-        sizes.append(len(tf.compat.v1.get_default_graph().get_operations()))
+        tf.train.AdamOptimizer(0.1).minimize(loss)
+        sizes.append(len(tf.get_default_graph().get_operations()))
     assert sizes[0] == sizes[1]
 
 
@@ -86,12 +86,12 @@ def test_monitored_session_stops_at_step(tmp_path):
     epl.init(epl.Config({"pipeline.num_micro_batch": M}))
     bx, by = models.input_batch(x, y, MB)
     _, loss = models.forward(bx, by)
-    step = tf.compat.v1.train.get_or_create_global_step()
+    step = tf.train.get_or_create_global_step()
     op = models.train_op(loss, "momentum", step)
     runs = 0
-    with tf.compat.v1.train.MonitoredTrainingSession(
+    with tf.train.MonitoredTrainingSession(
             checkpoint_dir=str(tmp_path), save_summaries_steps=None,
-            hooks=[tf.compat.v1.train.StopAtStepHook(last_step=STEPS)]) as sess:
+            hooks=[tf.train.StopAtStepHook(last_step=STEPS)]) as sess:
         while not sess.should_stop():
             sess.run(op)
             runs += 1
@@ -101,22 +101,22 @@ def test_monitored_session_stops_at_step(tmp_path):
     models.reset()
     with tf.Graph().as_default():
         _, loss = models.forward(tf.constant(x[:8]), tf.constant(y[:8]))
-        models.train_op(loss, "momentum", tf.compat.v1.train.get_or_create_global_step())
-        with tf.compat.v1.Session() as sess:
-            tf.compat.v1.train.Saver().restore(sess, tf.train.latest_checkpoint(str(tmp_path)))
+        models.train_op(loss, "momentum", tf.train.get_or_create_global_step())
+        with tf.Session() as sess:
+            tf.train.Saver().restore(sess, tf.train.latest_checkpoint(str(tmp_path)))
             models.assert_weights_close(models.weights(sess), want)
-            assert sess.run(tf.compat.v1.train.get_global_step()) == STEPS
+            assert sess.run(tf.train.get_global_step()) == STEPS
 
 
 def test_accumulators_are_initialized_but_not_saved():
     epl.init(epl.Config({"pipeline.num_micro_batch": M}))
     x, y = models.data(8)
     _, loss = models.forward(tf.constant(x), tf.constant(y))
-    tf.compat.v1.train.MomentumOptimizer(0.1, 0.9).minimize(loss)
-    mine = tf.compat.v1.get_collection(internal_state.COLLECTION)
+    tf.train.MomentumOptimizer(0.1, 0.9).minimize(loss)
+    mine = tf.get_collection(internal_state.COLLECTION)
     assert len(mine) == 5      # 4 accumulators and the run counter
-    assert all(v in tf.compat.v1.global_variables() for v in mine)
-    saver = tf.compat.v1.train.Saver()
+    assert all(v in tf.global_variables() for v in mine)
+    saver = tf.train.Saver()
     saved = set(saver._var_list)  # pylint: disable=protected-access
     assert not [v for v in mine if v in saved]
 
@@ -125,9 +125,9 @@ def test_optimizer_before_the_annotation_is_refused():
     epl.init(epl.Config({"pipeline.num_micro_batch": M}))
     x, y = models.data(8)
     _, loss = models.forward(tf.constant(x), tf.constant(y))
-    op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    op = tf.train.GradientDescentOptimizer(0.1).minimize(loss)
     with epl.replicate(1):
         tf.identity(loss)
     with pytest.raises(RuntimeError, match="before the first EPL annotation"):
-        with tf.compat.v1.Session() as sess:
+        with tf.Session() as sess:
             sess.run(op)

@@ -3,7 +3,7 @@ loss scaling.  Oracle: the float32 program; the loss curves agree to 3e-2
 (relative) over 20 steps; an overflowed step is skipped on every replica."""
 import numpy as np
 import pytest
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 import epl
 from tests import models
@@ -19,10 +19,10 @@ def _mlp_losses(config):
         epl.init(epl.Config(config))
     x, y = models.data(32)     # one batch, every step: the loss falls
     loss = deep_forward(tf.constant(x), tf.constant(y), dropout=False)
-    op = models.train_op(loss, "adam", tf.compat.v1.train.get_or_create_global_step())
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
-        return [sess.run([loss, op])[0] for _ in range(STEPS)], tf.compat.v1.get_default_graph()
+    op = models.train_op(loss, "adam", tf.train.get_or_create_global_step())
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
+        return [sess.run([loss, op])[0] for _ in range(STEPS)], tf.get_default_graph()
 
 
 def _bert_losses(config):
@@ -32,9 +32,9 @@ def _bert_losses(config):
     features = bert.batches(bert.data(STEPS * 8), 8)
     loss = bert.model(features)
     op = bert.train_op(loss, num_steps=STEPS, careful=True)
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
-        return [sess.run([loss, op])[0] for _ in range(STEPS)], tf.compat.v1.get_default_graph()
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
+        return [sess.run([loss, op])[0] for _ in range(STEPS)], tf.get_default_graph()
 
 
 @pytest.mark.parametrize("scale", ["dynamic", 128])
@@ -50,7 +50,7 @@ def test_loss_curve_follows_float32(build, scale):
     # Forward and both backward products of every layer.
     assert len(half) >= 3 * len([op for op in half if "gradients" not in op.name])
     assert [op for op in half if "gradients" not in op.name]
-    assert not [v for v in tf.compat.v1.global_variables()
+    assert not [v for v in tf.global_variables()
                 if v.dtype.base_dtype == tf.float16]
     # The backward pass casts each weight again when it needs it: no half copy of a
     # weight made in the forward pass lives until the backward pass.
@@ -75,7 +75,7 @@ def test_bfloat16_loss_curve_follows_float32(build):
         if op.type in ("MatMul", "BatchMatMulV2", "BatchMatMul"):
             types.setdefault(op.get_attr("T"), []).append(op.name)
     assert tf.float16 not in types and len(types[tf.bfloat16]) >= 3, types
-    assert not [v for v in tf.compat.v1.global_variables()
+    assert not [v for v in tf.global_variables()
                 if v.dtype.base_dtype in (tf.float16, tf.bfloat16)]
 
 
@@ -94,20 +94,20 @@ def _overflow_program(config, stages=1, hand_step=None):
     epl.init(epl.Config(cfg))
     if stages == 1:
         epl.set_default_strategy(epl.replicate(1))
-    px = tf.compat.v1.placeholder(tf.float32, [None, models.IN])
-    py = tf.compat.v1.placeholder(tf.int64, [None])
+    px = tf.placeholder(tf.float32, [None, models.IN])
+    py = tf.placeholder(tf.int64, [None])
     loss = deep_forward(px, py, dropout=False, stages=stages)
-    step = tf.compat.v1.train.get_or_create_global_step()
+    step = tf.train.get_or_create_global_step()
     op = models.train_op(loss, "momentum", None if hand_step else step)
     if hand_step == "assign":
         op = tf.group(op, step.assign(step + 1))
     elif hand_step == "assign_add":
         op = tf.group(op, step.assign_add(1))
     x, y = models.data(32)
-    graph = tf.compat.v1.get_default_graph()
+    graph = tf.get_default_graph()
     scale = models.value_tensor(graph, "EPL_AMP/loss_scale")
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
         sess.run(op, {px: x, py: y})
         # (after the first run: the replicas' copies exist)
         variables = [v for v in graph.get_operations() if v.type == "VariableV2"
@@ -149,10 +149,10 @@ def test_dynamic_scale_and_update_by_hand_refused():
     epl.init(epl.Config({"amp.level": "O1"}))
     x, y = models.data(8)
     _, loss = models.forward(tf.constant(x), tf.constant(y))
-    w = tf.compat.v1.trainable_variables()[0]
+    w = tf.trainable_variables()[0]
     g = tf.gradients(loss, [w])[0]
     op = w.assign_sub(0.1 * g)
-    with tf.compat.v1.Session() as sess:
+    with tf.Session() as sess:
         with pytest.raises(NotImplementedError, match="writes the trainable variable 'dense/"
                                                       "kernel' from gradients by hand"):
             sess.run(op)
@@ -165,7 +165,7 @@ def test_dynamic_scale_and_accumulation_across_runs_refused():
     _, loss = models.forward(tf.constant(x), tf.constant(y))
     with pytest.raises(NotImplementedError, match="'amp.loss_scale' = 'dynamic' with "
                                                   "'pipeline.num_micro_batch' = 2"):
-        tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        tf.train.GradientDescentOptimizer(0.1).minimize(loss)
 
 
 def _tape_losses(config, optimizer="v1"):
@@ -175,21 +175,21 @@ def _tape_losses(config, optimizer="v1"):
     if config is not None:
         epl.init(epl.Config(config))
     x, y = models.data(32)
-    step = tf.compat.v1.train.get_or_create_global_step()
-    with tf.compat.v1.variable_scope("", use_resource=True):
+    step = tf.train.get_or_create_global_step()
+    with tf.variable_scope("", use_resource=True):
         with tf.GradientTape() as tape:
             loss = deep_forward(tf.constant(x), tf.constant(y), dropout=False)
-    variables = tf.compat.v1.trainable_variables()
+    variables = tf.trainable_variables()
     grads = tape.gradient(loss, variables)
     if optimizer == "v1":
-        op = tf.compat.v1.train.AdamOptimizer(0.01).apply_gradients(
+        op = tf.train.AdamOptimizer(0.01).apply_gradients(
             zip(grads, variables), global_step=step)
     else:
         op = tf.group(tf.keras.optimizers.Adam(0.01).apply_gradients(zip(grads, variables)),
                       step.assign_add(1))
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
-        return [sess.run([loss, op])[0] for _ in range(STEPS)], tf.compat.v1.get_default_graph()
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
+        return [sess.run([loss, op])[0] for _ in range(STEPS)], tf.get_default_graph()
 
 
 @pytest.mark.parametrize("optimizer", ["v1", "keras"])
@@ -225,22 +225,22 @@ def test_gradient_tape_overflow_skips_the_step():
     kept, the scale halved), the next one applies."""
     models.reset()
     epl.init(epl.Config({"amp.level": "O1"}))
-    px = tf.compat.v1.placeholder(tf.float32, [None, models.IN])
-    py = tf.compat.v1.placeholder(tf.int64, [None])
-    step = tf.compat.v1.train.get_or_create_global_step()
-    with tf.compat.v1.variable_scope("", use_resource=True):
+    px = tf.placeholder(tf.float32, [None, models.IN])
+    py = tf.placeholder(tf.int64, [None])
+    step = tf.train.get_or_create_global_step()
+    with tf.variable_scope("", use_resource=True):
         with tf.GradientTape() as tape:
             loss = deep_forward(px, py, dropout=False)
-    variables = tf.compat.v1.trainable_variables()
+    variables = tf.trainable_variables()
     grads = tape.gradient(loss, variables)
-    op = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9).apply_gradients(
+    op = tf.train.MomentumOptimizer(0.1, 0.9).apply_gradients(
         zip(grads, variables), global_step=step)
-    scale = models.value_tensor(tf.compat.v1.get_default_graph(), "EPL_AMP/loss_scale")
+    scale = models.value_tensor(tf.get_default_graph(), "EPL_AMP/loss_scale")
     x, y = models.data(32)
     big = x.copy()
     big[-1] *= 1e6
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
         sess.run(op, {px: x, py: y})
         before = sess.run(variables + [step, scale])
         sess.run(op, {px: big, py: y})
@@ -262,7 +262,7 @@ def _tape_mlp_start(config):
         epl.init(epl.Config(config))
     x, y = models.data(8)
     rng = np.random.RandomState(0)
-    variables = [tf.compat.v1.get_variable(
+    variables = [tf.get_variable(
         "w%d" % i, initializer=(rng.randn(*s) * 0.3).astype(np.float32), use_resource=True)
         for i, s in enumerate([(models.IN, 16), (16, 16), (16, models.CLASSES)])]
     return x, y, variables
@@ -281,14 +281,14 @@ def test_gradient_tape_keeps_its_semantics(amp):
             h = tf.constant(x)
             for w in variables:
                 h = tf.tanh(tf.matmul(h, w))
-            loss = 2.0 * tf.compat.v1.losses.sparse_softmax_cross_entropy(y, h)
+            loss = 2.0 * tf.losses.sparse_softmax_cross_entropy(y, h)
         grads = tape.gradient(loss, {"a": variables[:2], "b": (variables[2],)},
                               output_gradients=tf.constant(0.5),
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
         with pytest.raises(RuntimeError, match="only be called once"):
             tape.gradient(loss, variables)
-        with tf.compat.v1.Session() as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
+        with tf.Session() as sess:
+            sess.run(tf.global_variables_initializer())
             return sess.run(grads)
     want = run(None)
     got = run({"amp.level": "O1", "amp.loss_scale": 128} if amp else {})
@@ -311,7 +311,7 @@ def test_gradients_stop_where_plain_tensorflow_stops(amp):
             with tape.stop_recording():
                 h = tf.matmul(h, w[1])
             logits = tf.matmul(tf.tanh(h), w[2])
-            inside = tf.compat.v1.losses.sparse_softmax_cross_entropy(y, logits)
+            inside = tf.losses.sparse_softmax_cross_entropy(y, logits)
         outside = 2.0 * inside
         tape_inside = tape.gradient(inside, w)
         tape_outside = tape.gradient(outside, w)
@@ -319,9 +319,9 @@ def test_gradients_stop_where_plain_tensorflow_stops(amp):
         assert [g is None for g in tape_inside] == [True, True, False]
         assert tape_outside == [None, None, None]
         assert [g is None for g in stopped] == [True, True, False]
-        with tf.compat.v1.Session() as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
-            return sess.run([tape_inside[2], stopped[2]]), tf.compat.v1.get_default_graph()
+        with tf.Session() as sess:
+            sess.run(tf.global_variables_initializer())
+            return sess.run([tape_inside[2], stopped[2]]), tf.get_default_graph()
     want, _ = run(None)
     got, graph = run({"amp.level": "O1", "amp.loss_scale": 128} if amp else {})
     for g, v in zip(got, want):

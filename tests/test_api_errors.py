@@ -3,7 +3,7 @@ import subprocess
 import sys
 
 import pytest
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 import epl
 from epl.plan import LayoutError
@@ -94,18 +94,18 @@ def test_micro_batches_without_annotation_need_an_optimizer():
     """num_micro_batch > 1 without annotation accumulates what an optimizer applies; a
     gradient step written by hand would update every run: refused, naming the op."""
     epl.init(epl.Config({"pipeline.num_micro_batch": 4}))
-    w = tf.compat.v1.get_variable("w", [3, 1])
+    w = tf.get_variable("w", [3, 1])
     loss = tf.reduce_sum(tf.matmul(tf.ones([8, 3]), w))
-    step = tf.compat.v1.assign_sub(w, 0.1 * tf.gradients(loss, [w])[0], name="by_hand")
-    with tf.compat.v1.Session() as sess:
+    step = tf.assign_sub(w, 0.1 * tf.gradients(loss, [w])[0], name="by_hand")
+    with tf.Session() as sess:
         with pytest.raises(NotImplementedError, match=r"'pipeline.num_micro_batch' = 4 .*"
                                                       r"'by_hand' \(AssignSub\) writes"):
-            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(tf.global_variables_initializer())
             sess.run(step)
     # A graph that does not train (no gradients) is not affected.
     with tf.Graph().as_default():
         total = tf.reduce_sum(tf.ones([4]))
-        with tf.compat.v1.Session() as sess:
+        with tf.Session() as sess:
             assert sess.run(total) == 4.0
 
 

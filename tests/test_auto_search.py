@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 import epl
 from epl import auto
@@ -15,11 +15,11 @@ from tests import auto_models, models
 
 
 def _train(train_op, steps=3):
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
         for _ in range(steps):
             sess.run(train_op)
-        names = sorted(v.op.name for v in tf.compat.v1.trainable_variables())
+        names = sorted(v.op.name for v in tf.trainable_variables())
         return dict(zip(names, sess.run([models.value_tensor(sess.graph, n) for n in names])))
 
 
@@ -57,11 +57,11 @@ def test_load_strategy_builds_without_searching():
     assert time.time() - start < 60
     models.reset()
     epl.init(epl.Config({"cluster.devices_per_worker": 2, "zero.level": "v1"}))
-    features = tf.compat.v1.data.make_one_shot_iterator(auto_models.dataset()).get_next()
+    features = tf.data.make_one_shot_iterator(auto_models.dataset()).get_next()
     epl.set_default_strategy(epl.replicate(1))
     loss = auto_models.model(features)
     op = auto_models.optimizer().minimize(
-        loss, global_step=tf.compat.v1.train.get_or_create_global_step())
+        loss, global_step=tf.train.get_or_create_global_step())
     want = _train(op)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6)
@@ -134,8 +134,8 @@ def test_split_candidate_only_for_a_head_that_is_the_largest_layer():
 
 
 def _losses(loss, train_op, steps=4):
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
         return [sess.run([loss, train_op])[0] for _ in range(steps)]
 
 
@@ -148,13 +148,13 @@ def test_split_strategy_equals_the_local_model():
         load_strategy=["split"])
     assert ok and chosen == [["split", None]]
     got = _losses(result.loss, result.train_op)
-    graph = tf.compat.v1.get_default_graph()
+    graph = tf.get_default_graph()
     head = [op for op in graph.get_operations() if op.type == "MatMul"
             and op.name.startswith("logits/") and "gradients" not in op.name]
     assert len(set(op.device for op in head)) == 2, [(op.name, op.device) for op in head]
     models.reset()
     x = auto_models.dataset().unbatch().batch(2 * auto_models.BATCH, drop_remainder=True)
-    features = tf.compat.v1.data.make_one_shot_iterator(x).get_next()
+    features = tf.data.make_one_shot_iterator(x).get_next()
     loss = auto_models.big_head_model(features)
     want = _losses(loss, auto_models.optimizer().minimize(loss))
     np.testing.assert_allclose(got, want, rtol=1e-5)

@@ -5,7 +5,7 @@ import itertools
 
 import numpy as np
 import pytest
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 import epl
 from tests import models
@@ -36,12 +36,12 @@ def _train(config, batch, widths=WIDTHS):
     x, y = models.data(STEPS * 64)     # (the same rows whatever the batch)
     bx, by = models.input_batch(x, y, batch)
     loss = mlp(bx, by, widths)
-    step = tf.compat.v1.train.get_or_create_global_step()
+    step = tf.train.get_or_create_global_step()
     op = models.train_op(loss, "adam", step)
-    names = sorted(v.op.name for v in tf.compat.v1.trainable_variables())
-    graph = tf.compat.v1.get_default_graph()
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
+    names = sorted(v.op.name for v in tf.trainable_variables())
+    graph = tf.get_default_graph()
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
         for _ in range(STEPS):
             sess.run(op)
         values = sess.run([models.value_tensor(graph, n) for n in names])
@@ -93,12 +93,12 @@ def test_uneven_widths_are_balanced_by_cost():
                          "cluster.devices_per_worker": 3}))
     x, y = models.data(8)
     loss = mlp(tf.constant(x), tf.constant(y), widths)
-    tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    tf.train.GradientDescentOptimizer(0.1).minimize(loss)
     ins = [models.IN] + widths[:-1]
     cost = [2 * a * b for a, b in zip(ins, widths)]
     best = min(max(sum(cost[a:b]) for a, b in zip((0,) + cut, cut + (len(cost),)))
                for cut in itertools.combinations(range(1, len(cost)), 2))
-    got = _layers_per_stage(tf.compat.v1.get_default_graph())
+    got = _layers_per_stage(tf.get_default_graph())
     assert sorted(sum(got, [])) == list(range(len(widths)))
     assert max(sum(cost[i] for i in stage) for stage in got) <= 1.1 * best, (got, cost)
 
@@ -125,4 +125,4 @@ def test_annotated_model_is_refused():
     with epl.replicate(1):
         loss = mlp(tf.ones([4, models.IN]), tf.zeros([4], tf.int64), WIDTHS)
     with pytest.raises(ValueError, match="has epl.replicate / epl.split annotations"):
-        tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        tf.train.GradientDescentOptimizer(0.1).minimize(loss)

@@ -3,7 +3,7 @@ import glob
 import os
 
 import pytest
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 import epl
 from tests import models
@@ -103,3 +103,37 @@ def test_summaries_written_once(tmp_path):
     values = [v.tag for e in tf.train.summary_iterator(events[0])
               for v in e.summary.value if v.tag == "loss"]
     assert len(values) == STEPS
+
+
+@pytest.mark.parametrize("use_resource", [False, True])
+def test_a_training_step_never_runs_the_savers_save_op(tmp_path, monkeypatch, request,
+                                                       use_resource):
+    """The Saver a MonitoredTrainingSession makes reads ``global_step``; with resource
+    variables its SaveV2 reads the step's ReadVariableOp like the learning-rate schedule
+    does.  The step's advance must not wait for it: that edge made every training step
+    write a shard of the whole model to ./model_temp_<uuid> (the default prefix "model")."""
+    monkeypatch.chdir(tmp_path)
+    if use_resource:  # (global_step too: the mode of disable_eager_execution alone)
+        tf.enable_resource_variables()
+        request.addfinalizer(tf.disable_resource_variables)
+    x, y = models.data(STEPS * N * BATCH)
+    _init()
+    epl.set_default_strategy(epl.replicate(1))
+    bx, by = models.input_batch(x, y, BATCH)
+    _, loss = models.forward(bx, by, use_resource=use_resource)
+    op = models.train_op(loss, "momentum", tf.train.get_or_create_global_step())
+    with tf.train.MonitoredTrainingSession() as sess:
+        for _ in range(STEPS):
+            sess.run(op)
+        upstream = set()
+        stack = [op]
+        while stack:
+            o = stack.pop()
+            if o in upstream:
+                continue
+            upstream.add(o)
+            stack.extend(t.op for t in o.inputs)
+            stack.extend(o.control_inputs)
+    saves = sorted(o.name for o in upstream if o.type in ("SaveV2", "Save", "SaveSlices"))
+    assert saves == [], "the training step runs the Saver's %s" % saves
+    assert os.listdir(str(tmp_path)) == []

@@ -9,7 +9,7 @@ import struct
 
 import numpy as np
 import pytest
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 from epl.rewrite import cloner
 from epl.rewrite.cloner import PREFIX, CopyPlan, Hole
@@ -33,7 +33,7 @@ def _plan_and_graph(name):
         y = tf.identity(x * 2.0, name="scaled")
         tmpl = tf.Graph()
         with tmpl.as_default():
-            a = tf.compat.v1.placeholder(tf.float32, [3], name="a")
+            a = tf.placeholder(tf.float32, [3], name="a")
             b = tf.add(a, ONE, name=name)
             c = tf.multiply(b, b, name="sq")
     plan = CopyPlan()
@@ -53,7 +53,7 @@ def test_copies_imported_once_with_filled_holes():
     # A name of 34 bytes + prefix "C1/" is a field of 37 bytes: its length byte is '%'.
     name = "n" * 34
     g, plan, x, y, seed, _ = _plan_and_graph(name)
-    entry = cloner.attr_entry("_epl_test", tf.compat.v1.AttrValue(i=7))
+    entry = cloner.attr_entry("_epl_test", tf.AttrValue(i=7))
     for c, src in ((1, x), (2, y)):
         plan.copy({PREFIX: "C%d/" % c, Hole("d"): "/device:CPU:0", seed: entry},
                   {"C%d/KEY_a" % c: src})
@@ -63,7 +63,7 @@ def test_copies_imported_once_with_filled_holes():
         assert g.get_operation_by_name("C2/sq").get_attr("_epl_test") == 7
         assert [i.name for i in g.get_operation_by_name("C1/sq").control_inputs] == [
             "C1/" + plan.nodes[0][0]]
-        with tf.compat.v1.Session() as sess:
+        with tf.Session() as sess:
             one, two = sess.run(["C1/sq:0", "C2/sq:0"])
     np.testing.assert_allclose(one, (np.arange(3) + ONE) ** 2, rtol=1e-6)
     np.testing.assert_allclose(two, (np.arange(3) * 2.0 + ONE) ** 2, rtol=1e-6)
@@ -74,9 +74,9 @@ def test_copy_named_like_an_existing_op_gets_a_suffix():
     with g.as_default():
         tf.constant(0.0, name="C1/sq")     # taken before the import
     plan.copy({PREFIX: "C1/", Hole("d"): "", seed: cloner.attr_entry(
-        "_epl_test", tf.compat.v1.AttrValue(i=1))}, {"C1/KEY_a": x})
+        "_epl_test", tf.AttrValue(i=1))}, {"C1/KEY_a": x})
     names, = cloner.import_copies(g, [plan])
     assert names[-1] != "C1/sq" and names[-1].startswith("C1/sq")
-    with g.as_default(), tf.compat.v1.Session() as sess:
+    with g.as_default(), tf.Session() as sess:
         np.testing.assert_allclose(sess.run(names[-1] + ":0"), (np.arange(3) + ONE) ** 2,
                                    rtol=1e-6)

@@ -11,7 +11,7 @@ same two gradient calls; for the bare collectives, the gradients the math gives.
 """
 import numpy as np
 import pytest
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 import epl
 from epl import native
@@ -26,10 +26,10 @@ def _two_losses(v, n=None):
     """Losses and outputs of moe_layer trained with the sum of two tf.gradients calls
     (one per loss), split over n devices or local."""
     experts = 4
-    px = tf.compat.v1.placeholder(tf.float32, [ts.T, ts.D])
+    px = tf.placeholder(tf.float32, [ts.T, ts.D])
 
     # (a trainable input scale: the gradients cross the dispatch exchange too)
-    scale = tf.compat.v1.get_variable("scale", initializer=v["scale"])
+    scale = tf.get_variable("scale", initializer=v["scale"])
 
     def layer():
         return epl.moe_layer(px * scale, experts, ts.H, top_k=2, num_groups=2,
@@ -41,22 +41,22 @@ def _two_losses(v, n=None):
         y, aux = layer()
     first = tf.reduce_mean((y - v["target"]) ** 2)
     second = tf.reduce_mean(tf.abs(y)) + 0.01 * aux
-    tvars = tf.compat.v1.trainable_variables()
+    tvars = tf.trainable_variables()
     grads = [a + b if b is not None else a for a, b in zip(tf.gradients(first, tvars),
                                                            tf.gradients(second, tvars))]
-    opt = tf.compat.v1.train.GradientDescentOptimizer(0.5)
+    opt = tf.train.GradientDescentOptimizer(0.5)
     with tf.control_dependencies(grads):
         op = opt.apply_gradients(list(zip(grads, tvars)))
     assigns = []
-    for var in tf.compat.v1.global_variables():
+    for var in tf.global_variables():
         full = v[var.op.name.rsplit("/part_", 1)[0]]
         info = var._save_slice_info  # pylint: disable=protected-access
         if info is not None:
             full = full[info.var_offset[0]:info.var_offset[0] + info.var_shape[0]]
-        assigns.append(tf.compat.v1.assign(var, full))
+        assigns.append(tf.assign(var, full))
     out = []
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
         sess.run(assigns)
         for _ in range(STEPS):
             l1, l2, o, _ = sess.run([first, second, y, op], {px: v["x"]})
@@ -74,7 +74,7 @@ def test_two_losses_through_one_moe_layer_equal_the_local_model():
     for (a1, a2, ao), (b1, b2, bo) in zip(want, got):
         np.testing.assert_allclose([b1, b2], [a1, a2], rtol=1e-5)
         np.testing.assert_allclose(bo, ao, rtol=1e-5, atol=1e-6)
-    groups = [op.get_attr("group") for op in tf.compat.v1.get_default_graph().get_operations()
+    groups = [op.get_attr("group") for op in tf.get_default_graph().get_operations()
               if op.type == "EplAllToAll"]
     # 2 exchanges x 2 ranks x (forward + 2 backward passes); each exchange of each pass
     # one group of 2 ranks.
@@ -103,7 +103,7 @@ def test_two_gradient_calls_through_one_collective(kind):
                     ys.append(C.all_reduce(x[r], "g2", r, n, timeout_seconds=20))
         losses = [tf.add_n([tf.reduce_sum(ys[r] * w[r]) for r in range(n)]) for w in weights]
         grads = [tf.gradients(loss, x) for loss in losses]
-        with tf.compat.v1.Session(config=tf.compat.v1.ConfigProto(
+        with tf.Session(config=tf.ConfigProto(
                 device_count={"CPU": n})) as sess:
             got = sess.run(grads)
     for k, w in enumerate(weights):

@@ -3,7 +3,7 @@ import itertools
 
 import numpy as np
 import pytest
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 from epl.communicators import native_ops as C
 

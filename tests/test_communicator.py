@@ -2,7 +2,7 @@
 backend chosen from the devices, and clear errors for an op a backend lacks."""
 import numpy as np
 import pytest
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 from epl import communicators, native
 from epl.communicators.hierarchical import HierarchicalCommunicator
@@ -22,8 +22,8 @@ def _make(backend, name):
 def _run(build):
     with tf.Graph().as_default():
         fetches = build()
-        cfg = tf.compat.v1.ConfigProto(device_count={"CPU": N})
-        with tf.compat.v1.Session(config=cfg) as sess:
+        cfg = tf.ConfigProto(device_count={"CPU": N})
+        with tf.Session(config=cfg) as sess:
             return sess.run(fetches)
 
 
@@ -104,7 +104,7 @@ def test_without_the_library_falls_back_and_says_why(monkeypatch):
     monkeypatch.setattr(native, "available", lambda: False)
     monkeypatch.setattr(native, "missing_reason", lambda: "no g++ (test)")
     monkeypatch.setattr(communicators, "_warned", [])
-    monkeypatch.setattr(tf.compat.v1.logging, "warning",
+    monkeypatch.setattr(tf.logging, "warning",
                         lambda msg, *a: warnings.append(msg % a))
     first = communicators.create(DEVICES, "a")
     communicators.create(DEVICES, "b")

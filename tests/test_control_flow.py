@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 import pytest
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 import epl
 from tests import models
@@ -30,7 +30,7 @@ LAYOUTS = {
 def _batches(rows, total=None):
     x, y = cf.data(total or STEPS * rows)
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(rows, drop_remainder=True)
-    return tf.compat.v1.data.make_one_shot_iterator(ds).get_next()
+    return tf.data.make_one_shot_iterator(ds).get_next()
 
 
 def _run(name, layout, tmpdir):
@@ -55,12 +55,12 @@ def _run(name, layout, tmpdir):
     x, y = _batches(rows * (factor if layout is None else 1), STEPS * B * factor)
     loss = cf.model(name, x, y, stage, split)
     op = cf.train_op(name, loss)
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
         for _ in range(STEPS):
             sess.run(op)
-        path = tf.compat.v1.train.Saver().save(sess, os.path.join(str(tmpdir), layout or "local"))
-    reader = tf.compat.v1.train.load_checkpoint(path)
+        path = tf.train.Saver().save(sess, os.path.join(str(tmpdir), layout or "local"))
+    reader = tf.train.load_checkpoint(path)
     return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()}
 
 
@@ -83,9 +83,9 @@ def cf_initial(name):
     models.reset()
     x, y = _batches(B)
     cf.model(name, x, y)
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
-        return {v.op.name: sess.run(v) for v in tf.compat.v1.global_variables()}
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
+        return {v.op.name: sess.run(v) for v in tf.global_variables()}
 
 
 def test_fed_flag_reaches_every_replica(tmpdir):
@@ -98,12 +98,12 @@ def test_fed_flag_reaches_every_replica(tmpdir):
         x, y = _batches(B * (1 if layout else 2), STEPS * 2 * B)
         loss = cf.model("cond", x, y)
         op = cf.train_op("cond", loss)
-        flag = tf.compat.v1.get_default_graph().get_tensor_by_name("is_training:0")
-        with tf.compat.v1.Session() as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
+        flag = tf.get_default_graph().get_tensor_by_name("is_training:0")
+        with tf.Session() as sess:
+            sess.run(tf.global_variables_initializer())
             for _ in range(STEPS):
                 sess.run(op, {flag: False})
-            return {v.op.name: sess.run(v) for v in tf.compat.v1.trainable_variables()}
+            return {v.op.name: sess.run(v) for v in tf.trainable_variables()}
     want, got = run(None), run("dp2")
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
@@ -125,8 +125,8 @@ def _loop_across_stages(boundary_inside, pipeline=True):
     x, y = _batches(B if pipeline else 2 * B, STEPS * 2 * B)
     with stage(0):
         h = tf.reshape(x, [-1, cf.T, cf.F])[:, 0, :]
-        w = tf.compat.v1.get_variable(
-            "w", [cf.F, cf.F], initializer=tf.compat.v1.glorot_uniform_initializer(seed=3))
+        w = tf.get_variable(
+            "w", [cf.F, cf.F], initializer=tf.glorot_uniform_initializer(seed=3))
 
     def body(t, s):
         if boundary_inside:
@@ -141,11 +141,11 @@ def _loop_across_stages(boundary_inside, pipeline=True):
         with stage(0):
             _, s = tf.while_loop(lambda t, s: t < 3, body, [0, h], name="mixed_loop")
     with stage(1):
-        logits = tf.compat.v1.layers.dense(
-            s, cf.CLASSES, kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=4))
+        logits = tf.layers.dense(
+            s, cf.CLASSES, kernel_initializer=tf.glorot_uniform_initializer(seed=4))
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
             labels=y, logits=logits))
-    opt = tf.compat.v1.train.GradientDescentOptimizer(0.1)
+    opt = tf.train.GradientDescentOptimizer(0.1)
     grads = opt.compute_gradients(loss)
     with tf.control_dependencies([g for g, _ in grads]):
         return opt.apply_gradients(grads)
@@ -153,9 +153,9 @@ def _loop_across_stages(boundary_inside, pipeline=True):
 
 def _train_loop_program(op):
     """(variables before, variables after STEPS steps of ``op``)."""
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
-        read = lambda: {v.op.name: sess.run(v) for v in tf.compat.v1.trainable_variables()}
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
+        read = lambda: {v.op.name: sess.run(v) for v in tf.trainable_variables()}
         before = read()
         for _ in range(STEPS):
             sess.run(op)
@@ -170,9 +170,9 @@ def test_stage_boundary_inside_a_loop_is_refused():
     assert not np.allclose(before["w"], after["w"], atol=1e-4)
     op = _loop_across_stages(boundary_inside=True)
     refusal = r"tf.while_loop 'mixed_loop' spans pipeline stages .*stage_0.*stage_1"
-    with tf.compat.v1.Session() as sess:
+    with tf.Session() as sess:
         with pytest.raises(ValueError, match=refusal):
-            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(tf.global_variables_initializer())
         with pytest.raises(ValueError, match=refusal):
             sess.run(op)
 
@@ -193,33 +193,33 @@ def test_rewritten_graph_exports_and_reimports(tmpdir):
     collections) re-imports, and the imported graph trains like the original."""
     models.reset()
     models.init_data_parallel(2)
-    px = tf.compat.v1.placeholder(tf.float32, [None, cf.T, cf.F], name="px")
-    py = tf.compat.v1.placeholder(tf.int64, [None], name="py")
+    px = tf.placeholder(tf.float32, [None, cf.T, cf.F], name="px")
+    py = tf.placeholder(tf.int64, [None], name="py")
     loss = cf.model("lstm", px, py)
     op = cf.train_op("lstm", loss)
     x, y = cf.data(2 * B)
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
         sess.run(op, {px: x, py: y})      # rewrites
-        g = tf.compat.v1.get_default_graph()
-        contexts = g.get_collection(tf.compat.v1.GraphKeys.WHILE_CONTEXT)
+        g = tf.get_default_graph()
+        contexts = g.get_collection(tf.GraphKeys.WHILE_CONTEXT)
         assert sorted(c.name for c in contexts) == [
             "EPL_REPLICA_1/rnn/while/while_context", "rnn/while/while_context"]
         frames = set(o.get_attr("frame_name") for o in g.get_operations() if o.type == "Enter")
         assert b"EPL_REPLICA_1/rnn/while/while_context" in frames
         path = os.path.join(str(tmpdir), "model")
-        tf.compat.v1.train.Saver().save(sess, path)
-        meta = tf.compat.v1.train.export_meta_graph(os.path.join(str(tmpdir), "rewritten.meta"))
+        tf.train.Saver().save(sess, path)
+        meta = tf.train.export_meta_graph(os.path.join(str(tmpdir), "rewritten.meta"))
         want_loss = sess.run(loss, {px: x, py: y})
         sess.run(op, {px: x, py: y})
         want_after = sess.run(loss, {px: x, py: y})
     models.reset()    # a plain graph, EPL not initialized: the imported graph runs as is
     with tf.Graph().as_default() as g2:
-        saver = tf.compat.v1.train.import_meta_graph(meta)
-        contexts = g2.get_collection(tf.compat.v1.GraphKeys.WHILE_CONTEXT)
+        saver = tf.train.import_meta_graph(meta)
+        contexts = g2.get_collection(tf.GraphKeys.WHILE_CONTEXT)
         assert len(contexts) == 2
-        cfg = tf.compat.v1.ConfigProto(device_count={"CPU": 2})
-        with tf.compat.v1.Session(config=cfg) as sess:
+        cfg = tf.ConfigProto(device_count={"CPU": 2})
+        with tf.Session(config=cfg) as sess:
             saver.restore(sess, path)
             feed = {"px:0": x, "py:0": y}
             np.testing.assert_allclose(sess.run(loss.name, feed), want_loss, rtol=1e-6)

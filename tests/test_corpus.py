@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 import pytest
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 import epl
 from tests import models
@@ -19,8 +19,8 @@ STEPS, B = 3, 4
 
 
 def _checkpoint(sess, tmpdir, name):
-    path = tf.compat.v1.train.Saver().save(sess, os.path.join(str(tmpdir), name))
-    reader = tf.compat.v1.train.load_checkpoint(path)
+    path = tf.train.Saver().save(sess, os.path.join(str(tmpdir), name))
+    reader = tf.train.load_checkpoint(path)
     return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()}
 
 
@@ -70,8 +70,8 @@ def _bert_run(tmpdir, layout=None):
     # The program under EPL increments global_step as BERT does (racing with the
     # learning-rate schedule); EPL orders it, so it equals the careful local program.
     op = bert.train_op(loss, careful=layout is None)
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
         for _ in range(STEPS):
             sess.run(op)
         return _checkpoint(sess, tmpdir, layout or "local")
@@ -99,19 +99,19 @@ def test_mini_bert(layout, tmpdir):
 # -- (b) a conv net with batch normalization ---------------------------------------------
 
 def _values(sess, names, prefix=""):
-    g = tf.compat.v1.get_default_graph()
+    g = tf.get_default_graph()
     return dict(zip(names, sess.run([g.get_tensor_by_name(prefix + n + ":0") for n in names])))
 
 
 def _convnet_towers(x, y, n, stats_from, steps, global_batch):
     from tests.corpus import convnet
     models.reset()
-    px = tf.compat.v1.placeholder(tf.float32, [None] + list(x.shape[1:]))
-    py = tf.compat.v1.placeholder(tf.int64, [None])
+    px = tf.placeholder(tf.float32, [None] + list(x.shape[1:]))
+    py = tf.placeholder(tf.int64, [None])
     loss, updates = convnet.towers(px, py, n, stats_from)
     op = convnet.train_op(loss, updates)
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
         for s in range(steps):
             rows = slice(s * global_batch, (s + 1) * global_batch)
             sess.run(op, {px: x[rows], py: y[rows]})
@@ -124,8 +124,8 @@ def _convnet_under_epl(x, **config):
     models.reset()
     epl.init(epl.Config(config))
     epl.set_default_strategy(epl.replicate(1))
-    px = tf.compat.v1.placeholder(tf.float32, [None] + list(x.shape[1:]))
-    py = tf.compat.v1.placeholder(tf.int64, [None])
+    px = tf.placeholder(tf.float32, [None] + list(x.shape[1:]))
+    py = tf.placeholder(tf.int64, [None])
     return px, py, convnet.train_op(convnet.model(px, py))
 
 
@@ -142,8 +142,8 @@ def test_convnet_with_batch_norm(n, copies, tmpdir):
     want = [_convnet_towers(x, y, n, r, STEPS, n * B) for r in (0, n - 1)]
     px, py, op = _convnet_under_epl(x, **{"cluster.devices_per_worker": n,
                                           "cluster.variable_copies": copies})
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
         for s in range(STEPS):
             rows = slice(s * n * B, (s + 1) * n * B)
             sess.run(op, {px: x[rows], py: y[rows]})
@@ -167,22 +167,22 @@ def test_convnet_gradient_accumulation():
     orders = []
     for order in ((0, 1), (1, 0)):
         models.reset()
-        px = tf.compat.v1.placeholder(tf.float32, [None] + list(x.shape[1:]))
-        py = tf.compat.v1.placeholder(tf.int64, [None])
+        px = tf.placeholder(tf.float32, [None] + list(x.shape[1:]))
+        py = tf.placeholder(tf.int64, [None])
         loss, _ = convnet.towers(px, py, m)
-        updates = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)
+        updates = tf.get_collection(tf.GraphKeys.UPDATE_OPS)
         per_tower = len(updates) // m
         op = convnet.train_op(loss, [])
-        with tf.compat.v1.Session() as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
+        with tf.Session() as sess:
+            sess.run(tf.global_variables_initializer())
             for t in order:   # (training-mode batch norm does not read the statistics)
                 sess.run(updates[t * per_tower:(t + 1) * per_tower], {px: x, py: y})
             sess.run(op, {px: x, py: y})
             orders.append(_values(sess, convnet.WEIGHTS + convnet.STATS))
     px, py, op = _convnet_under_epl(x, **{"cluster.devices_per_worker": 1,
                                           "pipeline.num_micro_batch": m})
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
         sess.run(op, {px: x, py: y})
         got = _values(sess, convnet.WEIGHTS + convnet.STATS)
     _assert_same(got, orders[0], convnet.WEIGHTS)
@@ -247,7 +247,7 @@ def _keras_fit(batch, x, y, steps):
     model.compile(tf.keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).repeat()
     model.fit(ds, steps_per_epoch=steps, epochs=1, verbose=0)
-    sess = tf.compat.v1.keras.backend.get_session()
+    sess = tf.keras.backend.get_session()
     return dict(zip([w.name for w in model.weights], sess.run(model.weights)))
 
 
@@ -255,14 +255,14 @@ def _keras_loop(batch, x, y, steps):
     from tests.corpus import keras_model
     model = keras_model.build()
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
-    bx, by = tf.compat.v1.data.make_one_shot_iterator(ds).get_next()
+    bx, by = tf.data.make_one_shot_iterator(ds).get_next()
     opt = tf.keras.optimizers.Adam(0.01)
     with tf.GradientTape() as tape:
         loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(by, model(bx)))
     grads = tape.gradient(loss, model.trainable_variables)
     op = opt.apply_gradients(zip(grads, model.trainable_variables))
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
         for _ in range(steps):
             sess.run(op)
         return dict(zip([w.name for w in model.weights], sess.run(model.weights)))
@@ -280,14 +280,14 @@ def test_keras_functional_model(how, devices, micro):
     run = _keras_fit if how == "fit" else _keras_loop
     batch = factor * B
     models.reset()
-    tf.compat.v1.keras.backend.clear_session()
+    tf.keras.backend.clear_session()
     want = run(batch, x, y, STEPS)
     models.reset()
-    tf.compat.v1.keras.backend.clear_session()
+    tf.keras.backend.clear_session()
     epl.init(epl.Config({"cluster.devices_per_worker": devices,
                          "pipeline.num_micro_batch": micro}))
     epl.set_default_strategy(epl.replicate(1))
     got = run(batch if how == "fit" else B, x, y, STEPS)
-    tf.compat.v1.keras.backend.clear_session()
+    tf.keras.backend.clear_session()
     assert sorted(got) == sorted(want)
     _assert_same(got, want)

@@ -1,7 +1,7 @@
 """Data parallelism on N virtual devices equals one device with an N-times batch."""
 import numpy as np
 import pytest
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 import epl
 from tests import models
@@ -61,11 +61,11 @@ def test_dp_resource_variables(copies):
 def _random_init_program():
     """Two variables with random initializers (a ref and a resource variable, explicit op
     seeds), a loss that reads both, and an update after every gradient."""
-    v = tf.compat.v1.get_variable("v", [50], initializer=tf.random_normal_initializer(seed=5))
-    r = tf.compat.v1.get_variable("r", [50], initializer=tf.random_uniform_initializer(seed=6),
+    v = tf.get_variable("v", [50], initializer=tf.random_normal_initializer(seed=5))
+    r = tf.get_variable("r", [50], initializer=tf.random_uniform_initializer(seed=6),
                                   use_resource=True)
     loss = tf.reduce_sum(v * r)
-    opt = tf.compat.v1.train.GradientDescentOptimizer(0.1)
+    opt = tf.train.GradientDescentOptimizer(0.1)
     grads = opt.compute_gradients(loss)
     with tf.control_dependencies([g for g, _ in grads]):
         return v, r, opt.apply_gradients(grads)
@@ -76,8 +76,8 @@ def test_replicas_start_from_replica_zero_random_init():
     is the value of the program without EPL (same seeds), and after two steps every copy
     equals that program's variables."""
     v, r, op = _random_init_program()
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
         want_init = sess.run([v, r])
         sess.run(op)
         sess.run(op)
@@ -85,9 +85,9 @@ def test_replicas_start_from_replica_zero_random_init():
     models.reset()
     models.init_data_parallel(3, **{"cluster.variable_copies": "per_device"})
     v, r, op = _random_init_program()
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
-        g = tf.compat.v1.get_default_graph()
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
+        g = tf.get_default_graph()
         copies = [(v, r)] + [(g.get_tensor_by_name("EPL_REPLICA_%d/v:0" % c),
                               g.get_tensor_by_name("EPL_REPLICA_%d/r/Read/ReadVariableOp:0" % c))
                              for c in (1, 2)]

@@ -313,7 +313,7 @@ def test_patches_can_be_removed_and_installed_again():
     tf_patches.install()
     with tf.Graph().as_default():   # (a recursion would raise RecursionError here)
         x = tf.constant([1.0, 2.0])
-        assert tf.compat.v1.Session().run(tf.argmax(x)) == 1
+        assert tf.Session().run(tf.argmax(x)) == 1
 
 
 def _available_gib():

@@ -9,7 +9,7 @@ import contextlib
 
 import numpy as np
 import pytest
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 import epl
 from epl import gradient_checkpoint
@@ -40,7 +40,7 @@ def deep_forward(x, labels, depth=DEPTH, dropout=True, stages=1):
             if dropout and i in (1, 3):
                 h = tf.keras.layers.Dropout(0.5, seed=10 + i)(h, training=True)
             if i in (2, 4):
-                tf.compat.v1.add_to_collection(gradient_checkpoint.COLLECTION, h)
+                tf.add_to_collection(gradient_checkpoint.COLLECTION, h)
             if last:
                 loss = tf.losses.sparse_softmax_cross_entropy(labels=labels, logits=h)
     return loss
@@ -71,12 +71,12 @@ def program(config, batch, optimizer="momentum", stages=1, default=True, **kw):
         if default and stages == 1:
             epl.set_default_strategy(epl.replicate(1))
     x, y = models.data(STEPS * batch)
-    px = tf.compat.v1.placeholder(tf.float32, [None, models.IN])
-    py = tf.compat.v1.placeholder(tf.int64, [None])
+    px = tf.placeholder(tf.float32, [None, models.IN])
+    py = tf.placeholder(tf.int64, [None])
     loss = deep_forward(px, py, stages=stages, **kw)
     rows = lambda i: slice(i * batch, (i + 1) * batch)  # noqa: E731
     out = _train(loss, optimizer, STEPS, lambda i: {px: x[rows(i)], py: y[rows(i)]})
-    return out + (tf.compat.v1.get_default_graph(),)
+    return out + (tf.get_default_graph(),)
 
 
 def assert_same(got, want):
@@ -152,10 +152,10 @@ def test_auto_picks_about_sqrt_n_checkpoints():
     x, y = models.data(8)
     loss = deep_forward(tf.constant(x), tf.constant(y), depth=16, dropout=False)
     tf.train.GradientDescentOptimizer(0.1).minimize(loss)
-    ops = [op for op in tf.compat.v1.get_default_graph().get_operations()
+    ops = [op for op in tf.get_default_graph().get_operations()
            if epl.Graph.get().phase_of(op) == "forward"]
     # The checkpoints among the layers' outputs: a choice of about sqrt(16).
-    copies = recomputed(tf.compat.v1.get_default_graph())
+    copies = recomputed(tf.get_default_graph())
     tanh = [op for op in copies if op.type == "Tanh"]
     assert 6 <= len(tanh) <= 14, [op.name for op in tanh]
     assert ops
@@ -169,7 +169,7 @@ def test_recomputation_waits_for_the_backward_pass():
     x, y = models.data(8)
     loss = deep_forward(tf.constant(x), tf.constant(y), dropout=False)
     tf.train.GradientDescentOptimizer(0.1).minimize(loss)
-    copies = recomputed(tf.compat.v1.get_default_graph())
+    copies = recomputed(tf.get_default_graph())
     made = set(copies)
     heads = [op for op in copies if not any(t.op in made for t in op.inputs)]
     assert heads
@@ -197,7 +197,7 @@ def _lstm_program(config):
     logits = tf.layers.dense(z, 2, kernel_initializer=init)
     loss = tf.losses.sparse_softmax_cross_entropy(labels=y, logits=logits)
     out = _train(loss, "adam", STEPS)
-    return out + (tf.compat.v1.get_default_graph(),)
+    return out + (tf.get_default_graph(),)
 
 
 @pytest.mark.parametrize("kind", ["auto"])
@@ -242,12 +242,12 @@ def test_check_gradients_with_an_input_pipeline(resource, caplog):
                          "gradient_checkpoint.check_gradients": True}))
     bx, by = models.input_batch(x, y, 16)
     h = bx
-    with tf.compat.v1.variable_scope("", use_resource=resource):
+    with tf.variable_scope("", use_resource=resource):
         for i in range(3):   # a few layers before the model's, so there is a checkpoint
             h = tf.identity(tf.nn.relu(h) - tf.nn.relu(-h), name="pre_%d" % i)
         _, loss = models.forward(h, by, use_resource=resource)
-    op = models.train_op(loss, "momentum", tf.compat.v1.train.get_or_create_global_step())
-    got = models.run_steps(op, 3, {n: models.value_tensor(tf.compat.v1.get_default_graph(), n)
+    op = models.train_op(loss, "momentum", tf.train.get_or_create_global_step())
+    got = models.run_steps(op, 3, {n: models.value_tensor(tf.get_default_graph(), n)
                                    for n in models.initial_weights()})
     models.assert_weights_close(got, want)
     checked = [r for r in caplog.records if "check: recomputed vs plain" in r.message]
@@ -268,21 +268,21 @@ def test_check_gradients_with_session_hooks(fed, caplog):
     epl.init(epl.Config({"gradient_checkpoint.type": "auto",
                          "gradient_checkpoint.check_gradients": True}))
     if fed:   # the check runs on its own before the first step ("before")
-        bx = tf.compat.v1.placeholder(tf.float32, [None, models.IN])
-        by = tf.compat.v1.placeholder(tf.int64, [None])
+        bx = tf.placeholder(tf.float32, [None, models.IN])
+        by = tf.placeholder(tf.int64, [None])
     else:     # the check is fetched with the first step ("with")
         bx, by = models.input_batch(x, y, 16)
     h = bx
     for i in range(3):   # a few layers before the model's, so there is a checkpoint
         h = tf.identity(tf.nn.relu(h) - tf.nn.relu(-h), name="pre_%d" % i)
     _, loss = models.forward(h, by, use_resource=True)
-    step = tf.compat.v1.train.get_or_create_global_step()
+    step = tf.train.get_or_create_global_step()
     op = models.train_op(loss, "momentum", step)
-    graph = tf.compat.v1.get_default_graph()
+    graph = tf.get_default_graph()
     weights = {n: models.value_tensor(graph, n) for n in models.initial_weights()}
-    final = tf.compat.v1.train.FinalOpsHook(weights)
-    hooks = [tf.compat.v1.train.StopAtStepHook(last_step=steps), final]
-    with tf.compat.v1.train.MonitoredTrainingSession(hooks=hooks, checkpoint_dir=None,
+    final = tf.train.FinalOpsHook(weights)
+    hooks = [tf.train.StopAtStepHook(last_step=steps), final]
+    with tf.train.MonitoredTrainingSession(hooks=hooks, checkpoint_dir=None,
                                                      log_step_count_steps=None) as sess:
         i = 0
         while not sess.should_stop():

@@ -1,7 +1,7 @@
 """Fusion, fp16, sparse and clip-after-allreduce paths equal the plain local model."""
 import numpy as np
 import pytest
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 import epl
 from epl.rewrite.fusion import plan_buckets

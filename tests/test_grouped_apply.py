@@ -1,7 +1,7 @@
 """optimizer.num_apply_group: the updates run in groups, one after another, and no
 number changes (oracle: the same program without EPL / with one group)."""
 import pytest
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 import epl
 from tests import models
@@ -44,12 +44,12 @@ def test_updates_run_group_after_group(groups):
     layers' (whose gradients come first) before the first layers'."""
     models.reset()
     epl.init(epl.Config({"optimizer.num_apply_group": groups}))
-    px = tf.compat.v1.placeholder(tf.float32, [None, models.IN])
-    py = tf.compat.v1.placeholder(tf.int64, [None])
+    px = tf.placeholder(tf.float32, [None, models.IN])
+    py = tf.placeholder(tf.int64, [None])
     from tests.test_gradient_checkpoint import deep_forward
     loss = deep_forward(px, py, dropout=False)
-    tf.compat.v1.train.MomentumOptimizer(0.1, 0.9).minimize(loss)
-    graph = tf.compat.v1.get_default_graph()
+    tf.train.MomentumOptimizer(0.1, 0.9).minimize(loss)
+    graph = tf.get_default_graph()
     updates = [op for op in graph.get_operations() if op.type == "ApplyMomentum"]
     assert len(updates) == 12
     var = {op: op.inputs[0].op.name for op in updates}
@@ -68,10 +68,10 @@ def test_feeders_join_their_group_but_reads_stay_free():
     x, y = models.data(8)
     from tests.test_gradient_checkpoint import deep_forward
     loss = deep_forward(tf.constant(x), tf.constant(y), dropout=False)
-    variables = tf.compat.v1.trainable_variables()
+    variables = tf.trainable_variables()
     grads = tf.gradients(loss, variables)
     models.make_optimizer("adamw").apply_gradients(list(zip(grads, variables)))
-    graph = tf.compat.v1.get_default_graph()
+    graph = tf.get_default_graph()
     first, last = variables[-1].op.name, variables[0].op.name   # groups: last layers first
     decay = graph.get_operation_by_name(first + "/adam_m/read").outputs[0].consumers()
     scaled = [op for op in decay if op.type == "Mul"]
@@ -80,8 +80,8 @@ def test_feeders_join_their_group_but_reads_stay_free():
     late = [op for op in late if op.type == "Mul"]
     assert any(_reaches(w, late[0]) for w in graph.get_operations()
                if w.type == "Assign" and w.inputs[0].op.name == first)
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
         before = sess.run(variables)
         sess.run([graph.get_tensor_by_name(v.op.name + "/adam_m/read:0") for v in variables])
         after = sess.run(variables)

@@ -2,7 +2,7 @@
 import json
 
 import pytest
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 import epl
 from epl.io_slicing import slice_files
@@ -50,7 +50,7 @@ def test_reader_reads_its_share(tmp_path, monkeypatch):
                                                 "task": {"type": "worker", "index": 1}}))
     epl.init(epl.Config({"io.slicing": True}))
     ds = tf.data.TextLineDataset(paths)
-    nxt = tf.compat.v1.data.make_one_shot_iterator(ds).get_next()
+    nxt = tf.data.make_one_shot_iterator(ds).get_next()
     lines = []
     with tf.Session() as sess:
         try:

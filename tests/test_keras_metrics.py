@@ -12,7 +12,7 @@ import pickle
 
 import numpy as np
 import pytest
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 import epl
 from tests import models
@@ -43,7 +43,7 @@ def _model():
     rng = np.random.RandomState(1)
 
     def const(*shape):
-        return tf.compat.v1.constant_initializer((rng.randn(*shape) * 0.5).astype(np.float32))
+        return tf.constant_initializer((rng.randn(*shape) * 0.5).astype(np.float32))
 
     inputs = [tf.keras.Input((1,), dtype=tf.int32, name="f%d" % i) for i in range(FIELDS)]
     embedded = [tf.keras.layers.Flatten()(
@@ -75,13 +75,13 @@ def train(batch=BATCH, share=lambda arrays: arrays, set_weights=False, predict=T
            "evaluated": model.evaluate(vx, vy, batch_size=batch, verbose=0)}
     if predict:
         out["predicted"] = model.predict(x, batch_size=batch)
-    tf.compat.v1.keras.backend.clear_session()
+    tf.keras.backend.clear_session()
     return out
 
 
 def _run(config, **kwargs):
     models.reset()
-    tf.compat.v1.keras.backend.clear_session()
+    tf.keras.backend.clear_session()
     if config is not None:
         epl.init(epl.Config(config))
         epl.set_default_strategy(epl.replicate(1))
@@ -131,13 +131,13 @@ def test_predict_with_micro_batches_is_refused():
     """Each micro-batch's forward pass, loss included, runs after the previous one's
     (the pipeline schedule); predict feeds no targets: refused with the reason."""
     models.reset()
-    tf.compat.v1.keras.backend.clear_session()
+    tf.keras.backend.clear_session()
     epl.init(epl.Config(CONFIGS["dp2_ga2"]))
     epl.set_default_strategy(epl.replicate(1))
     model = _model()
     with pytest.raises(NotImplementedError, match="predict.*'pipeline.num_micro_batch' = 2"):
         model.predict(_data()[0], batch_size=BATCH)
-    tf.compat.v1.keras.backend.clear_session()
+    tf.keras.backend.clear_session()
 
 
 def test_set_weights():

@@ -4,7 +4,7 @@ not.  Oracle: the same model without EPL on one device with the replicas' batche
 """
 import numpy as np
 import pytest
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 import epl
 from tests import models
@@ -18,10 +18,10 @@ def _values():
 
 
 def _dense(x, units, values, name, act=None):
-    return tf.compat.v1.layers.dense(
+    return tf.layers.dense(
         x, units, activation=act, name=name,
-        kernel_initializer=tf.compat.v1.constant_initializer(values[name + "/kernel"]),
-        bias_initializer=tf.compat.v1.constant_initializer(values[name + "/bias"]))
+        kernel_initializer=tf.constant_initializer(values[name + "/kernel"]),
+        bias_initializer=tf.constant_initializer(values[name + "/bias"]))
 
 
 def _model(bx, by, values, how=None, n=None):
@@ -43,24 +43,24 @@ def _model(bx, by, values, how=None, n=None):
     if how == "scopes":
         with epl.replicate(1):
             logits = _dense(g, sm.CLASSES, values, "dense_2")
-            loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels=by, logits=logits)
+            loss = tf.losses.sparse_softmax_cross_entropy(labels=by, logits=logits)
     else:
         logits = _dense(g, sm.CLASSES, values, "dense_2")
-        loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels=by, logits=logits)
+        loss = tf.losses.sparse_softmax_cross_entropy(labels=by, logits=logits)
     return loss
 
 
 def _train(x, y, batch, build, fixed):
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=fixed)
-    bx, by = tf.compat.v1.data.make_one_shot_iterator(ds).get_next()
+    bx, by = tf.data.make_one_shot_iterator(ds).get_next()
     loss = build(bx, by)
     op = sm.train_op(loss, "momentum")
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
         for _ in range(STEPS):
             sess.run(op)
         names = sorted(_values())
-        g = tf.compat.v1.get_default_graph()
+        g = tf.get_default_graph()
         return dict(zip(names, sess.run([_whole(g, k) for k in names])))
 
 
@@ -68,7 +68,7 @@ def _whole(graph, name):
     """A variable's value, whole (a split variable is kept in shards)."""
     import re
     part = re.compile(re.escape(name) + r"/part_(\d+)$")
-    shards = [v for v in tf.compat.v1.global_variables()
+    shards = [v for v in tf.global_variables()
               if v.op.name == name or part.match(v.op.name)]
     if len(shards) == 1:
         return shards[0].value()
@@ -94,7 +94,7 @@ def test_replicate_split_replicate_equals_local(how, colocate, fixed):
     got = _train(x, y, B, lambda bx, by: _model(bx, by, values, how, n), fixed)
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
-    g = tf.compat.v1.get_default_graph()
+    g = tf.get_default_graph()
     split_devices = set(o.device for o in g.get_operations()
                         if o.type == "MatMul" and o.name.startswith("dense_1/"))
     assert len(split_devices) == n
@@ -115,12 +115,12 @@ def test_split_first_then_replicate_equals_local(colocate):
             with epl.replicate(1):
                 g = _dense(h, sm.H2, values, "dense_1", tf.nn.relu)
                 logits = _dense(g, sm.CLASSES, values, "dense_2")
-                return tf.compat.v1.losses.sparse_softmax_cross_entropy(labels=by,
+                return tf.losses.sparse_softmax_cross_entropy(labels=by,
                                                                         logits=logits)
         h = _dense(bx, sm.H1, values, "dense", tf.nn.tanh)
         g = _dense(h, sm.H2, values, "dense_1", tf.nn.relu)
         logits = _dense(g, sm.CLASSES, values, "dense_2")
-        return tf.compat.v1.losses.sparse_softmax_cross_entropy(labels=by, logits=logits)
+        return tf.losses.sparse_softmax_cross_entropy(labels=by, logits=logits)
 
     models.reset()
     want = _train(x, y, replicas * B, lambda bx, by: model(bx, by, False), True)

@@ -4,7 +4,7 @@ device (the global batch of 16 split over the replicas); AMP follows it within 3
 EPL's own variables (the loss scale) are initialized by keras like the model's."""
 import numpy as np
 import pytest
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 import epl
 from tests import models
@@ -22,7 +22,7 @@ def _fit(config):
     """Weights after 3 epochs of fit (batch 16), and the loss history; ``config`` None:
     the program without EPL on one device."""
     models.reset()
-    tf.compat.v1.keras.backend.clear_session()
+    tf.keras.backend.clear_session()
     if config is not None:
         epl.init(epl.Config(dict(config, **{"cluster.devices_per_worker": 2})))
         epl.set_default_strategy(epl.replicate(1))
@@ -47,7 +47,7 @@ def test_unchanged_numbers(config):
     got, _ = _fit(config)
     _assert_weights(got, want, 1e-5, 1e-6)
     models.reset()
-    tf.compat.v1.keras.backend.clear_session()
+    tf.keras.backend.clear_session()
     assert not np.allclose(want[0], _model().get_weights()[0], atol=1e-4)   # (it trained)
     assert losses[-1] < losses[0]
 

@@ -1,9 +1,9 @@
 """The original project's hand-written MoE layer (issue 24, item 3): a
-``tf.compat.v1.layers.Layer`` whose ``build`` makes ``add_weight`` experts
+``tf.layers.Layer`` whose ``build`` makes ``add_weight`` experts
 ``[E, m, h]`` and whose ``call`` runs two ``tf.einsum`` over them, both under
 ``epl.split()``, fed straight from the input pipeline (the batch's first dimension
 is the expert dimension), its reshaped output read by a replicated
-``tf.compat.v1.layers.dense``, then ``tf.gradients``, global- or per-tensor norm
+``tf.layers.dense``, then ``tf.gradients``, global- or per-tensor norm
 clipping and ``apply_gradients``.
 
 Oracle: the same program without EPL (same data, same initial values): one device
@@ -18,7 +18,7 @@ import os
 
 import numpy as np
 import pytest
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 import epl
 from tests import models
@@ -51,13 +51,13 @@ def _rows_of(value):
     return init
 
 
-class FFN(tf.compat.v1.layers.Layer):
+class FFN(tf.layers.Layer):
     """The expert FFN as the original project's test writes it."""
 
     def __init__(self, values, partitions=None, **kwargs):
         super(FFN, self).__init__(**kwargs)
         self.values = values
-        self.partitioner = (tf.compat.v1.fixed_size_partitioner(partitions)
+        self.partitioner = (tf.fixed_size_partitioner(partitions)
                             if partitions else None)
 
     def build(self, input_shape):
@@ -87,10 +87,10 @@ def _logits(v, labels=False, partitions=None):
         dataset = tf.data.Dataset.from_tensor_slices((v["x"], v["y"]))
     else:
         dataset = tf.data.Dataset.from_tensor_slices(v["x"])
-    batch = tf.compat.v1.data.make_one_shot_iterator(dataset.batch(E).repeat()).get_next()
+    batch = tf.data.make_one_shot_iterator(dataset.batch(E).repeat()).get_next()
     x, y = batch if labels else (batch, tf.constant(v["y"][0]))
     out = FFN(v, partitions, name="ffn")(x)
-    return tf.compat.v1.layers.dense(
+    return tf.layers.dense(
         out, UNITS, kernel_initializer=tf.constant_initializer(v["dense"])), y
 
 
@@ -98,8 +98,8 @@ def _program(v, clip, labels=False, partitions=None, lr=0.01):
     """(loss, train op) of the user's program."""
     logits, y = _logits(v, labels, partitions)
     loss = tf.reduce_mean(tf.square(logits - y))
-    optimizer = tf.compat.v1.train.AdamOptimizer(lr)
-    tvars = tf.compat.v1.trainable_variables()
+    optimizer = tf.train.AdamOptimizer(lr)
+    tvars = tf.trainable_variables()
     grads = tf.gradients(loss, tvars)
     if clip == "global":
         grads, _ = tf.clip_by_global_norm(grads, CLIP)
@@ -124,13 +124,13 @@ def _train(v, clip, n=None, steps=None, tmpdir=None, labels=False, partitions=No
     loss, op = _program(v, clip, labels, partitions)
     if n is not None:
         epl.add_to_collection(loss, epl.GraphKeys.GLOBAL_MEAN_OBJECTS)
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
         losses = [sess.run([loss, op])[0] for _ in range(steps)]
         losses.append(sess.run(loss))
-        path = tf.compat.v1.train.Saver().save(
+        path = tf.train.Saver().save(
             sess, os.path.join(str(tmpdir), "epl" if n else "local"))
-    reader = tf.compat.v1.train.load_checkpoint(path)
+    reader = tf.train.load_checkpoint(path)
     return np.array(losses), {k: reader.get_tensor(k)
                               for k in reader.get_variable_to_shape_map()}
 
@@ -147,9 +147,9 @@ def test_clipping_bites():
     models.reset()
     v = _values()
     loss, _ = _program(v, "global")
-    grads = tf.gradients(loss, tf.compat.v1.trainable_variables())
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
+    grads = tf.gradients(loss, tf.trainable_variables())
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
         norms = sess.run([tf.norm(g) for g in grads])
     assert min(norms) > CLIP, norms
 
@@ -176,8 +176,8 @@ def test_split_over_two_devices_equals_plain_tf(clip, tmpdir):
     want = _train(v, clip, tmpdir=tmpdir, partitions=2 if clip == "local" else None)
     got = _train(v, clip, n=2, tmpdir=tmpdir, **{"communication.clip_after_allreduce": True})
     _assert_same(got, want)
-    graph = tf.compat.v1.get_default_graph()
-    parts = [var for var in tf.compat.v1.trainable_variables()
+    graph = tf.get_default_graph()
+    parts = [var for var in tf.trainable_variables()
              if var.op.name.startswith("ffn/in_weights/part_")]
     assert [int(p.shape[0]) for p in parts] == [2, 2]
     assert len(set(p.op.device for p in parts)) == 2
@@ -200,7 +200,7 @@ def test_split_over_two_devices_clipping_before_the_reduction(clip, tmpdir):
     rows = tf.split(tf.square(logits - y), 2)
     per_replica = [tf.reduce_mean(r) for r in rows]
     loss = tf.add_n(per_replica) / 2.0
-    tvars = tf.compat.v1.trainable_variables()
+    tvars = tf.trainable_variables()
     experts = [t for t in tvars if t.op.name.startswith("ffn/")]
     dense = [t for t in tvars if t not in experts]
     split_grads = tf.gradients(loss, experts)
@@ -213,15 +213,15 @@ def test_split_over_two_devices_clipping_before_the_reduction(clip, tmpdir):
             grads = [tf.clip_by_norm(g, CLIP) for g in grads]
         clipped.append(grads)
     mean = [(a + b) / 2.0 for a, b in zip(*clipped)]
-    optimizer = tf.compat.v1.train.AdamOptimizer(0.01)
+    optimizer = tf.train.AdamOptimizer(0.01)
     with tf.control_dependencies(mean):
         op = optimizer.apply_gradients(list(zip(mean, dense + experts)))
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
         losses = [sess.run([loss, op])[0] for _ in range(STEPS)]
         losses.append(sess.run(loss))
-        path = tf.compat.v1.train.Saver().save(sess, os.path.join(str(tmpdir), "oracle"))
-    reader = tf.compat.v1.train.load_checkpoint(path)
+        path = tf.train.Saver().save(sess, os.path.join(str(tmpdir), "oracle"))
+    reader = tf.train.load_checkpoint(path)
     want_weights = {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()}
     got = _train(v, clip, n=2, tmpdir=tmpdir, **{"communication.clip_after_allreduce": False})
     np.testing.assert_allclose(got[0], losses, rtol=1e-5)
@@ -241,7 +241,7 @@ def test_amp_o1_follows_float32(clip, n, tmpdir):
                     "communication.clip_after_allreduce": True})
     np.testing.assert_allclose(got[0], want[0], rtol=3e-2)
     assert want[0][-1] < want[0][0] * 0.9, want[0]     # the model learns: the check can fail
-    half = [op.name for op in tf.compat.v1.get_default_graph().get_operations()
+    half = [op.name for op in tf.get_default_graph().get_operations()
             if op.type == "MatMul" and op.get_attr("T") == tf.float16]
     assert "dense/MatMul_fp16" in half, half
 

@@ -276,18 +276,18 @@ def test_warm_start_with_global_step_on_two_workers(tmp_path):
     with tf.Graph().as_default():
         x, y = models.data(2)
         models.forward(tf.constant(x), tf.constant(y))
-        step = tf.compat.v1.train.get_or_create_global_step()
-        with tf.compat.v1.Session() as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
-            sess.run([v.assign(v * 0.5 + 0.1) for v in tf.compat.v1.trainable_variables()]
+        step = tf.train.get_or_create_global_step()
+        with tf.Session() as sess:
+            sess.run(tf.global_variables_initializer())
+            sess.run([v.assign(v * 0.5 + 0.1) for v in tf.trainable_variables()]
                      + [step.assign(5)])
-            tf.compat.v1.train.Saver().save(sess, ckpt)
+            tf.train.Saver().save(sess, ckpt)
     x, y = models.data(STEPS * BATCH * 2)
     with tf.Graph().as_default():
         bx, by = models.input_batch(x, y, BATCH * 2)
         op, step = mw_warm_start.train(bx, by, ckpt)
-        with tf.compat.v1.Session() as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
+        with tf.Session() as sess:
+            sess.run(tf.global_variables_initializer())
             for _ in range(STEPS):
                 sess.run(op)
             want = models.weights(sess)

@@ -4,7 +4,7 @@ nothing else changes (oracle: the same program without offload / without EPL).
 On CPU the host is one more virtual device after the training devices."""
 import numpy as np
 import pytest
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 import epl
 from epl.rewrite.updates import VARIABLE_OPS
@@ -23,11 +23,11 @@ def _traced_devices(config, graph_fn):
     models.reset()
     epl.init(epl.Config(config))
     op = graph_fn()
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
-        md = tf.compat.v1.RunMetadata()
-        sess.run(op, options=tf.compat.v1.RunOptions(
-            trace_level=tf.compat.v1.RunOptions.FULL_TRACE), run_metadata=md)
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
+        md = tf.RunMetadata()
+        sess.run(op, options=tf.RunOptions(
+            trace_level=tf.RunOptions.FULL_TRACE), run_metadata=md)
     # ("/host:CPU" entries are the tracer's own records of the same kernels.)
     return {n.node_name: d.device for d in md.step_stats.dev_stats for n in d.node_stats
             if not d.device.startswith("/host:")}
@@ -75,7 +75,7 @@ def test_compute_stays_on_the_devices():
         epl.set_default_strategy(epl.replicate(1))
         x, y = models.input_batch(*models.data(16), batch=8)
         _, loss = models.forward(x, y)
-        return tf.compat.v1.train.MomentumOptimizer(0.1, 0.9).minimize(loss)
+        return tf.train.MomentumOptimizer(0.1, 0.9).minimize(loss)
     ran = _traced_devices({"cluster.devices_per_worker": 2, "offload.level": "v0"}, build)
     host = "CPU:2"
     layers = [(n, d) for n, d in ran.items() if "dense" in n and "Momentum" not in n
@@ -100,9 +100,9 @@ def test_split_is_refused():
     with epl.split(2):
         h = tf.layers.dense(tf.ones([4, 8]), 8)
         loss = tf.reduce_sum(h)
-    op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    op = tf.train.GradientDescentOptimizer(0.1).minimize(loss)
     with pytest.raises(NotImplementedError, match="'offload.level' = 'v0' with an epl.split"):
-        with tf.compat.v1.Session() as sess:
+        with tf.Session() as sess:
             sess.run(op)
 
 
@@ -128,8 +128,8 @@ def test_accumulation_across_runs_with_gc_and_offload():
                          "gradient_checkpoint.type": "auto"}))
     bx, by = models.input_batch(x, y, mb)
     _, loss = models.forward(bx, by)
-    op = models.train_op(loss, "adam", tf.compat.v1.train.get_or_create_global_step())
+    op = models.train_op(loss, "adam", tf.train.get_or_create_global_step())
     got = models.run_steps(op, steps * m, {n: models.value_tensor(
-        tf.compat.v1.get_default_graph(), n) for n in models.initial_weights()})
+        tf.get_default_graph(), n) for n in models.initial_weights()})
     models.assert_weights_close(got, want)
-    assert all(op.device.endswith("CPU:1") for op in _variables(tf.compat.v1.get_default_graph()))
+    assert all(op.device.endswith("CPU:1") for op in _variables(tf.get_default_graph()))

@@ -1,7 +1,7 @@
 """Gradient accumulation and pipeline stages equal the local model on the global batch."""
 import numpy as np
 import pytest
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 import epl
 from tests import models

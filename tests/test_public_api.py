@@ -3,7 +3,7 @@ import logging
 
 import numpy as np
 import pytest
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 import epl
 from epl.config import Config
@@ -50,15 +50,15 @@ def test_add_to_collection_takes_a_list_and_get_all_collections():
     assert sorted(everything) == sorted(epl.GraphKeys.ALL_COLLECTION_KEYS)
     assert everything[epl.GraphKeys.LOCAL_SUM_OBJECTS][0] is loss
     assert len(everything[epl.GraphKeys.LOCAL_SUM_OBJECTS]) == 2
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
         total, rows = sess.run([loss, logits])
     assert rows.shape[0] == n * 4          # every replica's rows
     with tf.Graph().as_default():          # the oracle: each replica's loss on its batch
         bx, by = models.input_batch(x, y, 4)
         _, one = models.forward(bx, by)
-        with tf.compat.v1.Session() as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
+        with tf.Session() as sess:
+            sess.run(tf.global_variables_initializer())
             want = sess.run(one) + sess.run(one)
     np.testing.assert_allclose(total, want, rtol=1e-5)
 
@@ -76,7 +76,7 @@ def test_run_config_distribution_strategy_is_ignored_with_a_warning(tmp_path, ca
 
     def model_fn(features, labels, mode):
         _, loss = models.forward(features, labels)
-        op = models.train_op(loss, "momentum", tf.compat.v1.train.get_global_step())
+        op = models.train_op(loss, "momentum", tf.train.get_global_step())
         return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=op)
 
     epl.init(epl.Config({"cluster.devices_per_worker": n}))

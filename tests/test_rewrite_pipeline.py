@@ -4,7 +4,7 @@ the default pipeline's passes doing what their contracts say on a small DP progr
 import os
 
 import pytest
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 from tensorflow.core.framework import graph_pb2
 from google.protobuf import text_format
 
@@ -64,8 +64,8 @@ def test_dump_after_each_pass_shows_what_each_pass_did(tmp_path, monkeypatch):
     models.init_data_parallel(2)
     bx, by = models.input_batch(x, y, 8)
     _, loss = models.forward(bx, by)
-    op = models.train_op(loss, "sgd", tf.compat.v1.train.get_or_create_global_step())
-    got = models.run_steps(op, 2, [models.value_tensor(tf.compat.v1.get_default_graph(), n)
+    op = models.train_op(loss, "sgd", tf.train.get_or_create_global_step())
+    got = models.run_steps(op, 2, [models.value_tensor(tf.get_default_graph(), n)
                                    for n in sorted(models.initial_weights())])
     models.assert_weights_close(dict(zip(sorted(models.initial_weights()), got)), want)
     files = sorted(os.listdir(str(tmp_path)))

@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 import pytest
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 import epl
 from epl.plan import LayoutError
@@ -169,7 +169,7 @@ def test_hybrid_with_dataset_input_matches_local_big_batch(copies, tmpdir):
 
     def run(batch, build, name):
         ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
-        bx, by = tf.compat.v1.data.make_one_shot_iterator(ds).get_next()
+        bx, by = tf.data.make_one_shot_iterator(ds).get_next()
         loss, _ = build(bx, by)
         op = sm.train_op(loss, "adam")
         ckpt = os.path.join(str(tmpdir), name)

@@ -8,7 +8,7 @@ scope after replicated layers sees every replica's rows.
 """
 import numpy as np
 import pytest
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 import epl
 from tests import models
@@ -20,15 +20,15 @@ HEAD_CLASSES = 12   # enough to shard the head over 8 devices
 
 def _fixed_batches(x, y, batch):
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True)
-    bx, by = tf.compat.v1.data.make_one_shot_iterator(ds).get_next()
+    bx, by = tf.data.make_one_shot_iterator(ds).get_next()
     assert bx.shape[0] == batch
     return bx, by
 
 
 def _train(loss, steps=STEPS, feeds=None):
-    op = models.train_op(loss, "momentum", tf.compat.v1.train.get_or_create_global_step())
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
+    op = models.train_op(loss, "momentum", tf.train.get_or_create_global_step())
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
         for i in range(steps):
             sess.run(op, feeds(i) if feeds else None)
         return models.weights(sess)
@@ -51,7 +51,7 @@ def test_replicate_device_count_k_splits_a_fixed_batch(devices, k):
     with epl.replicate(device_count=k):
         _, loss = models.forward(bx, by)
     models.assert_weights_close(_train(loss), want)
-    matmuls = set(o.device for o in tf.compat.v1.get_default_graph().get_operations()
+    matmuls = set(o.device for o in tf.get_default_graph().get_operations()
                   if o.type == "MatMul")
     assert len(matmuls) == devices
 
@@ -75,14 +75,14 @@ def test_static_placeholder_holds_the_global_batch(n):
         return lambda i: {px: x[i * B:(i + 1) * B], py: y[i * B:(i + 1) * B]}
 
     models.reset()
-    px, py = tf.compat.v1.placeholder(tf.float32, [B, models.IN]), \
-        tf.compat.v1.placeholder(tf.int64, [B])
+    px, py = tf.placeholder(tf.float32, [B, models.IN]), \
+        tf.placeholder(tf.int64, [B])
     want = _train(models.forward(px, py)[1], feeds=feeds(px, py))
     models.reset()
     epl.init(epl.Config({"cluster.devices_per_worker": n}))
     epl.set_default_strategy(epl.replicate(1))
-    px, py = tf.compat.v1.placeholder(tf.float32, [B, models.IN]), \
-        tf.compat.v1.placeholder(tf.int64, [B])
+    px, py = tf.placeholder(tf.float32, [B, models.IN]), \
+        tf.placeholder(tf.int64, [B])
     models.assert_weights_close(_train(models.forward(px, py)[1], feeds=feeds(px, py)), want)
 
 
@@ -105,16 +105,16 @@ def test_pipeline_fixed_batch():
     bx, by = _fixed_batches(x, y, B)
     w = models.initial_weights()
     with epl.replicate(1, name="stage_0"):
-        h = tf.compat.v1.layers.dense(
+        h = tf.layers.dense(
             bx, models.HIDDEN, activation=tf.nn.tanh,
-            kernel_initializer=tf.compat.v1.constant_initializer(w["dense/kernel"]),
-            bias_initializer=tf.compat.v1.constant_initializer(w["dense/bias"]))
+            kernel_initializer=tf.constant_initializer(w["dense/kernel"]),
+            bias_initializer=tf.constant_initializer(w["dense/bias"]))
     with epl.replicate(1, name="stage_1"):
-        logits = tf.compat.v1.layers.dense(
+        logits = tf.layers.dense(
             h, models.CLASSES,
-            kernel_initializer=tf.compat.v1.constant_initializer(w["dense_1/kernel"]),
-            bias_initializer=tf.compat.v1.constant_initializer(w["dense_1/bias"]))
-        loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels=by, logits=logits)
+            kernel_initializer=tf.constant_initializer(w["dense_1/kernel"]),
+            bias_initializer=tf.constant_initializer(w["dense_1/bias"]))
+        loss = tf.losses.sparse_softmax_cross_entropy(labels=by, logits=logits)
     models.assert_weights_close(_train(loss), want)
 
 
@@ -133,12 +133,12 @@ def _head_values():
 def _checkpointed(loss, tmpdir, name):
     import os
     op = sm.train_op(loss)
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
         for _ in range(STEPS):
             sess.run(op)
-        path = tf.compat.v1.train.Saver().save(sess, os.path.join(str(tmpdir), name))
-    reader = tf.compat.v1.train.load_checkpoint(path)
+        path = tf.train.Saver().save(sess, os.path.join(str(tmpdir), name))
+    reader = tf.train.load_checkpoint(path)
     return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()}
 
 
@@ -176,22 +176,22 @@ def seed_moe_recipe(tmpdir, n=None):
     bx, by = _fixed_batches(xs, ys, t)
     if n:
         epl.set_default_strategy(epl.replicate(n))
-    pre = tf.compat.v1.layers.dense(bx, d, kernel_initializer=tf.compat.v1
+    pre = tf.layers.dense(bx, d, kernel_initializer=tf.compat.v1
                                     .constant_initializer(w2v), name="attention")
     if n:
         with epl.split(n):
-            w1 = tf.compat.v1.get_variable("experts_w1", initializer=w1v)
+            w1 = tf.get_variable("experts_w1", initializer=w1v)
     else:
-        w1 = tf.compat.v1.get_variable("experts_w1", initializer=w1v)
+        w1 = tf.get_variable("experts_w1", initializer=w1v)
     h = tf.nn.relu(tf.einsum("td,edh->teh", pre, w1))
     loss = tf.reduce_mean((tf.reduce_sum(h, axis=1)[:, :d] - by) ** 2)
     op = sm.train_op(loss, "adam")
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
         for _ in range(STEPS):
             sess.run(op)
-        path = tf.compat.v1.train.Saver().save(sess, os.path.join(str(tmpdir), "moe"))
-    reader = tf.compat.v1.train.load_checkpoint(path)
+        path = tf.train.Saver().save(sess, os.path.join(str(tmpdir), "moe"))
+    reader = tf.train.load_checkpoint(path)
     return {k: reader.get_tensor(k) for k in ("experts_w1", "attention/kernel")}
 
 

@@ -6,7 +6,7 @@ its micro-batches accumulated (pipelines), to 1e-5.
 """
 import numpy as np
 import pytest
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 import epl
 from tests import models
@@ -48,7 +48,7 @@ def _gradients(loss, tvars):
 
 def sgd_assign_sub(loss, tvars, use_resource=False):
     grads = _gradients(loss, tvars)
-    return tf.group(*[tf.compat.v1.assign_sub(v, 0.1 * g) for g, v in zip(grads, tvars)])
+    return tf.group(*[tf.assign_sub(v, 0.1 * g) for g, v in zip(grads, tvars)])
 
 
 def raw_apply_op(loss, tvars, use_resource=False):
@@ -62,7 +62,7 @@ def raw_apply_op(loss, tvars, use_resource=False):
     return tf.group(*ops)
 
 
-class MomentumByHand(tf.compat.v1.train.Optimizer):
+class MomentumByHand(tf.train.Optimizer):
     """An optimizer that overrides apply_gradients with its own slots and assigns
     (the shape of BERT's AdamWeightDecayOptimizer and of LAMB implementations)."""
 
@@ -73,7 +73,7 @@ class MomentumByHand(tf.compat.v1.train.Optimizer):
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
         updates = []
         for g, v in grads_and_vars:
-            m = tf.compat.v1.get_variable(v.op.name + "/mom", shape=v.shape,
+            m = tf.get_variable(v.op.name + "/mom", shape=v.shape,
                                           initializer=tf.zeros_initializer(), trainable=False)
             m_new = self.momentum * m + g
             updates += [m.assign(m_new), v.assign(v - self.lr * m_new)]
@@ -168,13 +168,13 @@ def test_two_gradient_calls_in_one_step():
         loss2 = tf.reduce_mean(tf.abs(out - tf.reduce_mean(bx, axis=1, keepdims=True)))
         g1 = _gradients(loss1, v1)
         g2 = _gradients(loss2, v2)
-        ops = [tf.compat.v1.assign_sub(v, 0.1 * g) for g, v in zip(g1 + g2, v1 + v2)]
+        ops = [tf.assign_sub(v, 0.1 * g) for g, v in zip(g1 + g2, v1 + v2)]
         return tf.group(*ops), v1 + v2
 
     want = _run(build, x, y, n * BATCH)
     _assert_close(_run(build, x, y, BATCH, n), want)
     sites = set(o.get_attr("group").decode().split("/")[0] for o in
-                tf.compat.v1.get_default_graph().get_operations() if o.type == "EplAllReduceN")
+                tf.get_default_graph().get_operations() if o.type == "EplAllReduceN")
     assert sites == {"EPL_GRADIENTS_0", "EPL_GRADIENTS_1"}   # one reduction per gradient call
 
 
@@ -194,14 +194,14 @@ def _towers_clip_then_mean(x, y, n, clip_norm=0.05):
     per_tower = []
     tvars = None
     for i in range(n):
-        with tf.compat.v1.variable_scope("", reuse=i > 0):
+        with tf.variable_scope("", reuse=i > 0):
             loss, tvars = _mlp(xs[i], ys[i])
         grads = _gradients(loss, tvars)
         per_tower.append(tf.clip_by_global_norm(grads, clip_norm)[0])
     mean = [tf.add_n(list(gs)) / n for gs in zip(*per_tower)]
     op = MomentumByHand().apply_gradients(zip(mean, tvars))
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
         for _ in range(STEPS):
             sess.run(op)
         return sess.run(tvars)
@@ -263,12 +263,12 @@ def test_two_stage_pipeline_hand_written_update(way):
     epl.init(epl.Config({"cluster.devices_per_worker": 2, "pipeline.num_micro_batch": m}))
     bx, by = models.input_batch(x, y, BATCH)
     op, tvars = build(bx, by, stages=True)
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
         for _ in range(STEPS):
             sess.run(op)
         got = sess.run(tvars)
-        devices = set(o.device for o in tf.compat.v1.get_default_graph().get_operations()
+        devices = set(o.device for o in tf.get_default_graph().get_operations()
                       if o.type == "MatMul")
     _assert_close(got, want)
     assert len(devices) == 2   # the stages really run on two devices
@@ -278,10 +278,10 @@ def test_trainable_variable_written_from_the_batch_is_refused():
     epl.init(epl.Config({"cluster.devices_per_worker": 2}))
     epl.set_default_strategy(epl.replicate(1))
     x, _ = models.input_batch(*_data(16), BATCH)
-    w = tf.compat.v1.get_variable("w", initializer=tf.zeros([IN]))
-    op = tf.compat.v1.assign(w, tf.reduce_mean(x, axis=0))
+    w = tf.get_variable("w", initializer=tf.zeros([IN]))
+    op = tf.assign(w, tf.reduce_mean(x, axis=0))
     with pytest.raises(NotImplementedError, match=r"writes the trainable variable 'w'.*diverge"):
-        with tf.compat.v1.Session() as sess:
+        with tf.Session() as sess:
             sess.run(op)
 
 
@@ -296,15 +296,15 @@ def test_per_replica_state_each_replica_keeps_its_own(copies):
     epl.set_default_strategy(epl.replicate(1))
     bx, by = models.input_batch(x, y, BATCH)
     loss, tvars = _mlp(bx, by)
-    total = tf.compat.v1.get_variable("seen", initializer=tf.zeros([IN]), trainable=False)
-    count = tf.compat.v1.assign_add(total, tf.reduce_sum(bx, axis=0))
+    total = tf.get_variable("seen", initializer=tf.zeros([IN]), trainable=False)
+    count = tf.assign_add(total, tf.reduce_sum(bx, axis=0))
     with tf.control_dependencies([count]):
         op = sgd_assign_sub(loss, tvars)
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
         for _ in range(STEPS):
             sess.run(op)
-        g = tf.compat.v1.get_default_graph()
+        g = tf.get_default_graph()
         mine = sess.run(total)
         other = sess.run(models.value_tensor(g, "EPL_REPLICA_1/seen"))
     # Every batch went to exactly one replica's copy (which one is the order in which the
@@ -352,7 +352,7 @@ def test_override_arguments_bound_by_its_signature(kind, call):
     def build(bx, by):
         loss, tvars = _mlp(bx, by, use_resource=True)
         grads = _gradients(loss, tvars)
-        step = tf.compat.v1.train.get_or_create_global_step()
+        step = tf.train.get_or_create_global_step()
         if kind == "keras":
             opt = KerasSGDByHand(0.1)
             op = opt.apply_gradients(zip(grads, tvars), "train") if call == "positional" \

@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 import pytest
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 import epl
 from tests import models
@@ -38,11 +38,11 @@ def _pretrained(tmpdir):
         return path
     with tf.Graph().as_default():
         bert.model([tf.constant(a) for a in bert.data(2, seed=9)], seed=900)
-        step = tf.compat.v1.train.get_or_create_global_step()
-        with tf.compat.v1.Session() as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
+        step = tf.train.get_or_create_global_step()
+        with tf.Session() as sess:
+            sess.run(tf.global_variables_initializer())
             sess.run(step.assign(START))
-            return tf.compat.v1.train.Saver().save(sess, path)
+            return tf.train.Saver().save(sess, path)
 
 
 def _fine_tune(tmpdir, layout=None, factor=1):
@@ -64,14 +64,14 @@ def _fine_tune(tmpdir, layout=None, factor=1):
         else:   # accumulation across runs: one micro-batch per run
             runs = STEPS * micro
     loss = bert.model(bert.batches(bert.data(STEPS * 4 * B), batch), stages=stages)
-    tf.compat.v1.train.get_or_create_global_step()
-    tf.compat.v1.train.init_from_checkpoint(pretrained, {"/": "/"})
+    tf.train.get_or_create_global_step()
+    tf.train.init_from_checkpoint(pretrained, {"/": "/"})
     # Under EPL the step is incremented as BERT does (racing with the schedule's read);
     # EPL orders the increment after the reads, as the careful local program does.
     op = bert.train_op(loss, careful=layout is None)
-    variables = {v.op.name: v for v in tf.compat.v1.global_variables()
+    variables = {v.op.name: v for v in tf.global_variables()
                  if not v.op.name.startswith("EPL_")}
-    with tf.compat.v1.train.MonitoredTrainingSession(checkpoint_dir=None,
+    with tf.train.MonitoredTrainingSession(checkpoint_dir=None,
                                                      log_step_count_steps=None) as sess:
         for _ in range(runs):
             sess.run(op)
@@ -87,6 +87,6 @@ def test_bert_warm_start_with_global_step(layout, tmpdir):
     for k in sorted(want):
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
     # The encoder started from the checkpoint, not from the program's initializers.
-    reader = tf.compat.v1.train.load_checkpoint(_pretrained(tmpdir))
+    reader = tf.train.load_checkpoint(_pretrained(tmpdir))
     moved = np.abs(got["bert/embeddings/word"] - reader.get_tensor("bert/embeddings/word"))
     assert 0 < moved.max() < 0.05

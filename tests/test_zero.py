@@ -3,7 +3,7 @@
 parallelism's (oracle: the same program without ZeRO, 1e-5)."""
 import numpy as np
 import pytest
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 import epl
 from epl.rewrite.updates import VARIABLE_OPS
@@ -93,7 +93,7 @@ def test_with_offload_refused():
     epl.set_default_strategy(epl.replicate(1))
     x, y = models.data(8)
     _, loss = models.forward(tf.constant(x), tf.constant(y))
-    op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    op = tf.train.GradientDescentOptimizer(0.1).minimize(loss)
     with pytest.raises(NotImplementedError, match="'zero.level' = 'v1' with 'offload.level'"):
-        with tf.compat.v1.Session() as sess:
+        with tf.Session() as sess:
             sess.run(op)

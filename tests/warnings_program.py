@@ -4,7 +4,9 @@ import os
 import sys
 
 import numpy as np
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
+
+tf.disable_v2_behavior()  # TF 2.x: TF1 graph semantics (1.15: its defaults)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import epl  # noqa: E402
@@ -19,7 +21,7 @@ def fresh(devices, **cfg):
 
 
 def train(op, steps=2):
-    with tf.compat.v1.train.MonitoredTrainingSession() as sess:
+    with tf.train.MonitoredTrainingSession() as sess:
         for _ in range(steps):
             sess.run(op)
 
@@ -29,40 +31,40 @@ def main():
 
     def batches(n, **kwargs):
         ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(n, **kwargs).repeat()
-        return tf.compat.v1.data.make_one_shot_iterator(ds).get_next()
+        return tf.data.make_one_shot_iterator(ds).get_next()
     # data parallelism (the seed's quick start), fixed-shape input, replicate(k > 1)
     for batch_kwargs, count in (({}, 1), ({"drop_remainder": True}, 2)):
         fresh(2)
         bx, by = batches(8, **batch_kwargs)
         with epl.replicate(count):
             _, loss = models.forward(bx, by)
-        step = tf.compat.v1.train.get_or_create_global_step()
-        train(tf.compat.v1.train.MomentumOptimizer(0.01, 0.9).minimize(loss, step))
+        step = tf.train.get_or_create_global_step()
+        train(tf.train.MomentumOptimizer(0.01, 0.9).minimize(loss, step))
     # a pipeline, hybrid split, MoE
     fresh(2, **{"pipeline.num_micro_batch": 2})
     bx, by = batches(4)
     with epl.replicate(1, name="s0"):
-        h = tf.compat.v1.layers.dense(bx, 8)
+        h = tf.layers.dense(bx, 8)
     with epl.replicate(1, name="s1"):
-        loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(by, tf.compat.v1.layers.dense(h, 5))
-    train(tf.compat.v1.train.AdamOptimizer(0.01).minimize(loss))
+        loss = tf.losses.sparse_softmax_cross_entropy(by, tf.layers.dense(h, 5))
+    train(tf.train.AdamOptimizer(0.01).minimize(loss))
     fresh(2, **{"cluster.colocate_split_and_replicate": True})
     bx, by = batches(4)
     with epl.replicate(1):
-        h = tf.compat.v1.layers.dense(bx, 8)
+        h = tf.layers.dense(bx, 8)
     with epl.split(2):
-        logits = tf.compat.v1.layers.dense(h, 6)
+        logits = tf.layers.dense(h, 6)
         moe = epl.moe_layer(h, num_experts=2, hidden_size=4)
-    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(by, logits) + tf.reduce_mean(moe[0])
-    train(tf.compat.v1.train.AdamOptimizer(0.01).minimize(loss))
+    loss = tf.losses.sparse_softmax_cross_entropy(by, logits) + tf.reduce_mean(moe[0])
+    train(tf.train.AdamOptimizer(0.01).minimize(loss))
     # a custom optimizer written with tf.gradients and assigns; tf.keras fit
     fresh(2)
     epl.set_default_strategy(epl.replicate(1))
     bx, by = batches(4)
     _, loss = models.forward(bx, by)
-    tvars = tf.compat.v1.trainable_variables()
+    tvars = tf.trainable_variables()
     grads, _ = tf.clip_by_global_norm(tf.gradients(loss, tvars), 1.0)
-    train(tf.group(*[tf.compat.v1.assign_sub(v, 0.1 * g) for g, v in zip(grads, tvars)]))
+    train(tf.group(*[tf.assign_sub(v, 0.1 * g) for g, v in zip(grads, tvars)]))
     fresh(2)
     epl.set_default_strategy(epl.replicate(1))
     inp = tf.keras.Input((models.IN,))

@@ -5,7 +5,9 @@ Builds every case of CASES with transport=TRANSPORT and saves the results to an 
 import sys
 
 import numpy as np
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
+
+tf.disable_v2_behavior()  # TF 2.x: TF1 graph semantics (1.15: its defaults)
 
 from epl.communicators import native_ops as C
 

@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=.venv-gpu
 OUT=build/gpu-check
-PYBIN=$(tools/find_python37.sh)
+PYBIN=$(tools/find_python.sh 1)
 [ -x "$VENV/bin/python" ] || "$PYBIN" -m venv "$VENV"
 "$VENV/bin/pip" install -q --disable-pip-version-check 'pip<24'
 "$VENV/bin/pip" install -q --disable-pip-version-check tensorflow-gpu==1.15.5 'numpy<1.19' \

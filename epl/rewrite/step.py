@@ -22,6 +22,9 @@ from epl.variable_writes import advances, written_variable  # noqa: F401 (apply_
 from epl.tf_adapter import graph as tfg
 # How a step's value is read: the read of a ref variable, ReadVariableOp of a resource.
 _VALUE_READS = frozenset(["Identity", "ReadVariableOp"])
+# Readers that are not part of a training step: a Saver's save writes the checkpoint
+# files (a step waiting for it would write the whole model every run).
+_NOT_IN_STEP = frozenset(["SaveV2", "Save", "SaveSlices"])
 
 
 def order_global_step(graph, epl_graph, since=-1):
@@ -40,7 +43,9 @@ def order_global_step(graph, epl_graph, since=-1):
     # global_step's value: its read (ref variables) or ReadVariableOps (resource ones)
     values = [out for consumer in var.outputs[0].consumers() if consumer.type in _VALUE_READS
               for out in consumer.outputs]
-    readers = set(c for v in values for c in v.consumers())
+    readers = set(c for v in values for c in v.consumers()
+                  if c.type not in _NOT_IN_STEP
+                  and epl_graph.phase_of(c) not in (ir.SAVE, ir.REWRITE))
     for w in writes:
         after = ir.downstream([w])
         deps = [r for r in readers if r is not w and r not in after

@@ -7,12 +7,12 @@ masked-token prediction head.  Synthetic data, so it runs anywhere:
     EPL_CLUSTER_DEVICES_PER_WORKER=4 python bert_pipeline.py  # 2 stages x 2 pipeline replicas
 """
 import numpy as np
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 import epl
 
 VOCAB, SEQ, HIDDEN, HEADS, FFN, BATCH = 64, 16, 32, 4, 64, 8
 
-tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+tf.logging.set_verbosity(tf.logging.ERROR)
 epl.init(epl.Config({"pipeline.num_micro_batch": 4}))
 
 
@@ -59,7 +59,7 @@ def model_stage1(x, targets):
 rng = np.random.RandomState(0)
 data = rng.randint(0, VOCAB, (BATCH * 64, SEQ)).astype(np.int64)
 dataset = tf.data.Dataset.from_tensor_slices((data, np.roll(data, 1, axis=1))).repeat()
-tokens, targets = tf.compat.v1.data.make_one_shot_iterator(dataset.batch(BATCH)).get_next()
+tokens, targets = tf.data.make_one_shot_iterator(dataset.batch(BATCH)).get_next()
 
 # model annotation (seed §8.2.1)
 epl.set_default_strategy(epl.replicate(1))

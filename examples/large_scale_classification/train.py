@@ -9,11 +9,11 @@ import argparse
 import os
 
 import numpy as np
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 import epl
 
-tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+tf.logging.set_verbosity(tf.logging.ERROR)
 parser = argparse.ArgumentParser()
 parser.add_argument("--devices", type=int,
                     default=int(os.environ.get("EPL_CLUSTER_DEVICES_PER_WORKER", "4")))
@@ -32,7 +32,7 @@ rng = np.random.RandomState(0)
 images = rng.rand(args.batch * n * args.steps, 8, 8, 3).astype(np.float32)
 labels = rng.randint(0, args.classes, len(images)).astype(np.int64)
 dataset = tf.data.Dataset.from_tensor_slices((images, labels)).batch(args.batch).repeat()
-x, y = tf.compat.v1.data.make_one_shot_iterator(dataset).get_next()
+x, y = tf.data.make_one_shot_iterator(dataset).get_next()
 
 with epl.replicate(device_count=1):          # the backbone: data parallel
     h = tf.layers.conv2d(x, 16, 3, activation=tf.nn.relu)

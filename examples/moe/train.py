@@ -10,11 +10,11 @@ import argparse
 import os
 
 import numpy as np
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 import epl
 
-tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+tf.logging.set_verbosity(tf.logging.ERROR)
 parser = argparse.ArgumentParser()
 parser.add_argument("--devices", type=int,
                     default=int(os.environ.get("EPL_CLUSTER_DEVICES_PER_WORKER", "4")))

@@ -2,10 +2,12 @@
 # Run it on 2 (virtual) devices:  EPL_CLUSTER_DEVICES_PER_WORKER=2 python local_model.py
 # (or `make demo` from the repository root).
 import numpy as np
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
+
+tf.disable_v2_behavior()  # TF 2.x: TF1 graph semantics (1.15: its defaults)
 import epl
 
-tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+tf.logging.set_verbosity(tf.logging.ERROR)
 epl.init()
 epl.set_default_strategy(epl.replicate(1))
 
@@ -13,7 +15,7 @@ epl.set_default_strategy(epl.replicate(1))
 num_x = np.random.randint(0, 10, (500, 20)).astype(dtype=np.float32)
 num_y = np.random.randint(0, 10, 500).astype(dtype=np.int64)
 dataset = tf.data.Dataset.from_tensor_slices((num_x, num_y)).batch(10).repeat(1)
-iterator = dataset.make_initializable_iterator()
+iterator = tf.data.make_initializable_iterator(dataset)
 tf.add_to_collection(tf.GraphKeys.TABLE_INITIALIZERS, iterator.initializer)
 x, labels = iterator.get_next()
 logits = tf.layers.dense(x, 2)

@@ -3,7 +3,7 @@
 and a classifier; an AdamWeightDecay-style optimizer that overrides
 ``apply_gradients`` with its own slots and ``assign`` ops, fed by ``tf.gradients``
 and global-norm clipping; a warm start from a "pre-trained" checkpoint through
-``tf.compat.v1.train.init_from_checkpoint``; ``drop_remainder=True`` input.
+``tf.train.init_from_checkpoint``; ``drop_remainder=True`` input.
 
 ``stages`` lets the same code run as a 2-stage pipeline (encoder layer 0 with the
 embeddings, then the rest); ``split_head`` puts the classifier under ``epl.split``.
@@ -11,7 +11,7 @@ embeddings, then the rest); ``split_head`` puts the classifier under ``epl.split
 import math
 
 import numpy as np
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 VOCAB, SEQ, HIDDEN, HEADS, LAYERS, FFN, CLASSES = 30, 8, 16, 2, 2, 32, 4
 
@@ -32,7 +32,7 @@ class _Init(object):
 
     def __call__(self, stddev=0.02):
         self.seed += 1
-        return tf.compat.v1.truncated_normal_initializer(stddev=stddev, seed=self.seed)
+        return tf.truncated_normal_initializer(stddev=stddev, seed=self.seed)
 
 
 def gelu(x):
@@ -40,15 +40,15 @@ def gelu(x):
 
 
 def layer_norm(x, name):
-    with tf.compat.v1.variable_scope(name):
-        gamma = tf.compat.v1.get_variable("gamma", [x.shape[-1]], initializer=tf.ones_initializer())
-        beta = tf.compat.v1.get_variable("beta", [x.shape[-1]], initializer=tf.zeros_initializer())
+    with tf.variable_scope(name):
+        gamma = tf.get_variable("gamma", [x.shape[-1]], initializer=tf.ones_initializer())
+        beta = tf.get_variable("beta", [x.shape[-1]], initializer=tf.zeros_initializer())
         mean, var = tf.nn.moments(x, [-1], keep_dims=True)
         return (x - mean) * tf.math.rsqrt(var + 1e-6) * gamma + beta
 
 
 def dense(x, units, init, name, activation=None):
-    return tf.compat.v1.layers.dense(x, units, activation=activation, name=name,
+    return tf.layers.dense(x, units, activation=activation, name=name,
                                      kernel_initializer=init())
 
 
@@ -56,7 +56,7 @@ def attention(x, mask, init, name):
     """Multi-head self-attention over [batch * seq, hidden] rows."""
     batch = shape_list(mask)[0]
     size = HIDDEN // HEADS
-    with tf.compat.v1.variable_scope(name):
+    with tf.variable_scope(name):
         def heads(t):
             t = tf.reshape(t, [batch, SEQ, HEADS, size])
             return tf.transpose(t, [0, 2, 1, 3])
@@ -71,7 +71,7 @@ def attention(x, mask, init, name):
 
 
 def encoder_layer(x, mask, init, index):
-    with tf.compat.v1.variable_scope("layer_%d" % index):
+    with tf.variable_scope("layer_%d" % index):
         a = attention(x, mask, init, "attention")
         a = layer_norm(dense(a, HIDDEN, init, "attention_output") + x, "attention_norm")
         h = dense(a, FFN, init, "intermediate", activation=gelu)
@@ -79,10 +79,10 @@ def encoder_layer(x, mask, init, index):
 
 
 def embeddings(ids, types, init):
-    with tf.compat.v1.variable_scope("embeddings"):
-        words = tf.compat.v1.get_variable("word", [VOCAB, HIDDEN], initializer=init())
-        token_types = tf.compat.v1.get_variable("token_type", [2, HIDDEN], initializer=init())
-        positions = tf.compat.v1.get_variable("position", [SEQ, HIDDEN], initializer=init())
+    with tf.variable_scope("embeddings"):
+        words = tf.get_variable("word", [VOCAB, HIDDEN], initializer=init())
+        token_types = tf.get_variable("token_type", [2, HIDDEN], initializer=init())
+        positions = tf.get_variable("position", [SEQ, HIDDEN], initializer=init())
         e = tf.gather(words, ids) + tf.gather(token_types, types) + positions[None, :, :]
         return layer_norm(tf.reshape(e, [-1, HIDDEN]), "norm")
 
@@ -95,10 +95,10 @@ def classifier(x, mask, labels, init, stages=None, split_head=None):
     stage = stages or (lambda i: contextlib.contextmanager(lambda: (yield))())
     batch = shape_list(mask)[0]
     with stage(0):
-        with tf.compat.v1.variable_scope("bert"):
+        with tf.variable_scope("bert"):
             h = encoder_layer(x, mask, init, 0)
     with stage(1):
-        with tf.compat.v1.variable_scope("bert"):
+        with tf.variable_scope("bert"):
             for i in range(1, LAYERS):
                 h = encoder_layer(h, mask, init, i)
             first = tf.reshape(h, [batch, SEQ, HIDDEN])[:, 0, :]
@@ -119,15 +119,15 @@ def model(features, seed=100, stages=None, split_head=None):
     init = _Init(seed)
     if stages:
         with stages(0):
-            with tf.compat.v1.variable_scope("bert"):
+            with tf.variable_scope("bert"):
                 x = embeddings(ids, types, init)
     else:
-        with tf.compat.v1.variable_scope("bert"):
+        with tf.variable_scope("bert"):
             x = embeddings(ids, types, init)
     return classifier(x, mask, labels, init, stages, split_head)
 
 
-class AdamWeightDecay(tf.compat.v1.train.Optimizer):
+class AdamWeightDecay(tf.train.Optimizer):
     """Adam with decoupled weight decay, its moments kept in its own variables and the
     update written with assign ops (not through the base class's _apply_dense)."""
 
@@ -147,10 +147,10 @@ class AdamWeightDecay(tf.compat.v1.train.Optimizer):
                 continue
             pname = param.op.name
             grad = tf.convert_to_tensor(grad)   # an embedding's IndexedSlices, densified
-            m = tf.compat.v1.get_variable(pname + "/adam_m", shape=param.shape.as_list(),
+            m = tf.get_variable(pname + "/adam_m", shape=param.shape.as_list(),
                                           dtype=tf.float32, trainable=False,
                                           initializer=tf.zeros_initializer())
-            v = tf.compat.v1.get_variable(pname + "/adam_v", shape=param.shape.as_list(),
+            v = tf.get_variable(pname + "/adam_v", shape=param.shape.as_list(),
                                           dtype=tf.float32, trainable=False,
                                           initializer=tf.zeros_initializer())
             next_m = self.beta_1 * m + (1.0 - self.beta_1) * grad
@@ -169,12 +169,12 @@ def train_op(loss, num_steps=10, init_lr=2e-3, warmup=2, careful=False):
     global_step + 1 by hand, grouped with the update as BERT does (which races with
     the schedule's read of global_step; ``careful``: the increment waits for the
     update, as TensorFlow's own optimizers do)."""
-    step = tf.compat.v1.train.get_or_create_global_step()
-    lr = tf.compat.v1.train.polynomial_decay(init_lr, step, num_steps, end_learning_rate=0.0)
+    step = tf.train.get_or_create_global_step()
+    lr = tf.train.polynomial_decay(init_lr, step, num_steps, end_learning_rate=0.0)
     warm = tf.cast(step, tf.float32) / float(warmup)
     lr = tf.where(step < warmup, init_lr * warm + 1e-4, lr)
     opt = AdamWeightDecay(lr)
-    tvars = tf.compat.v1.trainable_variables()
+    tvars = tf.trainable_variables()
     grads = tf.gradients(loss, tvars)
     grads, _ = tf.clip_by_global_norm(grads, clip_norm=1.0)
     op = opt.apply_gradients(zip(grads, tvars), global_step=step)
@@ -195,7 +195,7 @@ def data(rows, seed=0):
 
 def batches(arrays, batch):
     ds = tf.data.Dataset.from_tensor_slices(arrays).batch(batch, drop_remainder=True)
-    return tf.compat.v1.data.make_one_shot_iterator(ds).get_next()
+    return tf.data.make_one_shot_iterator(ds).get_next()
 
 
 def pretrained_checkpoint(path):
@@ -203,14 +203,14 @@ def pretrained_checkpoint(path):
     with tf.Graph().as_default():
         ids, types, mask, labels = [tf.constant(a) for a in data(2, seed=9)]
         model((ids, types, mask, labels), seed=900)
-        bert = [v for v in tf.compat.v1.global_variables() if v.op.name.startswith("bert/")
+        bert = [v for v in tf.global_variables() if v.op.name.startswith("bert/")
                 and "classifier" not in v.op.name and "pooler" not in v.op.name]
-        with tf.compat.v1.Session() as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
-            return tf.compat.v1.train.Saver(bert).save(sess, path)
+        with tf.Session() as sess:
+            sess.run(tf.global_variables_initializer())
+            return tf.train.Saver(bert).save(sess, path)
 
 
 def warm_start(path):
     """Fine-tuning starts the encoder from the pre-trained checkpoint."""
-    names = [name for name, _ in tf.compat.v1.train.list_variables(path)]
-    tf.compat.v1.train.init_from_checkpoint(path, {n: n for n in names})
+    names = [name for name, _ in tf.train.list_variables(path)]
+    tf.train.init_from_checkpoint(path, {n: n for n in names})

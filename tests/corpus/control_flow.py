@@ -12,7 +12,7 @@ program starts from the same values.
 import contextlib
 
 import numpy as np
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 T, F, H, CLASSES = 5, 4, 6, 3
 MODELS = ("lstm", "birnn", "scan", "cond", "nested", "ema")
@@ -26,7 +26,7 @@ def data(rows, seed=0):
 
 
 def _init(seed):
-    return tf.compat.v1.glorot_uniform_initializer(seed=seed)
+    return tf.glorot_uniform_initializer(seed=seed)
 
 
 def _no_scope(_):
@@ -34,27 +34,27 @@ def _no_scope(_):
 
 
 def _dense(x, units, name, seed, activation=None):
-    return tf.compat.v1.layers.dense(x, units, activation=activation, name=name,
+    return tf.layers.dense(x, units, activation=activation, name=name,
                                      kernel_initializer=_init(seed))
 
 
 def _lstm(h):
-    cell = tf.compat.v1.nn.rnn_cell.LSTMCell(H, initializer=_init(11))
-    out, _ = tf.compat.v1.nn.dynamic_rnn(cell, h, dtype=tf.float32, scope="rnn")
+    cell = tf.nn.rnn_cell.LSTMCell(H, initializer=_init(11))
+    out, _ = tf.nn.dynamic_rnn(cell, h, dtype=tf.float32, scope="rnn")
     return out[:, -1, :]
 
 
 def _birnn(h):
-    fw = tf.compat.v1.nn.rnn_cell.GRUCell(H, kernel_initializer=_init(12))
-    bw = tf.compat.v1.nn.rnn_cell.GRUCell(H, kernel_initializer=_init(13))
-    _, (sf, sb) = tf.compat.v1.nn.bidirectional_dynamic_rnn(fw, bw, h, dtype=tf.float32,
+    fw = tf.nn.rnn_cell.GRUCell(H, kernel_initializer=_init(12))
+    bw = tf.nn.rnn_cell.GRUCell(H, kernel_initializer=_init(13))
+    _, (sf, sb) = tf.nn.bidirectional_dynamic_rnn(fw, bw, h, dtype=tf.float32,
                                                             scope="birnn")
     return tf.concat([sf, sb], axis=1)
 
 
 def _scan(h):
-    w = tf.compat.v1.get_variable("scan_w", [H, H], initializer=_init(14))
-    u = tf.compat.v1.get_variable("scan_u", [H], initializer=_init(15))
+    w = tf.get_variable("scan_w", [H, H], initializer=_init(14))
+    u = tf.get_variable("scan_u", [H], initializer=_init(15))
     steps = tf.transpose(h, [1, 0, 2])                        # [T, batch, H]
     rows = tf.shape(h)[0]
     states = tf.scan(lambda acc, xt: tf.tanh(tf.matmul(acc, w) + xt), steps,
@@ -66,7 +66,7 @@ def _scan(h):
 
 def _nested(h):
     """An outer loop over time; per step an inner loop of 2 refinements."""
-    w = tf.compat.v1.get_variable("nested_w", [H, H], initializer=_init(16))
+    w = tf.get_variable("nested_w", [H, H], initializer=_init(16))
     steps = tf.transpose(h, [1, 0, 2])
 
     def outer_body(t, state):
@@ -82,7 +82,7 @@ def _nested(h):
 
 
 def is_training():
-    return tf.compat.v1.placeholder_with_default(True, [], name="is_training")
+    return tf.placeholder_with_default(True, [], name="is_training")
 
 
 def _cond(h):
@@ -91,12 +91,12 @@ def _cond(h):
     driven by its own flag (fed False in training: per-replica batch statistics would
     differ from the global batch's, which no oracle matches)."""
     training = is_training()
-    bn_training = tf.compat.v1.placeholder_with_default(False, [], name="bn_training")
-    rate = tf.compat.v1.placeholder_with_default(0.0, [], name="dropout_rate")
+    bn_training = tf.placeholder_with_default(False, [], name="bn_training")
+    rate = tf.placeholder_with_default(0.0, [], name="dropout_rate")
     flat = tf.reduce_mean(h, axis=1)
     flat = tf.cond(training, lambda: flat * 1.5 + 0.1, lambda: flat)
-    flat = tf.compat.v1.layers.dropout(flat, rate=rate, training=training)
-    return tf.compat.v1.layers.batch_normalization(flat, training=bn_training, name="bn")
+    flat = tf.layers.dropout(flat, rate=rate, training=training)
+    return tf.layers.batch_normalization(flat, training=bn_training, name="bn")
 
 
 _BODIES = {"lstm": _lstm, "birnn": _birnn, "scan": _scan, "nested": _nested,
@@ -125,13 +125,13 @@ def model(name, x, y, stage=None, split_head=None):
 def train_op(name, loss):
     """SGD with momentum; the batch-norm updates; for ``ema``, an exponential moving
     average of the weights after every update."""
-    opt = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9)
-    step = tf.compat.v1.train.get_or_create_global_step()
-    updates = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)
+    opt = tf.train.MomentumOptimizer(0.1, 0.9)
+    step = tf.train.get_or_create_global_step()
+    updates = tf.get_collection(tf.GraphKeys.UPDATE_OPS)
     with tf.control_dependencies(updates):
         op = opt.minimize(loss, global_step=step)
     if name == "ema":
         ema = tf.train.ExponentialMovingAverage(0.9)
         with tf.control_dependencies([op]):
-            op = ema.apply(tf.compat.v1.trainable_variables())
+            op = ema.apply(tf.trainable_variables())
     return op

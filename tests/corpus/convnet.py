@@ -5,7 +5,7 @@ op waits for.  ``towers`` builds the program without EPL as hand-written towers
 since batch norm normalizes each replica's batch with that batch's statistics.
 """
 import numpy as np
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 SIZE, CHANNELS, CLASSES = 6, 3, 4
 
@@ -17,34 +17,34 @@ def data(rows, seed=0):
 
 
 def _init(seed):
-    return tf.compat.v1.glorot_uniform_initializer(seed=seed)
+    return tf.glorot_uniform_initializer(seed=seed)
 
 
 def model(images, labels):
     """The loss of one batch; creates (or reuses) the weights and batch-norm layers."""
-    with tf.compat.v1.variable_scope("convnet", reuse=tf.compat.v1.AUTO_REUSE):
-        x = tf.compat.v1.layers.conv2d(images, 8, 3, padding="same", use_bias=False,
+    with tf.variable_scope("convnet", reuse=tf.AUTO_REUSE):
+        x = tf.layers.conv2d(images, 8, 3, padding="same", use_bias=False,
                                        kernel_initializer=_init(1), name="conv1")
-        x = tf.compat.v1.layers.batch_normalization(x, training=True, momentum=0.8,
+        x = tf.layers.batch_normalization(x, training=True, momentum=0.8,
                                                     name="bn1")
-        x = tf.compat.v1.layers.max_pooling2d(tf.nn.relu(x), 2, 2)
-        x = tf.compat.v1.layers.conv2d(x, 8, 3, padding="same", use_bias=False,
+        x = tf.layers.max_pooling2d(tf.nn.relu(x), 2, 2)
+        x = tf.layers.conv2d(x, 8, 3, padding="same", use_bias=False,
                                        kernel_initializer=_init(2), name="conv2")
-        x = tf.compat.v1.layers.batch_normalization(x, training=True, momentum=0.8,
+        x = tf.layers.batch_normalization(x, training=True, momentum=0.8,
                                                     name="bn2")
         x = tf.reduce_mean(tf.nn.relu(x), axis=[1, 2])
-        logits = tf.compat.v1.layers.dense(x, CLASSES, kernel_initializer=_init(3),
+        logits = tf.layers.dense(x, CLASSES, kernel_initializer=_init(3),
                                            name="logits")
-    return tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+    return tf.losses.sparse_softmax_cross_entropy(labels, logits)
 
 
 def train_op(loss, update_ops=None):
-    update_ops = (tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)
+    update_ops = (tf.get_collection(tf.GraphKeys.UPDATE_OPS)
                   if update_ops is None else update_ops)
-    opt = tf.compat.v1.train.MomentumOptimizer(0.1, momentum=0.9)
+    opt = tf.train.MomentumOptimizer(0.1, momentum=0.9)
     gvs = opt.compute_gradients(loss)
     with tf.control_dependencies(update_ops + [g for g, _ in gvs]):
-        return opt.apply_gradients(gvs, global_step=tf.compat.v1.train.get_or_create_global_step())
+        return opt.apply_gradients(gvs, global_step=tf.train.get_or_create_global_step())
 
 
 def towers(images, labels, n, stats_from=0):
@@ -54,10 +54,10 @@ def towers(images, labels, n, stats_from=0):
     xs, ys = tf.split(images, n), tf.split(labels, n)
     losses, updates = [], None
     for i in range(n):
-        before = len(tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS))
+        before = len(tf.get_collection(tf.GraphKeys.UPDATE_OPS))
         losses.append(model(xs[i], ys[i]))
         if i == stats_from:
-            updates = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)[before:]
+            updates = tf.get_collection(tf.GraphKeys.UPDATE_OPS)[before:]
     return tf.add_n(losses) / n, updates
 
 

@@ -1,7 +1,7 @@
 """A tf.keras functional model: token ids -> embedding -> average -> dense layers.
 The embedding makes sparse (IndexedSlices) gradients, which Adam applies sparsely."""
 import numpy as np
-import tensorflow as tf
+import tensorflow.compat.v1 as tf
 
 VOCAB, LEN, CLASSES = 20, 5, 3
 

@@ -1,31 +1,21 @@
-"""The quick start as a TF1 program on TensorFlow 2.x (``tf.compat.v1`` after
-``disable_v2_behavior``, examples/quick_start/local_model_tf2.py) on 2 virtual devices
-equals the same program without EPL on the global batch: the losses of every step and the
-weights after the last.
+"""The quick start as written with TensorFlow's migration path (``import
+tensorflow.compat.v1 as tf; tf.disable_v2_behavior()``, examples/quick_start/local_model.py)
+on 2 virtual devices equals the same program without EPL on the global batch: the losses
+of every step and the weights after the last.  On both lines; on TF 2.x also in the second
+way to graph mode (``disable_eager_execution`` alone: resource variables, control flow v2).
 
 The model, data, input pipeline (initializable iterator in TABLE_INITIALIZERS), optimizer
 and MonitoredTrainingSession are the quick start's; the initial weights are fixed numpy
 values and the update waits for every gradient, so the one-device program is deterministic
 (PLATFORM_NOTES: the ref-variable trap -- disable_v2_behavior makes ref variables).
-
-Runs on the TF 2.x line (``.venv-tf2``); on TF 1.15 the quick start is
-examples/quick_start/local_model.py, tested by the rest of the suite.
 """
 import numpy as np
 import pytest
-import tensorflow as tf_root
-
-IS_TF2 = int(tf_root.__version__.split(".")[0]) >= 2
-pytestmark = pytest.mark.skipif(
-    not IS_TF2, reason="TF 2.x line only (tf.compat.v1 after disable_v2_behavior); TF %s "
-                       "runs the quick start as local_model.py" % tf_root.__version__)
-
-import tensorflow.compat.v1 as tf  # noqa: E402
+import tensorflow.compat.v1 as tf
 
 import epl  # noqa: E402
 
-if IS_TF2:
-    tf.disable_v2_behavior()
+from epl.tf_adapter.version import IS_TF2  # noqa: E402
 
 DEVICES, BATCH, STEPS = 2, 10, 6
 FEATURES, HIDDEN, CLASSES = 20, 2, 10
