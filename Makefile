@@ -68,8 +68,10 @@ horovod: $(STAMP)
 	  .venv-horovod/bin/pip install --no-cache-dir --no-build-isolation horovod==0.28.1
 	.venv-horovod/bin/pip install -q --no-deps -e .
 
-# Compile and link the NCCL backend against pip wheels of tensorflow-gpu, CUDA and NCCL
-# (no GPU needed; nothing is run).
+# Compile and link the NCCL backend against both TensorFlow lines, from pip wheels of
+# TensorFlow's CUDA builds, CUDA and NCCL: tensorflow-gpu 1.15.5 + CUDA 11.8 in .venv-gpu
+# (Python 3.7), tensorflow 2.21.0 + CUDA 12.5 in .venv-gpu-tf2 (Python 3.11+); one OK line
+# per line (no GPU needed; nothing is run).  tools/gpu_ops_check.sh 1|2 checks one line.
 gpu-ops-check:
 	tools/gpu_ops_check.sh
 

@@ -9,6 +9,9 @@
 // cross-group deadlock on the device).
 #if EPL_WITH_NCCL
 
+// The GPU part of tf_compat.h (stream, device and BLAS across the TensorFlow lines).
+#define EPL_TF_COMPAT_GPU 1
+
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -20,9 +23,7 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/lib/core/errors.h"
 #include "tensorflow/core/lib/strings/strcat.h"
-#include "tensorflow/core/platform/stream_executor.h"
-#include "tensorflow/stream_executor/stream.h"
-#include "tensorflow/stream_executor/stream_executor_internal.h"
+#include "../tf_compat.h"
 
 // ncclAvg arrived in NCCL 2.10; before it (or with EPL_NCCL_SUM_THEN_SCALE, which the
 // compile check uses to build that path too) a mean is a sum, then a scale on the
@@ -84,39 +85,31 @@ Status NcclOp(ReduceOp op, ncclRedOp_t* out, bool* scale) {
 // of TensorFlow's stream executor, for float and double.
 Status ScaleOutput(OpKernelContext* ctx, Tensor* t, int n) {
   if (t->NumElements() == 0) return OkStatus();
-  auto* stream = ctx->op_device_context()->stream();
+  auto* stream = GpuStream(ctx);
+  void* data = const_cast<char*>(t->tensor_data().data());
+  bool enqueued = false;
   switch (t->dtype()) {
-    case tensorflow::DT_FLOAT: {
-      stream_executor::DeviceMemory<float> mem(stream_executor::DeviceMemoryBase(
-          const_cast<char*>(t->tensor_data().data()), t->TotalBytes()));
-      stream->ThenBlasScal(t->NumElements(), 1.0f / n, &mem, 1);
+    case tensorflow::DT_FLOAT:
+      enqueued = GpuBlasScal<float>(stream, t->NumElements(), 1.0f / n, data);
       break;
-    }
-    case tensorflow::DT_DOUBLE: {
-      stream_executor::DeviceMemory<double> mem(stream_executor::DeviceMemoryBase(
-          const_cast<char*>(t->tensor_data().data()), t->TotalBytes()));
-      stream->ThenBlasScal(t->NumElements(), 1.0 / n, &mem, 1);
+    case tensorflow::DT_DOUBLE:
+      enqueued = GpuBlasScal<double>(stream, t->NumElements(), 1.0 / n, data);
       break;
-    }
     default:
       return tensorflow::errors::Unimplemented(
           "EPL mean of ", tensorflow::DataTypeString(t->dtype()), " on GPU needs NCCL >= 2.10 "
           "(ncclAvg; this build has NCCL ", NCCL_MAJOR, ".", NCCL_MINOR, "): reduce with sum "
           "and divide, or update NCCL.");
   }
-  if (!stream->ok()) return Internal("EPL: scaling the mean on the GPU stream failed");
+  if (!enqueued || !stream->ok())
+    return Internal("EPL: scaling the mean on the GPU stream failed (no BLAS for the "
+                    "stream, or cuBLAS refused the scal)");
   return OkStatus();
 }
 
-int GpuId(OpKernelContext* ctx) {
-  return ctx->device()->tensorflow_gpu_device_info()->gpu_id;
-}
-
+// The op's TensorFlow compute stream, as CUDA sees it.
 cudaStream_t StreamOf(OpKernelContext* ctx) {
-  // (The stream executor's CUDA stream; gpu_stream.h is not among TF 1.15's installed
-  // headers, the implementation's accessor is.)
-  return static_cast<cudaStream_t>(
-      ctx->op_device_context()->stream()->implementation()->GpuStreamHack());
+  return static_cast<cudaStream_t>(GpuStreamHandle(ctx));
 }
 
 // One NCCL communicator per ordered list of GPUs, created once.
@@ -124,7 +117,7 @@ Status Comms(const std::vector<Arrival>& all, std::vector<ncclComm_t>** out) {
   static std::mutex mu;
   static auto* cache = new std::map<std::vector<int>, std::vector<ncclComm_t>>();
   std::vector<int> gpus;
-  for (const auto& a : all) gpus.push_back(GpuId(a.ctx));
+  for (const auto& a : all) gpus.push_back(GpuDeviceOrdinal(a.ctx));
   std::lock_guard<std::mutex> lock(mu);
   auto& comms = (*cache)[gpus];
   if (comms.empty()) {
