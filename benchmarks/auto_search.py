@@ -27,7 +27,7 @@ ROWS = 512
 
 
 def mlp_dataset():
-    import tensorflow as tf
+    import tensorflow.compat.v1 as tf
     rng = np.random.RandomState(0)
     x = rng.randn(ROWS, 128).astype(np.float32)
     y = rng.randint(0, 10, ROWS).astype(np.int64)
@@ -36,7 +36,7 @@ def mlp_dataset():
 
 def mlp_model(features):
     """16 layers of 128 at batch 256: activations outweigh the weights."""
-    import tensorflow as tf
+    import tensorflow.compat.v1 as tf
     x, y = features
     h = x
     for i in range(16):
@@ -48,7 +48,7 @@ def mlp_model(features):
 def classifier_model(features):
     """A classifier over 20,000 classes: the head holds most of the weights (the split
     candidate's case)."""
-    import tensorflow as tf
+    import tensorflow.compat.v1 as tf
     x, y = features
     h = tf.layers.dense(x, 64, activation=tf.nn.relu, name="hidden")
     logits = tf.layers.dense(h, 20000, name="logits")
@@ -56,7 +56,7 @@ def classifier_model(features):
 
 
 def classifier_dataset():
-    import tensorflow as tf
+    import tensorflow.compat.v1 as tf
     rng = np.random.RandomState(0)
     x = rng.randn(ROWS, 128).astype(np.float32)
     y = rng.randint(0, 20000, ROWS).astype(np.int64)
@@ -64,7 +64,7 @@ def classifier_dataset():
 
 
 def bert_dataset():
-    import tensorflow as tf
+    import tensorflow.compat.v1 as tf
     from tests.corpus import bert
     return tf.data.Dataset.from_tensor_slices(bert.data(ROWS)).repeat().batch(
         8, drop_remainder=True)
@@ -76,7 +76,7 @@ def bert_model(features):
 
 
 def adam():
-    import tensorflow as tf
+    import tensorflow.compat.v1 as tf
     return tf.train.AdamOptimizer(1e-3)
 
 
@@ -136,7 +136,7 @@ def main():
 
 
 def epl_reset():
-    import tensorflow as tf
+    import tensorflow.compat.v1 as tf
     tf.reset_default_graph()
 
 

@@ -98,7 +98,7 @@ def _epl_op(C, op, x, group, r, n, transport):
 
 def child_in_process(impl, sizes, n):
     """4 ranks = 4 virtual devices of this process."""
-    import tensorflow as tf
+    import tensorflow.compat.v1 as tf
     tf.logging.set_verbosity(tf.logging.ERROR)
     from tensorflow.python.ops import collective_ops
     from epl.communicators import native_ops as C
@@ -139,7 +139,7 @@ def child_in_process(impl, sizes, n):
 def child_cross_process(impl, sizes, rank, n, ports, job, transport="shm"):
     """One rank per process; TF's collectives over gRPC need a server per process.
     transport "tcp": EPL's TCP ring between 127.0.0.2 and 127.0.0.3 (scope "tcp")."""
-    import tensorflow as tf
+    import tensorflow.compat.v1 as tf
     tf.logging.set_verbosity(tf.logging.ERROR)
     from tensorflow.python.ops import collective_ops
     from epl.communicators import native_ops as C
@@ -188,7 +188,7 @@ def child_cross_process(impl, sizes, rank, n, ports, job, transport="shm"):
 
 
 def child_horovod(sizes):
-    import tensorflow as tf
+    import tensorflow.compat.v1 as tf
     import horovod.tensorflow as hvd
     hvd.init()
     n = hvd.size()

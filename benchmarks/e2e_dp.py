@@ -100,7 +100,7 @@ def _timed_steps(sess, op, steps):
 
 
 def child(impl, model, steps, out):
-    import tensorflow as tf
+    import tensorflow.compat.v1 as tf
     tf.logging.set_verbosity(tf.logging.ERROR)
     opt = tf.train.GradientDescentOptimizer(0.001)
     cfg = tf.ConfigProto()

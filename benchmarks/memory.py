@@ -109,7 +109,7 @@ class AdamW(object):
 
 
 def run_case(case, steps):
-    import tensorflow as tf
+    import tensorflow.compat.v1 as tf
     import epl
     tf.logging.set_verbosity(tf.logging.ERROR)
     model, feature, arg = case["model"], case["feature"], case.get("arg")

@@ -50,7 +50,7 @@ def _bert(tiny):
 
 
 def _features(bert, rows):
-    import tensorflow as tf
+    import tensorflow.compat.v1 as tf
     ids, types, mask, labels = bert.data(rows * 4)
     ds = tf.data.Dataset.from_tensor_slices((ids, types, mask, labels)).repeat()
     ds = ds.batch(rows, drop_remainder=True)
@@ -58,13 +58,14 @@ def _features(bert, rows):
 
 
 def _optimizer():
-    import tensorflow as tf
+    import tensorflow.compat.v1 as tf
     return tf.train.AdamOptimizer(1e-4)
 
 
 def child(devices, micro, run_step, tiny):
     """One cold measurement: this process builds, rewrites and runs the graph once."""
-    import tensorflow as tf
+    import tensorflow.compat.v1 as tf
+    tf.disable_v2_behavior()
     tf.logging.set_verbosity(tf.logging.ERROR)
     import epl
     from epl.rewrite import rewrite_if_needed
@@ -111,7 +112,8 @@ def floor_child(devices, micro, towers, tiny):
     """In a fresh process of its own (the large graph of a measurement would slow it:
     Python's garbage collector walks every object alive): one ``tf.import_graph_def``
     of the user's graph per clone; with ``towers``, the ops of hand-written towers."""
-    import tensorflow as tf
+    import tensorflow.compat.v1 as tf
+    tf.disable_v2_behavior()
     tf.logging.set_verbosity(tf.logging.ERROR)
     bert = _bert(tiny)
     out = {}

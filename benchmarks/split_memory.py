@@ -28,7 +28,7 @@ FEATURES, IN = 256, 64
 
 
 def run_mode(mode, devices, classes, batch, steps):
-    import tensorflow as tf
+    import tensorflow.compat.v1 as tf
     import epl
     tf.logging.set_verbosity(tf.logging.ERROR)
     epl.init(epl.Config({"cluster.devices_per_worker": devices,

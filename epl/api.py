@@ -25,9 +25,13 @@ def init(config=None):
     annotations are dropped instead (refused once it has been rewritten).
     """
     if tf.executing_eagerly():
-        raise RuntimeError("epl.init(): eager execution is enabled, but EPL rewrites TF1 graphs. "
-                           "Remove tf.enable_eager_execution() / tf.compat.v1.enable_v2_behavior(), "
-                           "or call tf.compat.v1.disable_eager_execution() first.")
+        raise RuntimeError(
+            "epl.init(): eager execution is enabled, but EPL rewrites TF1 graphs.  On "
+            "TensorFlow 2.x (eager by default) start the program the TF1 way: `import "
+            "tensorflow.compat.v1 as tf; tf.disable_v2_behavior()` (or "
+            "tf.compat.v1.disable_eager_execution() alone, for resource variables and "
+            "control flow v2) before building the model; on TF 1.x remove "
+            "tf.enable_eager_execution() / tf.compat.v1.enable_v2_behavior().")
     if config is None:
         config = Config()
     if not isinstance(config, Config):

@@ -12,10 +12,31 @@ _LOGS = tempfile.mkdtemp(prefix="epl-test-logs-")
 atexit.register(shutil.rmtree, _LOGS, True)
 os.environ.setdefault("EPL_LOG_DIR", _LOGS)
 
+# TensorFlow 2.x line: tf.keras is tf-keras (Keras 2), as EPL's users on TF >= 2.16 set it
+# (before TensorFlow is imported; the tests' subprocesses inherit it).
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
 import pytest  # noqa: E402
 import tensorflow.compat.v1 as tf  # noqa: E402
 
+# The suite's programs are TF1 programs: on TF 2.x they run the way their users run them,
+# after TensorFlow's migration switch (on 1.15 it sets what are already the defaults).
+# Tests of the other graph mode (disable_eager_execution alone: resource variables,
+# control flow v2) switch those two on for themselves and back.
+tf.disable_v2_behavior()
 tf.logging.set_verbosity(tf.logging.ERROR)
+
+# tf.estimator: TensorFlow removed it in 2.16 (tensorflow-estimator 2.15 is the last).
+HAS_ESTIMATOR = hasattr(tf, "estimator")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "estimator: needs tf.estimator (TF 1.15; TF 2.x < 2.16)")
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("estimator") and not HAS_ESTIMATOR:
+        pytest.skip("tf.estimator is not in TensorFlow %s (removed in 2.16)" % tf.VERSION)
 
 
 @pytest.fixture(autouse=True)

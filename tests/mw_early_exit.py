@@ -22,7 +22,7 @@ LINGER_SECONDS = 4
 
 def main():
     mode, out_dir = sys.argv[1], sys.argv[2]
-    import tensorflow as tf
+    import tensorflow.compat.v1 as tf
     cluster, (wx, wy) = mw_train.start_worker()
     w = cluster.worker_index
     if mode == "after_init" and w == 1:

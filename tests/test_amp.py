@@ -285,7 +285,7 @@ def test_gradient_tape_keeps_its_semantics(amp):
         grads = tape.gradient(loss, {"a": variables[:2], "b": (variables[2],)},
                               output_gradients=tf.constant(0.5),
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        with pytest.raises(RuntimeError, match="only be called once"):
+        with pytest.raises(RuntimeError, match="only be (called once|used to compute one set)"):
             tape.gradient(loss, variables)
         with tf.Session() as sess:
             sess.run(tf.global_variables_initializer())

@@ -109,12 +109,22 @@ def test_micro_batches_without_annotation_need_an_optimizer():
             assert sess.run(total) == 4.0
 
 
-def test_eager_mode_rejected():
-    code = ("import tensorflow as tf; tf.enable_eager_execution(); import epl\n"
-            "try:\n    epl.init()\nexcept RuntimeError as e:\n    print('ERR', e)\n")
+@pytest.mark.parametrize("program", [
+    # TF 1.x's switch (tf.compat.v1 has it on both lines)
+    "import tensorflow.compat.v1 as tf; tf.enable_eager_execution(); import epl",
+    # a TF 2.x program that forgot the switch to graph mode (1.15: eager is off)
+    "import tensorflow as tf; import epl",
+])
+def test_eager_mode_rejected(program):
+    import tensorflow as tf_root
+    if not tf_root.__version__.startswith("2") and "enable_eager" not in program:
+        pytest.skip("TF 1.15 runs graphs by default: no eager program to refuse")
+    code = (program + "\ntry:\n    epl.init()\nexcept RuntimeError as e:\n"
+            "    print('ERR', e)\n")
     out = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
                          stderr=subprocess.DEVNULL, timeout=120).stdout.decode()
     assert "ERR epl.init(): eager execution is enabled" in out
+    assert "tf.disable_v2_behavior()" in out  # (the fix, named)
 
 
 def test_non_chief_monitored_session_fails_fast():

@@ -200,15 +200,17 @@ def _tf_private_names():
             owners.append(getattr(module, cls))
     from tensorflow.python.framework import dtypes, ops, tensor_shape
     from tensorflow.python.ops import resource_variable_ops, variables
-    owners += [ops.Operation, ops.Tensor, ops, dtypes.DType, tensor_shape.TensorShape,
+    import tensorflow as tf_root
+    owners += [ops.Operation, tf_root.Tensor, ops, dtypes.DType, tensor_shape.TensorShape,
                variables.Variable, resource_variable_ops.ResourceVariable, variables]
     if hasattr(variables, "RefVariable"):
         owners.append(variables.RefVariable)
     for owner in owners:
         for cls in (inspect.getmro(owner) if inspect.isclass(owner) else (owner,)):
-            names.update(n for n in vars(cls) if n.startswith("_") and not n.startswith("__"))
+            names.update(n for n in getattr(cls, "__dict__", {})
+                         if n.startswith("_") and not n.startswith("__"))
     for g in ops.Graph(), :
-        names.update(n for n in vars(g) if n.startswith("_") and not n.startswith("__"))
+        names.update(n for n in dir(g) if n.startswith("_") and not n.startswith("__"))
     return names
 
 

@@ -218,6 +218,7 @@ def _estimator(tmpdir, name, batch, steps):
     return {k: est.get_variable_value(k) for k in est.get_variable_names()}
 
 
+@pytest.mark.estimator
 @pytest.mark.parametrize("devices, micro", [(2, 1), (4, 1), (1, 2)])
 def test_estimator_with_bert_optimizer(devices, micro, tmpdir):
     factor = devices * micro

@@ -102,6 +102,7 @@ def test_replicas_start_from_replica_zero_random_init():
         assert not np.allclose(want_trained[0], want_init[0])
 
 
+@pytest.mark.estimator
 def test_dp_estimator(tmp_path):
     n, optimizer = 2, "momentum"
     x, y = models.data(STEPS * n * BATCH)

@@ -306,7 +306,7 @@ def test_launcher_summary_names_the_root_cause_first(tmp_path):
 
 def test_patches_can_be_removed_and_installed_again():
     from epl import tf_patches
-    import tensorflow as tf
+    import tensorflow.compat.v1 as tf
     tf_patches.install()
     tf_patches.uninstall()
     tf_patches.install()
@@ -341,6 +341,7 @@ def _launch(args, timeout=240):
     return launch(args, timeout=timeout)
 
 
+@pytest.mark.estimator
 def test_estimator_trains_twice_on_two_workers(tmp_path):
     """est.train() called twice: a second graph and session in every worker (this hung
     forever: the second session's collectives restarted their count)."""
@@ -364,7 +365,7 @@ def test_two_gradient_calls_on_two_workers(tmp_path):
     """Two tf.gradients calls with hand-written updates: each has its own reduction (its
     own collective groups) across the workers."""
     import numpy as np
-    import tensorflow as tf
+    import tensorflow.compat.v1 as tf
     from tests import models, mw_api
     from tests.mw_train import BATCH, STEPS
     code, out = _launch(["--num_workers", "2", "--gpu_per_worker", "1", "--log_dir",

@@ -143,3 +143,39 @@ def test_plan_buckets():
     assert len(plan_buckets(items, 10)) == 5
     with pytest.raises(ValueError, match="max_splits"):
         plan_buckets(items, 0)
+
+
+def _scaled_forward(bx, by):
+    """The local model whose logits are scaled by a constant that one op reads and
+    another waits for (a tensor input and a control input of the same op, like the
+    zeros of TF 2.x's SelectV2 gradient that gradient checkpointing waits for)."""
+    logits, _ = models.forward(bx, by)
+    scale = tf.constant(0.5, name="scale")
+    with tf.control_dependencies([scale.op]):
+        logits = tf.identity(logits)
+    logits = logits * scale
+    return tf.losses.sparse_softmax_cross_entropy(labels=by, logits=logits)
+
+
+@pytest.mark.parametrize("devices, micro", [(1, 2), (2, 2)])
+def test_constant_read_and_waited_for_in_micro_batches(devices, micro):
+    x, y = models.data(STEPS * devices * micro * BATCH)
+    with tf.Graph().as_default():
+        bx, by = models.input_batch(x, y, devices * micro * BATCH)
+        op = models.train_op(_scaled_forward(bx, by), "momentum")
+        with tf.Session() as sess:
+            sess.run(tf.global_variables_initializer())
+            for _ in range(STEPS):
+                sess.run(op)
+            want = models.weights(sess)
+    models.reset()
+    epl.init(epl.Config({"cluster.devices_per_worker": devices,
+                         "pipeline.num_micro_batch": micro}))
+    epl.set_default_strategy(epl.replicate(1))
+    bx, by = models.input_batch(x, y, BATCH)
+    op = models.train_op(_scaled_forward(bx, by), "momentum")
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
+        for _ in range(STEPS):
+            sess.run(op)
+        models.assert_weights_close(models.weights(sess), want)

@@ -92,7 +92,7 @@ def test_zero_two_workers_two_devices(tmp_path, optimizer):
     x2, y2 = models.data(2 * rows, seed=1)
     want, _ = models.train_local(np.concatenate([x, x2]), np.concatenate([y, y2]), rows,
                                  mw_zero.STEPS + 2, optimizer)
-    import tensorflow as tf
+    import tensorflow.compat.v1 as tf
     with tf.Graph().as_default():
         bx, by = models.input_batch(x2, y2, rows)
         _, loss = models.forward(bx, by)
@@ -131,7 +131,7 @@ def test_split_across_two_workers_equals_local(tmp_path, mode):
     """epl.split(2) over 2 workers x 1 device (the seed's MoE tutorial shape), in-graph on
     TF's runtime: a replicated backbone + split head, and an MoE layer, equal the local
     model."""
-    import tensorflow as tf
+    import tensorflow.compat.v1 as tf
     from tests import test_split as ts
     out = _in_graph_job(tmp_path, 1, "mw_split.py", mode)
     assert "chief finished" in out
@@ -214,6 +214,7 @@ def test_bad_arguments():
     assert code != 0 and "--num_workers must be >= 1" in out
 
 
+@pytest.mark.estimator
 def test_estimator_under_epl_launch(tmp_path):
     """An Estimator script runs unchanged: RunConfig ignores the job's TF_CONFIG, the chief
     writes the checkpoint, and it equals the local model."""
@@ -251,6 +252,7 @@ def test_global_merges_combine_every_worker(tmp_path):
                                (got[0]["local_mean"] + got[1]["local_mean"]) / 2, rtol=1e-5)
 
 
+@pytest.mark.estimator
 def test_train_and_evaluate_on_two_workers(tmp_path):
     """tf.estimator.train_and_evaluate runs unchanged: both workers train, the chief
     evaluates its checkpoints; the weights equal the local model."""
@@ -270,7 +272,7 @@ def test_warm_start_with_global_step_on_two_workers(tmp_path):
     checkpoint holding ``global_step`` (the restores replace the initializers; worker 0's
     restored values reach every worker); equals the same program without EPL on the
     global batch, and the step continues from the checkpoint's (issue 24, item 1)."""
-    import tensorflow as tf
+    import tensorflow.compat.v1 as tf
     from tests import mw_warm_start
     ckpt = str(tmp_path / "pretrained")
     with tf.Graph().as_default():

@@ -68,6 +68,7 @@ def test_add_to_collection_rejects_non_tensors():
         epl.add_to_collection([1.0], epl.GraphKeys.LOCAL_SUM_OBJECTS)
 
 
+@pytest.mark.estimator
 def test_run_config_distribution_strategy_is_ignored_with_a_warning(tmp_path, caplog):
     """An Estimator script that asks for MirroredStrategy runs under EPL's data
     parallelism instead (and equals the local model at the doubled batch)."""

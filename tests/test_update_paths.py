@@ -52,13 +52,13 @@ def sgd_assign_sub(loss, tvars, use_resource=False):
 
 
 def raw_apply_op(loss, tvars, use_resource=False):
-    from tensorflow.python.training import gen_training_ops
     grads = _gradients(loss, tvars)
     if use_resource:
-        ops = [gen_training_ops.resource_apply_gradient_descent(v.handle, 0.1, g)
+        ops = [tf.raw_ops.ResourceApplyGradientDescent(var=v.handle, alpha=0.1, delta=g)
                for g, v in zip(grads, tvars)]
     else:
-        ops = [gen_training_ops.apply_gradient_descent(v, 0.1, g) for g, v in zip(grads, tvars)]
+        ops = [tf.raw_ops.ApplyGradientDescent(var=v, alpha=0.1, delta=g)
+               for g, v in zip(grads, tvars)]
     return tf.group(*ops)
 
 

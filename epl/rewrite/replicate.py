@@ -147,7 +147,10 @@ class _Segment(object):
         self.classes = {}       # device class -> its hole
         self.inputs = {}        # key -> existing tensor (the clone's, see state.tensor)
         self.controls = {}      # key -> existing op (the clone's)
-        self.user = {}          # name a copy reads a skipped op by -> the user's tensor / op
+        # name a copy reads a skipped op by -> the user's tensor, and -> the user's op (a
+        # name can be both: an op's output read by one copy, the op a control input of
+        # another; the importer maps the two separately)
+        self.user = ({}, {})
         self.shared = {}        # key every copy maps to the same existing tensor / op
         p = PREFIX
         refs = {}
@@ -169,7 +172,7 @@ class _Segment(object):
                 else:
                     name = x.name if x is op or x.value_index else op.name
                     if op in skip:
-                        self.user[name] = x
+                        self.user[x is op][name] = x
                         r = (REPLICA, name)
                     else:
                         r = (p, name)
@@ -204,11 +207,12 @@ class _Segment(object):
                 values[hole] = attr_entry(k, attrs[k])
         inputs = {pre + k: state.tensor(c, t) for k, t in self.inputs.items()}
         controls = {pre + k: state.op(c, x) for k, x in self.controls.items()}
-        fixed = dict(self.shared)
-        if not state.reps[c]:
-            fixed.update(self.user)     # replica 0's micro-batches read the user's ops
-        for k, x in fixed.items():
+        for k, x in self.shared.items():
             (inputs if isinstance(x, tf.Tensor) else controls)[k] = x
+        if not state.reps[c]:
+            # replica 0's micro-batches read the user's ops
+            inputs.update(self.user[False])
+            controls.update(self.user[True])
         self.plan.copy(values, inputs, controls)
 
     def install(self, c, names):

@@ -11,6 +11,7 @@ Op ids: TensorFlow numbers ops in creation order (``op_id``); EPL uses the numbe
 ask for "the ops made since X" (``ops_between`` / ``last_op_id``) and to sort ops into a
 deterministic order (``by_id``).
 """
+import collections.abc
 import contextlib
 import operator
 
@@ -80,9 +81,30 @@ def op_by_name(graph, name):
     return _lookup_op(graph, name)
 
 
+class _OpsByName(collections.abc.Mapping):
+    """TF 2.x keeps name -> op in a C++ map (``OpsByName``: ``[]``, ``in``, ``keys``,
+    no ``get``); this gives it the whole read-only Mapping interface."""
+
+    def __init__(self, nodes):
+        self._nodes = nodes
+
+    def __getitem__(self, name):
+        return self._nodes[name]
+
+    def __contains__(self, name):
+        return name in self._nodes
+
+    def __iter__(self):
+        return iter(self._nodes.keys())
+
+    def __len__(self):
+        return len(self._nodes)
+
+
 def ops_by_name(graph):
     """A mapping name -> op of the Python ops of ``graph`` (read only)."""
-    return graph._nodes_by_name  # pylint: disable=protected-access
+    nodes = graph._nodes_by_name  # pylint: disable=protected-access
+    return nodes if isinstance(nodes, dict) else _OpsByName(nodes)
 
 
 def names_in_use(graph):

@@ -8,6 +8,8 @@ masked-token prediction head.  Synthetic data, so it runs anywhere:
 """
 import numpy as np
 import tensorflow.compat.v1 as tf
+
+tf.disable_v2_behavior()  # TF 2.x: TF1 graph semantics (1.15: its defaults)
 import epl
 
 VOCAB, SEQ, HIDDEN, HEADS, FFN, BATCH = 64, 16, 32, 4, 64, 8

@@ -11,6 +11,8 @@ import os
 import numpy as np
 import tensorflow.compat.v1 as tf
 
+tf.disable_v2_behavior()  # TF 2.x: TF1 graph semantics (1.15: its defaults)
+
 import epl
 
 tf.logging.set_verbosity(tf.logging.ERROR)
