@@ -76,4 +76,4 @@ gpu-ops-check:
 	tools/gpu_ops_check.sh
 
 clean:
-	rm -rf .venv .venv-tf2 epl/lib/*.so epl/lib/*.json csrc/build build *.egg-info
+	rm -rf .venv .venv-tf2 .venv-gpu .venv-gpu-tf2 epl/lib/*.so epl/lib/*.json csrc/build build *.egg-info
