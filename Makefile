@@ -8,6 +8,9 @@
 SHELL := /bin/bash
 ifndef TF
 TF := $(shell tools/find_python.sh 1 >/dev/null 2>&1 && echo 1 || echo 2)
+ifeq ($(TF),2)
+$(info No Python 3.7 found (tools/find_python.sh 1): using the TensorFlow 2.x line, .venv-tf2 (TF=1 forces 1.15))
+endif
 endif
 TF2_VERSION := 2.21.0
 ifeq ($(TF),1)
