@@ -4,11 +4,11 @@ Three pieces, each applied where the user's program builds the part it changes:
 
 1. *Half-precision math* (``convert``, before a ``tf.gradients`` call builds the
    backward pass): every allow-listed forward op the loss depends on (``ALLOW``:
-   matrix products and convolutions) is rebuilt in float16 between casts; its
-   consumers read the float32 cast of its result.  The backward pass TensorFlow
-   then builds for it is float16 too.  Weights stay float32 variables: each use
-   casts the value it reads, no float16 copy of a variable exists.  Everything
-   else (softmax cross-entropy, reductions, exp/log, normalization statistics,
+   matrix products, ``tf.einsum`` included, and convolutions) is rebuilt in float16
+   between casts; its consumers read the float32 cast of its result.  The backward
+   pass TensorFlow then builds for it is float16 too.  Weights stay float32
+   variables: each use casts the value it reads, no float16 copy of a variable
+   exists.  Everything else (softmax cross-entropy, reductions, exp/log, normalization statistics,
    the optimizer) stays float32.  ``amp.dtype: bfloat16`` (an EPL extension) uses
    bfloat16 instead: float32's exponent range, so loss scaling is optional.
 2. *Loss scaling* (``scaled_gradients``, around the same call): the backward pass
@@ -31,11 +31,13 @@ import logging
 import tensorflow as tf
 
 from epl import apply_gate, capture_context, ir
-from epl.tf_adapter import graph as tfg
+from epl.tf_adapter import graph as tfg, keras_state, op_types
 
 log = logging.getLogger("epl")
 
-ALLOW = frozenset(["MatMul", "BatchMatMul", "BatchMatMulV2", "Conv2D"])
+# The matrix products of this TensorFlow line (tf.einsum's fused ``Einsum`` op on 2.x,
+# its MatMul / BatchMatMulV2 lowering on 1.15) and convolutions.
+ALLOW = op_types.matrix_products() | frozenset(["Conv2D"])
 INITIAL_SCALE = 2.0 ** 15
 GROWTH_INTERVAL = 2000
 COLLECTION = "epl_amp_state"
@@ -160,6 +162,10 @@ def loss_scale(graph, config):
         with graph.name_scope("EPL_AMP/"):
             scale = variable("loss_scale", lambda: tf.constant(INITIAL_SCALE))
             good = variable("good_steps", lambda: tf.constant(0, tf.int64))
+        for v in (scale, good):
+            # model.fit initializes only what this line's keras backend tracks (on 2.x
+            # that is tf_keras', not the in-tree copy epl.internal_state tracks them in).
+            keras_state.track_variable(v)
         state = epl_graph.amp_state = (scale, good)
     return state[0].read_value(), state
 

@@ -11,7 +11,8 @@ Oracle: the same program without EPL (same data, same initial values): one devic
 for both clippings, with and without ``communication.clip_after_allreduce``; two
 devices (experts sharded, each einsum computed shard by shard, each replica reading
 its rows of the split's output) to 1e-5; AMP O1 with test_amp's loss-curve
-tolerance against float32.
+tolerance against float32, and, with plain SGD (Adam's normalized steps hide a constant
+factor on a gradient), each variable's update over two devices against float32's.
 """
 import contextlib
 import os
@@ -21,6 +22,7 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import epl
+from epl.tf_adapter import op_types
 from tests import models
 
 E, G, C, M, H, UNITS = 4, 2, 3, 8, 6, 5
@@ -94,23 +96,24 @@ def _logits(v, labels=False, partitions=None):
         out, UNITS, kernel_initializer=tf.constant_initializer(v["dense"])), y
 
 
-def _program(v, clip, labels=False, partitions=None, lr=0.01):
-    """(loss, train op) of the user's program."""
+def _program(v, clip, labels=False, partitions=None, lr=0.01, optimizer=None):
+    """(loss, train op) of the user's program (``clip`` None: no clipping; ``optimizer``
+    a tf.train optimizer class, Adam by default)."""
     logits, y = _logits(v, labels, partitions)
     loss = tf.reduce_mean(tf.square(logits - y))
-    optimizer = tf.train.AdamOptimizer(lr)
+    optimizer = (optimizer or tf.train.AdamOptimizer)(lr)
     tvars = tf.trainable_variables()
     grads = tf.gradients(loss, tvars)
     if clip == "global":
         grads, _ = tf.clip_by_global_norm(grads, CLIP)
-    else:
+    elif clip is not None:
         grads = [tf.clip_by_norm(g, CLIP) for g in grads]
     with tf.control_dependencies(grads):
         return loss, optimizer.apply_gradients(list(zip(grads, tvars)))
 
 
 def _train(v, clip, n=None, steps=None, tmpdir=None, labels=False, partitions=None,
-           **config):
+           optimizer=None, lr=0.01, **config):
     """Losses per step and the checkpointed weights (local names) of the program, plain
     TF (``n`` None) or under EPL on ``n`` devices."""
     models.reset()
@@ -121,7 +124,7 @@ def _train(v, clip, n=None, steps=None, tmpdir=None, labels=False, partitions=No
         cfg.update(config)
         epl.init(epl.Config(cfg))
         epl.set_default_strategy(epl.replicate(1))
-    loss, op = _program(v, clip, labels, partitions)
+    loss, op = _program(v, clip, labels, partitions, lr=lr, optimizer=optimizer)
     if n is not None:
         epl.add_to_collection(loss, epl.GraphKeys.GLOBAL_MEAN_OBJECTS)
     with tf.Session() as sess:
@@ -181,8 +184,8 @@ def test_split_over_two_devices_equals_plain_tf(clip, tmpdir):
              if var.op.name.startswith("ffn/in_weights/part_")]
     assert [int(p.shape[0]) for p in parts] == [2, 2]
     assert len(set(p.op.device for p in parts)) == 2
-    products = [op for op in graph.get_operations()
-                if op.type == "BatchMatMulV2" and op.name.startswith("ffn/")]
+    products = [op for op in graph.get_operations()   # (TF 2.x: Einsum; 1.15: BatchMatMulV2)
+                if op.type in op_types.einsum_products() and op.name.startswith("ffn/")]
     assert len(products) == 4 and all(int(op.inputs[0].shape[0]) == 2 for op in products)
     assert len(set(op.device for op in products)) == 2
 
@@ -233,9 +236,13 @@ def test_split_over_two_devices_clipping_before_the_reduction(clip, tmpdir):
 @pytest.mark.parametrize("clip", ["global", "local"])
 def test_amp_o1_follows_float32(clip, n, tmpdir):
     """AMP O1 (loss scale 128): the replicated dense product in float16, the loss curve
-    within test_amp's tolerance of the float32 program without EPL."""
+    within test_amp's tolerance of the float32 program without EPL (over 2 devices with
+    per-tensor clipping, the program whose experts are stored as 2 partitions, as in
+    test_split_over_two_devices_equals_plain_tf: without AMP the two already differ by
+    2.9%)."""
     v = _values()
-    want = _train(v, clip, steps=12, tmpdir=tmpdir)
+    want = _train(v, clip, steps=12, tmpdir=tmpdir,
+                  partitions=n if clip == "local" and n > 1 else None)
     got = _train(v, clip, n=n, steps=12, tmpdir=tmpdir,
                  **{"amp.level": "O1", "amp.loss_scale": 128,
                     "communication.clip_after_allreduce": True})
@@ -244,6 +251,31 @@ def test_amp_o1_follows_float32(clip, n, tmpdir):
     half = [op.name for op in tf.get_default_graph().get_operations()
             if op.type == "MatMul" and op.get_attr("T") == tf.float16]
     assert "dense/MatMul_fp16" in half, half
+
+
+@pytest.mark.parametrize("loss_scale", [128, "dynamic"])
+def test_amp_o1_split_gradients_over_two_devices_are_the_mean(loss_scale, tmpdir):
+    """AMP divides every gradient by the loss scale in the loss's scope, so each replica
+    reads the split's gradient (the sum of both replicas' parts) through a division of
+    its own: the split's gradients must still be divided by the number of replicas like
+    the replicated ones.  Plain SGD without clipping (Adam's normalized step and the
+    clipping would hide a factor of 2 on the experts' gradients): after each step the
+    weights follow the float32 program without EPL to float16 precision, and each
+    variable's change matches the oracle's (a doubled gradient doubles it)."""
+    v = _values()
+    sgd = tf.train.GradientDescentOptimizer
+    want = _train(v, None, steps=3, tmpdir=tmpdir, lr=0.1, optimizer=sgd)
+    got = _train(v, None, n=2, steps=3, tmpdir=tmpdir, lr=0.1, optimizer=sgd,
+                 **{"amp.level": "O1", "amp.loss_scale": loss_scale})
+    np.testing.assert_allclose(got[0], want[0], rtol=2e-3)
+    initial = {"ffn/in_weights": v["in"], "ffn/out_weights": v["out"],
+               "dense/kernel": v["dense"], "dense/bias": np.zeros(UNITS, np.float32)}
+    for k, w0 in initial.items():
+        moved, want_moved = (got[1][k] - w0).ravel(), (want[1][k] - w0).ravel()
+        assert np.linalg.norm(want_moved) > 1e-3, k
+        np.testing.assert_allclose(moved.dot(want_moved) / want_moved.dot(want_moved), 1.0,
+                                   rtol=2e-3, err_msg=k)
+        np.testing.assert_allclose(got[1][k], want[1][k], rtol=2e-3, atol=2e-4, err_msg=k)
 
 
 def test_two_devices_with_replicas_pulling_the_experts_batch_is_refused(tmpdir):

@@ -28,7 +28,7 @@ import tensorflow as tf
 from tensorflow.python.ops import gen_array_ops
 
 from epl import ir
-from epl.tf_adapter import graph as tfg
+from epl.tf_adapter import graph as tfg, op_types
 from epl.rewrite.cloner import clone_op, new_ops
 from epl.variable_writes import ASSIGN_OPS, VARIABLE_OPS
 
@@ -39,9 +39,10 @@ def split_taskgraphs(state):
     return [tg for tg in state.ir_graph.taskgraphs if tg.kind == "split"]
 
 
-_HEAVY = frozenset(["MatMul", "BatchMatMul", "BatchMatMulV2", "Conv2D", "Conv3D",
-                    "DepthwiseConv2dNative", "SparseSoftmaxCrossEntropyWithLogits",
-                    "SoftmaxCrossEntropyWithLogits"])
+# (the line's matrix products: tf.einsum's fused Einsum op on TF 2.x)
+_HEAVY = op_types.matrix_products() | frozenset([
+    "Conv2D", "Conv3D", "DepthwiseConv2dNative", "SparseSoftmaxCrossEntropyWithLogits",
+    "SoftmaxCrossEntropyWithLogits"])
 
 
 def place(state):
@@ -253,15 +254,42 @@ def scale_split_gradients(state):
         if loss_of_split(state.ir_graph, rec) or not any(
                 y.op in state.selection for y in rec.ys):
             continue
-        for g in rec.grads:
+        for g, x in zip(rec.grads, rec.xs):
             parts = ir.components(g)
-            if not parts or not all(t.op in split_ops for t in parts):
+            if not parts:
                 continue
-            value = g.values if isinstance(g, tf.IndexedSlices) else g
-            with new_ops(state.graph), tf.device(value.device):
-                scaled = value * tf.cast(1.0 / n, value.dtype)
-            tfg.rewire(value, scaled,
-                       skip=lambda op: _keeps_value(state, rec, op, copies))
+            if all(t.op in split_ops for t in parts):
+                value = g.values if isinstance(g, tf.IndexedSlices) else g
+                with new_ops(state.graph), tf.device(value.device):
+                    scaled = value * tf.cast(1.0 / n, value.dtype)
+                tfg.rewire(value, scaled,
+                           skip=lambda op: _keeps_value(state, rec, op, copies))
+            elif _is_split_variable(x, split_ops):
+                _scale_finished_outside(state, rec, parts, split_ops)
+
+
+def _is_split_variable(x, split_ops):
+    """``x`` (a source of a gradient call) is a variable of a split scope."""
+    handle = getattr(x, "op", None)
+    return handle is not None and handle.type in VARIABLE_OPS and handle in split_ops
+
+
+def _scale_finished_outside(state, rec, parts, split_ops):
+    """A split variable's gradient that the gradient call finished outside the split
+    (AMP divides it by the loss scale in the loss's scope, and every replica's copy of
+    that division reads the split's gradient): the split tensors it is computed from
+    are divided by the number of clones where the call's ops on the way to the gradient
+    (and the clones' copies of those ops) read them.  Other readers keep the split's
+    own value; the division is made once, on the split's device."""
+    n = state.num_clones
+    sources, path = _split_sources_and_path(parts, split_ops, rec.op_ids)
+    readers = set(state.op_name(c, op) for c in range(n) for op in path)
+    for t in sorted(sources, key=lambda t: (tfg.op_id(t.op), t.value_index)):
+        if not t.dtype.is_floating:
+            continue   # (an IndexedSlices' indices: rows, not a sum)
+        with new_ops(state.graph), tf.device(t.device):
+            scaled = t * tf.cast(1.0 / n, t.dtype)
+        tfg.rewire(t, scaled, skip=lambda op: op.name not in readers)
 
 
 def _keeps_value(state, rec, op, copies):
@@ -348,6 +376,12 @@ def _variable_gradients(state, split_ops):
 def _split_sources(tensors, split_ops, op_ids):
     """The split tensors ``tensors`` are computed from through ops of the gradient call
     ``op_ids`` outside the split."""
+    return _split_sources_and_path(tensors, split_ops, op_ids)[0]
+
+
+def _split_sources_and_path(tensors, split_ops, op_ids):
+    """(the split tensors ``tensors`` are computed from through ops of the gradient call
+    ``op_ids`` outside the split, those ops)."""
     found, seen = set(), set()
     stack = [t.op for t in tensors if t.op not in split_ops]
     while stack:
@@ -360,7 +394,7 @@ def _split_sources(tensors, split_ops, op_ids):
                 found.add(t)
             else:
                 stack.append(t.op)
-    return found
+    return found, seen
 
 
 def _check_batch_major(t, reader):
