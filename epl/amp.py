@@ -31,7 +31,7 @@ import logging
 import tensorflow as tf
 
 from epl import apply_gate, capture_context, ir
-from epl.tf_adapter import graph as tfg, keras_state, op_types
+from epl.tf_adapter import graph as tfg, op_types
 
 log = logging.getLogger("epl")
 
@@ -162,10 +162,6 @@ def loss_scale(graph, config):
         with graph.name_scope("EPL_AMP/"):
             scale = variable("loss_scale", lambda: tf.constant(INITIAL_SCALE))
             good = variable("good_steps", lambda: tf.constant(0, tf.int64))
-        for v in (scale, good):
-            # model.fit initializes only what this line's keras backend tracks (on 2.x
-            # that is tf_keras', not the in-tree copy epl.internal_state tracks them in).
-            keras_state.track_variable(v)
         state = epl_graph.amp_state = (scale, good)
     return state[0].read_value(), state
 

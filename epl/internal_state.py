@@ -9,6 +9,7 @@ interchange with the same program trained without the feature.
 import tensorflow as tf
 
 from epl.tf_adapter import graph as tfg
+from epl.tf_adapter import keras_state
 
 COLLECTION = "epl_internal_state"
 
@@ -17,7 +18,6 @@ def variable(name, initial, dtype=None):
     """A resource variable of EPL's.  ``initial``: a callable building the initial
     value; neither waits for the user's control dependencies (optimizers are often
     built under the gradients')."""
-    from tensorflow.python.keras import backend
     with tf.control_dependencies(None):
         v = tf.compat.v1.Variable(initial(), trainable=False, name=name, use_resource=True,
                                   dtype=dtype,
@@ -25,7 +25,7 @@ def variable(name, initial, dtype=None):
                                                COLLECTION])
     # tf.keras initializes only the variables it tracks (model.fit never runs the global
     # initializer).
-    backend.track_variable(v)
+    keras_state.track_variable(v)
     return v
 
 
