@@ -41,6 +41,8 @@ import multiprocessing
 import os
 import time
 
+from epl.tf_adapter import behavior
+
 log = logging.getLogger("epl")
 
 METHODS = ("data_parallel", "accumulation", "pipeline", "split", "gradient_checkpoint", "zero",
@@ -284,8 +286,11 @@ def _rows(dataset_fn):
                      "drop_remainder=True) so that candidates can be compared by samples/s.")
 
 
-def _child(conn, fns, strategy, devices, steps):
+def _child(conn, fns, strategy, devices, steps, switches):
     try:
+        # A spawned interpreter starts with TensorFlow's defaults (TF 2.x: eager):
+        # build the candidate the way the searching program builds its graphs.
+        behavior.restore(switches)
         conn.send(("ok", dry_run(fns[0], fns[1], fns[2], strategy, devices, steps)))
     except Exception as e:  # pylint: disable=broad-except
         conn.send(("error", "%s: %s" % (type(e).__name__, e)))
@@ -294,10 +299,12 @@ def _child(conn, fns, strategy, devices, steps):
 
 
 def measure(fns, strategy, devices, steps, timeout):
-    """``dry_run`` in a process of its own; (status, figures or message)."""
+    """``dry_run`` in a process of its own, with this process's TensorFlow behaviour
+    switches (graph mode, variable kind, ...); (status, figures or message)."""
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(child, fns, strategy, devices, steps))
+    proc = ctx.Process(target=_child,
+                       args=(child, fns, strategy, devices, steps, behavior.current()))
     proc.start()
     child.close()
     try:

@@ -12,7 +12,8 @@ What it does to the backward ops just built:
 1. *Checkpoints*: ``"collection"``: the tensors in ``tf.get_collection("checkpoints")``;
    ``"auto"``: tensors that separate the forward graph (every later forward op
    depends on the earlier ones only through them, like a layer's output), about
-   ``sqrt`` of them, spaced by the activation bytes between them (``choose``).
+   ``sqrt`` of them, spaced by the activation bytes between them (``choose``),
+   chosen for each pipeline stage on its own (each stage's device has its own peak).
 2. *Recompute*: every forward tensor a backward op reads that is not kept is read
    from a copy of the forward ops between it and the kept tensors (but not
    after the last checkpoint, where the backward pass starts at once).  Kept: the
@@ -85,7 +86,7 @@ def apply(graph, ys, first_id, config):
     if config.get("gradient_checkpoint.type") == "collection":
         checkpoints = set(t for t in graph.get_collection(COLLECTION) if hasattr(t, "op"))
     else:
-        checkpoints = set(choose(candidates, wanted))
+        checkpoints = set(_choose_per_stage(candidates, wanted, epl_graph))
     # After the last checkpoint the backward pass starts at once: nothing to save there.
     able = ir.upstream([t.op for t in checkpoints], control=False, within=set(candidates))
 
@@ -236,6 +237,26 @@ def _nbytes(t):
     for d in t.shape.dims:
         n *= d.value if d.value is not None else 1
     return n
+
+
+def _choose_per_stage(ops, wanted, epl_graph):
+    """``choose`` for each taskgraph's ops (a pipeline stage) on its own.
+
+    Each stage runs on its own devices, so its peak is its own checkpoints plus its
+    own largest recomputed segment: one byte axis over the whole model would trade
+    one stage's memory against another's, and its picks would land in whichever
+    stage the sqrt spacing happens to favour (with TF 2.x's lighter dropout, which
+    keeps a bool mask instead of TF 1.x's float mask and scaled copy, a single
+    checkpoint at the end of the first stage: nothing recomputed in the second)."""
+    stages = {}
+    for op in ops:
+        tg = epl_graph.taskgraph_of(op)
+        stages.setdefault(tg.index if tg is not None else -1, []).append(op)
+    picks = []
+    for index in sorted(stages):
+        members = set(stages[index])
+        picks.extend(choose(stages[index], set(t for t in wanted if t.op in members)))
+    return picks
 
 
 def choose(ops, wanted):

@@ -11,6 +11,8 @@ TensorFlow's internals).
                reference dtypes, control-flow contexts, op creation and copies
     c_graph    the C API: bulk import of NodeDefs, NodeDef bytes, ops made from C outputs
     patching   the patch table: each TensorFlow entry point EPL wraps, by name
+    behavior   the process-wide switches (eager, resource variables, ...) a process EPL
+               spawns takes over from the one that started it
     op_types   op type names that differ between lines (tf.einsum's products)
     keras_state  the graph-mode keras backend that initializes EPL's own variables
 
