@@ -176,8 +176,7 @@ def seed_moe_recipe(tmpdir, n=None):
     bx, by = _fixed_batches(xs, ys, t)
     if n:
         epl.set_default_strategy(epl.replicate(n))
-    pre = tf.layers.dense(bx, d, kernel_initializer=tf.compat.v1
-                                    .constant_initializer(w2v), name="attention")
+    pre = tf.layers.dense(bx, d, kernel_initializer=tf.constant_initializer(w2v), name="attention")
     if n:
         with epl.split(n):
             w1 = tf.get_variable("experts_w1", initializer=w1v)
