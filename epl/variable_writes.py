@@ -5,6 +5,7 @@ across runs, the apply gate) and the rewrite passes both ask, answered from the 
 structure (op types and the edges to a variable), not from names.
 """
 from epl import ir
+from epl.tf_adapter import functions
 from epl.tf_adapter import graph as tfg
 
 VARIABLE_OPS = frozenset(["VariableV2", "Variable", "VarHandleOp"])
@@ -20,11 +21,14 @@ READ_OPS = frozenset(["IsVariableInitialized", "VarIsInitializedOp", "ReadVariab
 
 
 def written_variable(op):
-    """The variable op ``op`` writes, or None (reads and passthroughs are not writes)."""
+    """The variable op ``op`` writes, or None (reads and passthroughs are not writes).
+    A v2 loop or condition writes a variable it captured only if one of its bodies
+    does (``functions.written_inputs``): most only read theirs."""
     if op.type in READ_OPS:
         return None
+    written = functions.written_inputs(op) if functions.is_call(op) else None
     for i, t in enumerate(op.inputs):
-        if not ir.is_state_handle(t):
+        if not ir.is_state_handle(t) or (written is not None and i not in written):
             continue
         if tfg.is_ref_dtype(t.dtype) and not tfg.input_wants_ref(op, i):
             continue  # a ref read as a value
@@ -44,11 +48,18 @@ def variable_behind(x):
     return variable_of(x)
 
 
+# Ops that hand their first input's variable on unchanged: identities, and a v1 loop's /
+# condition's entry into its body (a write inside a tf.while_loop or tf.cond body takes
+# the variable through them).
+_PASSTHROUGH = frozenset(["Identity", "RefIdentity", "Enter", "RefEnter", "Switch",
+                          "RefSwitch"])
+
+
 def variable_of(t):
     """The variable op behind a ref/resource tensor (through identity-like ops)."""
     seen = 0
     while t.op.type not in VARIABLE_OPS and seen < 16:
-        if t.op.type in ("Identity", "RefIdentity") and t.op.inputs:
+        if t.op.type in _PASSTHROUGH and t.op.inputs:
             t = t.op.inputs[0]
             seen += 1
         else:

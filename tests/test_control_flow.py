@@ -1,9 +1,14 @@
-"""TF1 control flow in every strategy (issue 11).
+"""TF1 control flow in every strategy (issue 11), in both control-flow modes.
 
 Each program of ``tests/corpus/control_flow.py`` (dynamic_rnn, a bidirectional RNN,
 tf.scan / tf.map_fn, tf.cond with dropout and batch norm, a nested tf.while_loop,
 an ExponentialMovingAverage) trains under EPL and without it; the oracle is the
 program without EPL on one device with the global batch, compared at 1e-5.
+
+Every test runs in control flow v1 (``Enter`` / ``Switch`` / ``Merge`` ... and ref
+variables: ``disable_v2_behavior``, the suite's default) and v2 (one ``While`` / ``If``
+op per loop or condition, bodies in the graph's function library, resource variables:
+what TF 2.x's ``disable_eager_execution()`` alone gives; TF 1.15 has the same switch).
 """
 import os
 
@@ -27,14 +32,43 @@ LAYOUTS = {
 }
 
 
+@pytest.fixture(params=["v1", "v2"])
+def cf_mode(request):
+    """The control-flow mode of the test: v1 (``disable_v2_behavior``: Switch/Merge/
+    Enter/Exit, ref variables; the suite's default) or v2 (what ``disable_eager_execution``
+    alone gives on TF 2.x: functional While/If whose bodies are in the graph's function
+    library, resource variables).  Switched on for the test and back."""
+    if request.param == "v2":
+        tf.enable_control_flow_v2()
+        tf.enable_resource_variables()
+    try:
+        yield request.param
+    finally:
+        if request.param == "v2":
+            tf.disable_control_flow_v2()
+            tf.disable_resource_variables()
+
+
 def _batches(rows, total=None):
     x, y = cf.data(total or STEPS * rows)
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(rows, drop_remainder=True)
     return tf.data.make_one_shot_iterator(ds).get_next()
 
 
+V1_OPS = frozenset(["Enter", "Exit", "Switch", "Merge", "NextIteration", "LoopCond"])
+V2_OPS = frozenset(["While", "StatelessWhile", "If", "StatelessIf"])
+
+
+def _mode_of(graph):
+    """Which control flow ``graph`` was built with ('v1', 'v2'), from its op types."""
+    types = set(op.type for op in graph.get_operations())
+    assert not (types & V1_OPS and types & V2_OPS), sorted(types & (V1_OPS | V2_OPS))
+    return "v2" if types & V2_OPS else "v1" if types & V1_OPS else None
+
+
 def _run(name, layout, tmpdir):
-    """Train ``name`` for STEPS steps; its variables (from a checkpoint)."""
+    """Train ``name`` for STEPS steps; its variables (from a checkpoint).  The control
+    flow the graph was built with is left in ``_run.mode``."""
     models.reset()
     stage = split = None
     if layout is None:
@@ -60,16 +94,18 @@ def _run(name, layout, tmpdir):
         for _ in range(STEPS):
             sess.run(op)
         path = tf.train.Saver().save(sess, os.path.join(str(tmpdir), layout or "local"))
+    _run.mode = _mode_of(tf.get_default_graph())
     reader = tf.train.load_checkpoint(path)
     return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()}
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("name", cf.MODELS)
-def test_control_flow_program(name, layout, tmpdir):
+def test_control_flow_program(name, layout, tmpdir, cf_mode):
     _run.layout = layout
     want = _run(name, None, tmpdir)
     got = _run(name, layout, tmpdir)
+    assert _run.mode == cf_mode
     keys = sorted(k for k in want if "Momentum" not in k)   # split: slots are per shard
     assert any("ExponentialMovingAverage" in k for k in keys) == (name == "ema")
     for k in keys:
@@ -88,7 +124,7 @@ def cf_initial(name):
         return {v.op.name: sess.run(v) for v in tf.global_variables()}
 
 
-def test_fed_flag_reaches_every_replica(tmpdir):
+def test_fed_flag_reaches_every_replica(tmpdir, cf_mode):
     """A flag fed by the user (``is_training``, a placeholder with a default) is read by
     every replica: feeding False trains every replica with the false branch."""
     def run(layout):
@@ -162,7 +198,7 @@ def _train_loop_program(op):
         return before, read()
 
 
-def test_stage_boundary_inside_a_loop_is_refused():
+def test_stage_boundary_inside_a_loop_is_refused(cf_mode):
     """The program is valid TensorFlow (without EPL it trains), but a loop cannot cross a
     stage boundary: EPL refuses it with the loop's and the stages' names, and keeps
     refusing it (the half-rewritten graph never runs)."""
@@ -177,7 +213,7 @@ def test_stage_boundary_inside_a_loop_is_refused():
             sess.run(op)
 
 
-def test_loop_inside_one_stage_trains_like_the_program_without_epl():
+def test_loop_inside_one_stage_trains_like_the_program_without_epl(cf_mode):
     """A loop inside stage 0 of a 2-stage pipeline with 2 micro-batches equals the same
     program without EPL on one device with the global batch."""
     before, want = _train_loop_program(_loop_across_stages(False, pipeline=False))
@@ -188,25 +224,53 @@ def test_loop_inside_one_stage_trains_like_the_program_without_epl():
     assert not np.allclose(want["w"], before["w"], atol=1e-4)
 
 
-def test_rewritten_graph_exports_and_reimports(tmpdir):
-    """export_meta_graph of a rewritten graph with loops (every clone's contexts in the
-    collections) re-imports, and the imported graph trains like the original."""
+def _calls(graph):
+    """{op name: [function names]} of the v2 loops and conditions of ``graph``."""
+    out = {}
+    for op in graph.get_operations():
+        if op.type in V2_OPS:
+            attrs = ("cond", "body") if op.type.endswith("While") else ("then_branch",
+                                                                      "else_branch")
+            out[op.name] = [op.get_attr(a).name for a in attrs]
+    return out
+
+
+@pytest.mark.parametrize("name", ["lstm", "cond"])
+def test_rewritten_graph_exports_and_reimports(tmpdir, cf_mode, name):
+    """export_meta_graph of a rewritten graph with loops and conditions re-imports, and
+    the imported graph trains like the original.  v1: every clone's contexts are in the
+    collections; v2: every clone's loops and conditions are in the graph, with the
+    functions they call in its library."""
     models.reset()
     models.init_data_parallel(2)
     px = tf.placeholder(tf.float32, [None, cf.T, cf.F], name="px")
     py = tf.placeholder(tf.int64, [None], name="py")
-    loss = cf.model("lstm", px, py)
-    op = cf.train_op("lstm", loss)
+    loss = cf.model(name, px, py)
+    op = cf.train_op(name, loss)
     x, y = cf.data(2 * B)
     with tf.Session() as sess:
         sess.run(tf.global_variables_initializer())
         sess.run(op, {px: x, py: y})      # rewrites
         g = tf.get_default_graph()
-        contexts = g.get_collection(tf.GraphKeys.WHILE_CONTEXT)
-        assert sorted(c.name for c in contexts) == [
-            "EPL_REPLICA_1/rnn/while/while_context", "rnn/while/while_context"]
-        frames = set(o.get_attr("frame_name") for o in g.get_operations() if o.type == "Enter")
-        assert b"EPL_REPLICA_1/rnn/while/while_context" in frames
+        assert _mode_of(g) == cf_mode
+        keys = (tf.GraphKeys.WHILE_CONTEXT, tf.GraphKeys.COND_CONTEXT)
+        contexts = sorted(c.name for k in keys for c in g.get_collection(k))
+        if cf_mode == "v1":
+            originals = [c for c in contexts if not c.startswith("EPL_REPLICA_")]
+            assert originals and contexts == sorted(
+                originals + ["EPL_REPLICA_1/" + c for c in originals])
+            if name == "lstm":
+                frames = set(o.get_attr("frame_name") for o in g.get_operations()
+                             if o.type == "Enter")
+                assert b"EPL_REPLICA_1/rnn/while/while_context" in frames
+        else:
+            assert contexts == []
+            calls = _calls(g)
+            originals = [c for c in calls if not c.startswith("EPL_REPLICA_")]
+            assert originals and sorted(calls) == sorted(
+                originals + ["EPL_REPLICA_1/" + c for c in originals])
+            library = set(f.signature.name for f in g.as_graph_def().library.function)
+            assert set(f for fs in calls.values() for f in fs) <= library
         path = os.path.join(str(tmpdir), "model")
         tf.train.Saver().save(sess, path)
         meta = tf.train.export_meta_graph(os.path.join(str(tmpdir), "rewritten.meta"))
@@ -216,12 +280,107 @@ def test_rewritten_graph_exports_and_reimports(tmpdir):
     models.reset()    # a plain graph, EPL not initialized: the imported graph runs as is
     with tf.Graph().as_default() as g2:
         saver = tf.train.import_meta_graph(meta)
-        contexts = g2.get_collection(tf.GraphKeys.WHILE_CONTEXT)
-        assert len(contexts) == 2
+        assert len([c for k in keys for c in g2.get_collection(k)]) == len(contexts)
+        if cf_mode == "v2":
+            assert sorted(_calls(g2)) == sorted(calls)
         cfg = tf.ConfigProto(device_count={"CPU": 2})
         with tf.Session(config=cfg) as sess:
+            # (per-replica state -- batch norm's moving statistics, which the condition
+            # writes from each replica's batch -- is not in the checkpoint, which holds
+            # replica 0's: the initializers start every replica's copy, then the restore)
+            sess.run(tf.global_variables_initializer())
             saver.restore(sess, path)
             feed = {"px:0": x, "py:0": y}
             np.testing.assert_allclose(sess.run(loss.name, feed), want_loss, rtol=1e-6)
             sess.run(op.name, feed)
             np.testing.assert_allclose(sess.run(loss.name, feed), want_after, rtol=1e-5)
+
+
+def _seeded_dropout(layout):
+    """tf.cond(flag) around a dropout with a fixed seed (and a graph seed) on a batch
+    of ones; the masks of replica 0 and, under EPL, of replica 1 after one step."""
+    models.reset()
+    if layout:
+        models.init_data_parallel(2)
+    tf.set_random_seed(5)
+    x, _ = _batches(B, 2 * B)
+    flag = cf.is_training()
+    ones = tf.ones_like(tf.reshape(x, [-1, cf.T * cf.F]))
+    out = tf.cond(flag, lambda: tf.nn.dropout(ones, rate=0.5, seed=7), lambda: ones)
+    total = tf.reduce_sum(out)
+    with tf.Session() as sess:
+        sess.run(total)     # (EPL: rewrites; both: the second draw is compared)
+        fetch = [out]
+        if layout:
+            fetch.append(tf.get_default_graph().get_tensor_by_name("EPL_REPLICA_1/" + out.name))
+        return sess.run(fetch)
+
+
+def test_seeded_random_op_in_a_condition_gets_each_replica_its_own_stream(cf_mode):
+    """A dropout with a fixed seed inside tf.cond: replica 0 draws the program's mask,
+    replica 1 a mask of its own (v2: its copy of the branch has the clone's seed; with
+    the same seeds both replicas would drop the same units)."""
+    want, = _seeded_dropout(None)
+    got0, got1 = _seeded_dropout("dp2")
+    np.testing.assert_array_equal(got0, want)
+    assert set(np.unique(got1)) <= {0.0, 2.0} and 0 < np.mean(got1 == 0) < 1
+    assert not np.array_equal(got0, got1)
+
+
+def test_loop_writing_a_trainable_variable_from_the_batch_is_refused(cf_mode):
+    """A loop body that adds the batch to a trainable variable (not through a gradient)
+    would make the replicas' weights diverge: refused before the first step, naming the
+    loop's write (v2: the While op, whose body writes the variable it captured)."""
+    models.reset()
+    models.init_data_parallel(2)
+    x, y = _batches(B, 2 * B)
+    loss = cf.model("nested", x, y)
+    w = [v for v in tf.trainable_variables() if v.op.name == "nested_w"][0]
+
+    def body(t):
+        with tf.control_dependencies([tf.assign_add(w, tf.fill([cf.H, cf.H],
+                                                               tf.reduce_mean(x)))]):
+            return t + 1
+    done = tf.while_loop(lambda t: t < 2, body, [0], name="hand_loop")
+    op = tf.group(cf.train_op("nested", loss), done)
+    with tf.Session() as sess:
+        with pytest.raises(NotImplementedError,
+                           match=r"'hand_loop.*writes the trainable variable 'nested_w'"):
+            sess.run(tf.global_variables_initializer())
+        with pytest.raises(NotImplementedError, match="nested_w"):
+            sess.run(op)
+
+
+@pytest.mark.parametrize("cf_mode", ["v2"], indirect=True)
+def test_v2_clones_call_their_own_bodies_and_loop_accumulators(cf_mode, tmpdir):
+    """Control flow v2 under a 2-stage pipeline of 2 micro-batches and DP x2: a clone's
+    condition calls copies of its branches whose colocation groups name the clone (one
+    group string for two replicas' inlined branches would tie them to one device);
+    a loop's gradient accumulators (the lists its forward While takes as extra inputs)
+    are copied per clone and placed on the loop's stage, not shared unplaced."""
+    for layout, name in (("dp2", "cond"), ("pipeline2", "lstm")):
+        _run.layout = layout
+        _run(name, layout, tmpdir)
+        g = tf.get_default_graph()
+        ops = {op.name: op for op in g.get_operations()}
+        if name == "cond":
+            user = ops["bn/cond_2"]
+            clone = ops["EPL_REPLICA_1/bn/cond_2"]
+            branch = clone.get_attr("then_branch").name
+            assert branch != user.get_attr("then_branch").name
+            fdef = [f for f in g.as_graph_def().library.function
+                    if f.signature.name == branch][0]
+            groups = [s for n in fdef.node_def if "_class" in n.attr
+                      for s in n.attr["_class"].list.s]
+            assert groups and all(s.startswith(b"loc:@EPL_REPLICA_1/") for s in groups)
+        else:
+            loop = ops["rnn/while"]
+            lists = [t.op for t in loop.inputs if t.op.type == "EmptyTensorList"]
+            assert lists
+            stage1 = loop.device
+            assert stage1 and all(op.device == stage1 for op in lists)
+            copy = ops["EPL_REPLICA_1/rnn/while"]
+            copied = [t.op for t in copy.inputs if t.op.type == "EmptyTensorList"]
+            assert len(copied) == len(lists)
+            assert all(op.name.startswith("EPL_REPLICA_1/") and op.device == stage1
+                       for op in copied)

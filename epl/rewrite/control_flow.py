@@ -12,12 +12,29 @@ the clone's copy, so the copies' contexts are as valid as the user's.
 
 A loop or condition runs on one pipeline stage: one that spans two is refused
 with its name (``check_stages``).
+
+Control flow v2 (TF 2.x's ``disable_eager_execution()`` alone, or
+``enable_control_flow_v2()``): a loop or condition is one op (``While`` / ``If`` and
+their stateless forms) whose bodies are functions of the graph's library
+(``epl.tf_adapter.functions``).  The cloner copies the op like any other; every copy
+calls the same bodies, except where a copy needs bodies of its own
+(``function_attr``): a body's colocation constraints name the clone (TensorFlow groups
+colocated ops by those names across the whole graph, so two replicas' inlined bodies
+would be tied to one device), its seeded random ops get the clone's seed stream, the
+named resources it makes get the clone's names (as ``shared_name`` outside bodies),
+and devices set inside a body are dropped (the body runs on its call op's device).  A
+loop's gradient pushes the forward values it needs onto lists (TensorList
+accumulators) that the forward ``While`` takes as extra inputs, made while the
+gradient is built: ``adopt_accumulators`` counts them with the forward loop.
 """
+import bisect
+
 import tensorflow as tf
 from tensorflow.core.protobuf import control_flow_pb2
 from tensorflow.python.ops import control_flow_ops
 
 from epl import ir
+from epl.tf_adapter import functions
 from epl.tf_adapter import graph as tfg
 
 _COLLECTIONS = (tf.compat.v1.GraphKeys.WHILE_CONTEXT, tf.compat.v1.GraphKeys.COND_CONTEXT)
@@ -52,9 +69,15 @@ def check_stages(ir_graph, taskgraphs, num_stages):
     scope.  (Their gradients follow: ops that tf.gradients adds to a forward loop, like
     its iteration counter, may be attributed to the stage whose gradient was being
     built.)  Checked before the stages are ordered: a loop across stages reads in
-    both directions."""
+    both directions.
+
+    Runs before the selection, for every layout, so the v2 corrections of what
+    capture recorded come first: ``drop_body_ops`` and ``adopt_accumulators``."""
+    drop_body_ops(ir_graph, taskgraphs)
+    adopt_accumulators(ir_graph, taskgraphs)
     if num_stages <= 1:
         return
+    _check_function_stages(ir_graph, taskgraphs)
     stages = {}
     for tg in taskgraphs:
         for op in tg.ops:
@@ -72,6 +95,122 @@ def check_stages(ir_graph, taskgraphs, num_stages):
                 "must run on one stage: build the whole %s inside one stage's scope "
                 "(epl.replicate), not a stage boundary inside its body."
                 % (describe(root), examples, what))
+
+
+def drop_body_ops(ir_graph, taskgraphs):
+    """Only ops of the graph itself belong to its TaskGraphs.  Ops of a v2 body (a
+    ``FuncGraph``) made while a gradient of the graph was built -- TF 1.15 rebuilds a
+    loop's bodies from their FunctionDefs inside tf.gradients -- are recorded with the
+    gradient's TaskGraph; they are not the graph's ops, and the cloner must not copy
+    them (their tensors exist only inside the body)."""
+    graph = ir_graph.tf_graph
+    for tg in taskgraphs:
+        if any(op.graph is not graph for op in tg.ops):
+            tg.ops[:] = [op for op in tg.ops if op.graph is graph]
+
+
+def adopt_accumulators(ir_graph, taskgraphs):
+    """The ops a v2 loop's gradient made for the forward loop (the accumulators its
+    forward ``While`` takes as extra inputs, their shapes) belong to the forward pass of
+    the loop's TaskGraph.  Capture records them as backward ops -- of the body's own
+    graph's TaskGraph when they were made while the gradient of a body was built -- so
+    they would not be copied per clone, nor placed, and a pipeline's schedule (every
+    backward after the forwards of the micro-batches) would make the forward loop wait
+    for its own backward: a cycle.  Runs before the selection."""
+    ours = set(id(tg) for tg in ir_graph.taskgraphs)
+    for tg in taskgraphs:
+        for op in list(tg.ops):
+            if not functions.is_call(op) or ir_graph.phase_of(op) != ir.FORWARD:
+                continue
+            stack = [t.op for t in op.inputs]
+            seen = set()
+            while stack:
+                up = stack.pop()
+                if up in seen:
+                    continue
+                seen.add(up)
+                phase = ir_graph.phase_of(up)
+                owner = ir_graph.taskgraph_of(up)
+                foreign = owner is not None and id(owner) not in ours
+                if phase != ir.BACKWARD and not foreign:
+                    continue
+                ir_graph.op_phase[up.name] = ir.FORWARD
+                if owner is not tg:
+                    if not foreign and owner is not None and up in owner.ops:
+                        owner.ops.remove(up)
+                    ir_graph.op_taskgraph[up.name] = tg
+                    ids = [tfg.op_id(x) for x in tg.ops]
+                    tg.ops.insert(bisect.bisect(ids, tfg.op_id(up)), up)
+                stack.extend(t.op for t in up.inputs)
+
+
+def _body_strategies(graph, op, seen):
+    """{strategy: an op name} of the forward ops built inside ``op``'s functions (nested
+    loops and conditions too), from the IR of their Python graphs (None where a body
+    has none: a graph imported from a GraphDef)."""
+    out = {}
+    for _, value in functions.function_attrs(op):
+        for name in functions.attr_function_names(value):
+            if name in seen:
+                continue
+            seen.add(name)
+            for body in functions.source_graphs(graph, name):
+                _add_strategies(graph, body, seen, out)
+    return out
+
+
+def _add_strategies(graph, body, seen, out):
+    """Add the strategies recorded in the body graph ``body`` (and its nested calls)."""
+    body_ir = ir.Graph.existing(body)
+    if body_ir is not None:
+        for inner in body.get_operations():
+            tg = body_ir.taskgraph_of(inner)
+            if tg is not None and body_ir.phase_of(inner) == ir.FORWARD:
+                out.setdefault(tg.strategy, inner.name)
+            if functions.is_call(inner):
+                for s, n in _body_strategies(graph, inner, seen).items():
+                    out.setdefault(s, n)
+
+
+def describe_call(op):
+    """A user's name for a v2 loop or condition: 'the tf.while_loop 'rnn/while''."""
+    kind = {"loop": "tf.while_loop", "branch": "tf.cond"}.get(functions.CALL_OPS[op.type],
+                                                             "function call")
+    if op.type in ("Case", "StatelessCase"):
+        kind = "tf.case / tf.switch_case"
+    return "the %s %r" % (kind, op.name)
+
+
+def _check_function_stages(ir_graph, taskgraphs):
+    """A v2 loop or condition is one op, on its TaskGraph's stage: ops built inside its
+    body under another stage's scope would silently run on the loop's stage.
+    Refused like a v1 loop across stages."""
+    stage_strategies = set(id(tg.strategy) for tg in taskgraphs)
+    for tg in taskgraphs:
+        for op in tg.ops:
+            if not functions.is_call(op) or ir_graph.phase_of(op) != ir.FORWARD:
+                continue
+            inside = _body_strategies(op.graph, op, set())
+            other = [(s, n) for s, n in inside.items()
+                     if s is not tg.strategy and id(s) in stage_strategies]
+            if not other:
+                continue
+            examples = ["%r in %s" % (op.name, tg.strategy)]
+            examples += ["%r (inside its body) in %s" % (n, s) for s, n in other]
+            if tg.strategy in inside:
+                examples.append("%r (inside its body) in %s" % (inside[tg.strategy],
+                                                                tg.strategy))
+            what = "loop" if functions.CALL_OPS[op.type] == "loop" else "condition"
+            raise ValueError(
+                "EPL: %s spans pipeline stages (%s). A loop or condition, with its body, "
+                "must run on one stage: build the whole %s inside one stage's scope "
+                "(epl.replicate), not a stage boundary inside its body."
+                % (describe_call(op), ", ".join(sorted(examples, key=_stage_key)), what))
+
+
+def _stage_key(example):
+    """Examples ordered by the stage scope they name (stage_0 before stage_1)."""
+    return example.split(" in ", 1)[1] if " in " in example else example
 
 
 def roots_of(ops):
@@ -218,3 +357,116 @@ def edge_safe(ops):
 
 # A Merge is live when one input is; a loop's Exit when the loop ends.
 _LIVE_AGAIN = frozenset(["Merge", "RefMerge", "Exit", "RefExit"])
+
+
+# -- v2 bodies per clone ---------------------------------------------------------------
+
+def _copies(graph):
+    """The graph's record of body copies: {(function, clone): copy name}, copy ->
+    original, and the copies made but not yet added to the library."""
+    rec = getattr(graph, "_epl_body_copies", None)
+    if rec is None:
+        rec = ({}, {}, [], {})      # copies, originals, pending, needs-memo
+        setattr(graph, "_epl_body_copies", rec)
+    return rec
+
+
+def _needs_copy(graph, name, clone0, memo):
+    """Function ``name`` (or one it calls) needs a copy for a clone: devices set inside it
+    (every clone, the user's ops too); colocation constraints, fixed random seeds or
+    named shared resources (clones other than the user's)."""
+    key = (name, clone0)
+    if key in memo:
+        return memo[key]
+    memo[key] = False
+    fdef = functions.function_def(graph, name)
+    need = False
+    for node in fdef.node_def if fdef is not None else ():
+        if node.device:
+            need = True
+        elif not clone0 and ("_class" in node.attr or
+                             ("seed2" in node.attr and node.attr["seed2"].i) or
+                             ("shared_name" in node.attr and node.attr["shared_name"].s)):
+            need = True
+        elif any(_needs_copy(graph, n, clone0, memo) for n in functions.node_function_names(node)):
+            need = True
+        if need:
+            break
+    memo[key] = need
+    return need
+
+
+def needs_own_bodies(op, value, clone0=False):
+    """The function-valued attribute ``value`` of the call op ``op`` names bodies that a
+    clone (``clone0``: the user's own op) must have copies of."""
+    graph = op.graph
+    _, originals, _, memo = _copies(graph)
+    return any(_needs_copy(graph, originals.get(n, n), clone0, memo)
+               for n in functions.attr_function_names(value))
+
+
+def function_attr(state, c, value, seed_offset=0):
+    """Clone c's value of a call op's function-valued attribute ``value``: the same
+    functions, or the clone's copies of those that need one (``_needs_copy``), whose
+    fixed random seeds (``seed2``) move by ``seed_offset`` (the cloner's seed step
+    times c).  The copies are added to the library by ``add_pending_bodies``."""
+    graph = state.graph
+    _, originals, _, _ = _copies(graph)
+    new = type(value)()
+    new.CopyFrom(value)
+    funcs = [new.func] if new.HasField("func") else list(new.list.func)
+    for f in funcs:
+        f.name = _copy_function(state, c, originals.get(f.name, f.name), seed_offset)
+    return new
+
+
+def _copy_function(state, c, name, seed_offset):
+    graph = state.graph
+    copies, originals, pending, memo = _copies(graph)
+    if not _needs_copy(graph, name, c == 0, memo):
+        return name
+    done = copies.get((name, c))
+    if done is not None:
+        return done
+    fdef = functions.function_def(graph, name)
+    new_name = "%s_EPL_CLONE_%d" % (name, c)
+    k = 1
+    while functions.has_function(graph, new_name) or new_name in originals:
+        new_name = "%s_EPL_CLONE_%d_%d" % (name, c, k)
+        k += 1
+    copies[(name, c)] = new_name
+    originals[new_name] = name
+    copy = type(fdef)()
+    copy.CopyFrom(fdef)
+    copy.signature.name = new_name
+    prefix = state.clone_name(c, "").encode()
+    for node in copy.node_def:
+        node.device = ""
+        if c and "_class" in node.attr:
+            groups = node.attr["_class"].list.s
+            renamed = [b"loc:@" + prefix + g[len(b"loc:@"):] if g.startswith(b"loc:@") else g
+                       for g in groups]
+            del groups[:]
+            groups.extend(renamed)
+        if c and "seed2" in node.attr and node.attr["seed2"].i:
+            # Stateful random ops with a fixed seed would repeat the user's stream.
+            node.attr["seed2"].i += seed_offset
+        if c and "shared_name" in node.attr and node.attr["shared_name"].s:
+            # A named resource made inside a body (a table...) is the clone's own.
+            node.attr["shared_name"].s = prefix + node.attr["shared_name"].s
+        for value in node.attr.values():
+            funcs = [value.func] if value.HasField("func") else (
+                list(value.list.func) if value.HasField("list") else [])
+            for f in funcs:
+                f.name = _copy_function(state, c, f.name, seed_offset)
+    pending.append(copy)
+    return new_name
+
+
+def add_pending_bodies(graph):
+    """Add the body copies made since the last call to the graph's library (before the
+    copies that call them are imported)."""
+    _, _, pending, _ = _copies(graph)
+    if pending:
+        functions.add_function_defs(graph, pending)
+        del pending[:]

@@ -6,7 +6,9 @@ first op that reads a site's gradients, those gradients are reduced across
 clones (``gradients.py``), so every clone's update reads the reduced gradient.
 Each segment is copied for every clone at once, as one GraphDef import
 (``cloner.CopyPlan``); loops and conditions get per-clone frames and contexts
-(``control_flow.py``).
+(``control_flow.py``); v2 loops and conditions are ops like any other, whose copies
+call the same bodies or, where a clone needs its own, copies of them
+(``control_flow.function_attr``).
 """
 import tensorflow as tf
 
@@ -16,6 +18,7 @@ from epl.rewrite.cloner import (PREFIX, SEED_STEP, CopyPlan, Hole, attr_entry, i
                                  template)
 from epl.rewrite.gradients import reduce_gradients
 from epl.rewrite.selection import VARIABLE_OPS
+from epl.tf_adapter import functions
 from epl.tf_adapter import graph as tfg
 
 
@@ -31,6 +34,12 @@ def place_originals(state, sel):
         if "_class" in base[1]:
             tfg.clear_colocation(op)
         tfg.set_device(op, _device_for(state, 0, op.inputs, op))
+        if functions.is_call(op):
+            # Devices set inside its bodies would override the op's own.
+            for k, v in functions.function_attrs(op):
+                if control_flow.needs_own_bodies(op, v, clone0=True):
+                    functions.set_attr(op, k, control_flow.function_attr(state, 0, v))
+    control_flow.add_pending_bodies(state.graph)
 
 
 def _device_for(state, c, inputs, op):
@@ -94,6 +103,7 @@ def _copy_segment(state, ops):
         copies.append((c, seg, len(seg.plan.names)))
         seg.copy(c)
     segments = list(kinds.values())
+    control_flow.add_pending_bodies(state.graph)    # (bodies the copies call)
     made = dict(zip(segments, import_copies(state.graph, [seg.plan for seg in segments])))
     for c, seg, start in copies:
         seg.install(c, made[seg][start:start + len(seg.ops)])
@@ -244,7 +254,9 @@ class _Segment(object):
         return dev or state.stage_devices[c][stage]
 
 
-_CLONE_ATTRS = ("seed2", "shared_name", "frame_name")
+# A v2 loop's / condition's functions (a call's ``f``): a clone may call copies.
+_FUNCTION_ATTRS = ("cond", "body", "then_branch", "else_branch", "branches", "f")
+_CLONE_ATTRS = ("seed2", "shared_name", "frame_name") + _FUNCTION_ATTRS
 REPLICA = Hole("r")     # the name prefix of a micro-batch's replica
 
 
@@ -258,12 +270,16 @@ def _own_attrs(op, names):
         own["shared_name"] = op.get_attr("shared_name")
     if op.type in ("Enter", "RefEnter"):
         own["frame_name"] = op.get_attr("frame_name")
+    if functions.is_call(op):
+        for k, v in functions.function_attrs(op):
+            if k in _FUNCTION_ATTRS and control_flow.needs_own_bodies(op, v):
+                own[k] = v
     return own
 
 
 def _attrs(state, c, op, own):
-    """Clone c's attribute changes: its own seed stream, variable names and loop
-    frames."""
+    """Clone c's attribute changes: its own seed stream, variable names, loop frames and
+    v2 bodies."""
     attrs = {}
     if "seed2" in own:
         # Stateful random ops with a fixed seed would repeat replica 0's stream.
@@ -274,6 +290,9 @@ def _attrs(state, c, op, own):
     if "frame_name" in own:
         attrs["frame_name"] = control_flow.frame_attr(
             c, state, tf.compat.v1.AttrValue(s=own["frame_name"]))
+    for k in _FUNCTION_ATTRS:
+        if k in own:
+            attrs[k] = control_flow.function_attr(state, c, own[k], SEED_STEP * c)
     return attrs
 
 

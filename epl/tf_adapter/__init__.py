@@ -15,6 +15,8 @@ TensorFlow's internals).
                spawns takes over from the one that started it
     op_types   op type names that differ between lines (tf.einsum's products)
     keras_state  the graph-mode keras backend that initializes EPL's own variables
+    functions  control flow v2: the bodies of While / If ops in the function library
+               (which captured variables they write, their FuncGraphs, adding copies)
 
 It imports nothing else from EPL.
 """
