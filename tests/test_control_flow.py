@@ -384,3 +384,46 @@ def test_v2_clones_call_their_own_bodies_and_loop_accumulators(cf_mode, tmpdir):
             assert len(copied) == len(lists)
             assert all(op.name.startswith("EPL_REPLICA_1/") and op.device == stage1
                        for op in copied)
+
+
+def _train_on_cpu0(name, layout):
+    """``name`` built inside ``tf.device('/device:CPU:0')`` (a user's pin, which v2
+    writes into the bodies' nodes), trained STEPS steps; (trainable variables, graph)."""
+    models.reset()
+    if layout:
+        models.init_data_parallel(2)
+    x, y = _batches(B * (1 if layout else 2), STEPS * 2 * B)
+    with tf.device("/device:CPU:0"):
+        loss = cf.model(name, x, y)
+    op = cf.train_op(name, loss)
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
+        for _ in range(STEPS):
+            sess.run(op)
+        return {v.op.name: sess.run(v) for v in tf.trainable_variables()}, sess.graph
+
+
+@pytest.mark.parametrize("cf_mode", ["v2"], indirect=True)
+def test_devices_inside_v2_bodies_follow_the_call_op(cf_mode):
+    """A loop built under the user's ``tf.device`` has that device on every node of its
+    bodies, which would pin every replica's inlined body to it: each clone (the user's
+    op too) calls bodies without devices, which run on its own device; the numbers
+    are the program's."""
+    want, plain = _train_on_cpu0("nested", None)
+    bodies = [f for f in plain.as_graph_def().library.function
+              if any(n.device for n in f.node_def)]
+    assert bodies     # (the pin reached the bodies)
+    got, g = _train_on_cpu0("nested", "dp2")
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    library = {f.signature.name: f for f in g.as_graph_def().library.function}
+    called, stack = set(), [f for fs in _calls(g).values() for f in fs]
+    while stack:
+        name = stack.pop()
+        if name in called:
+            continue
+        called.add(name)
+        for n in library[name].node_def:
+            assert not n.device, (name, n.name, n.device)
+            stack.extend(v.func.name for v in n.attr.values() if v.HasField("func"))
+    assert any(n.startswith("EPL_REPLICA_1/") for n in _calls(g))
