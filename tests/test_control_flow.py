@@ -427,3 +427,20 @@ def test_devices_inside_v2_bodies_follow_the_call_op(cf_mode):
             assert not n.device, (name, n.name, n.device)
             stack.extend(v.func.name for v in n.attr.values() if v.HasField("func"))
     assert any(n.startswith("EPL_REPLICA_1/") for n in _calls(g))
+
+
+def test_gradient_of_a_loop_built_after_the_first_run_is_refused(cf_mode):
+    """The loop ran (and was copied) before its gradient was built: the gradient changes
+    the loop (v2: TensorFlow adds outputs to the forward While; v1: ops inside its
+    frame), which the clones' copies would lack.  Refused by name before the step."""
+    models.reset()
+    models.init_data_parallel(2)
+    x, y = _batches(B, 10 * B)
+    loss = cf.model("nested", x, y)
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
+        sess.run(loss)
+        op = tf.train.GradientDescentOptimizer(0.1).minimize(loss)
+        with pytest.raises(RuntimeError, match="while.* after the graph was rewritten for 2 "
+                                               "clones"):
+            sess.run(op)

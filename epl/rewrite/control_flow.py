@@ -361,13 +361,23 @@ _LIVE_AGAIN = frozenset(["Merge", "RefMerge", "Exit", "RefExit"])
 
 # -- v2 bodies per clone ---------------------------------------------------------------
 
-def _copies(graph):
-    """The graph's record of body copies: {(function, clone): copy name}, copy ->
-    original, and the copies made but not yet added to the library."""
-    rec = getattr(graph, "_epl_body_copies", None)
+class _Bodies(object):
+    """What the rewrites of one graph did to v2 bodies."""
+
+    def __init__(self):
+        self.copies = {}      # (function, clone) -> its copy's name
+        self.originals = {}   # copy's name -> function
+        self.pending = []     # copies made, not yet in the library
+        self.needs = {}       # (function, clone 0?) -> needs a copy (_needs_copy)
+        self.calls = {}       # call op copied -> its signature then (note_calls)
+
+
+def _record(graph):
+    """The graph's ``_Bodies`` record."""
+    rec = getattr(graph, "_epl_bodies", None)
     if rec is None:
-        rec = ({}, {}, [], {})      # copies, originals, pending, needs-memo
-        setattr(graph, "_epl_body_copies", rec)
+        rec = _Bodies()
+        setattr(graph, "_epl_bodies", rec)
     return rec
 
 
@@ -400,7 +410,8 @@ def needs_own_bodies(op, value, clone0=False):
     """The function-valued attribute ``value`` of the call op ``op`` names bodies that a
     clone (``clone0``: the user's own op) must have copies of."""
     graph = op.graph
-    _, originals, _, memo = _copies(graph)
+    rec = _record(graph)
+    originals, memo = rec.originals, rec.needs
     return any(_needs_copy(graph, originals.get(n, n), clone0, memo)
                for n in functions.attr_function_names(value))
 
@@ -411,7 +422,7 @@ def function_attr(state, c, value, seed_offset=0):
     fixed random seeds (``seed2``) move by ``seed_offset`` (the cloner's seed step
     times c).  The copies are added to the library by ``add_pending_bodies``."""
     graph = state.graph
-    _, originals, _, _ = _copies(graph)
+    originals = _record(graph).originals
     new = type(value)()
     new.CopyFrom(value)
     funcs = [new.func] if new.HasField("func") else list(new.list.func)
@@ -422,7 +433,8 @@ def function_attr(state, c, value, seed_offset=0):
 
 def _copy_function(state, c, name, seed_offset):
     graph = state.graph
-    copies, originals, pending, memo = _copies(graph)
+    rec = _record(graph)
+    copies, originals, pending, memo = rec.copies, rec.originals, rec.pending, rec.needs
     if not _needs_copy(graph, name, c == 0, memo):
         return name
     done = copies.get((name, c))
@@ -466,7 +478,38 @@ def _copy_function(state, c, name, seed_offset):
 def add_pending_bodies(graph):
     """Add the body copies made since the last call to the graph's library (before the
     copies that call them are imported)."""
-    _, _, pending, _ = _copies(graph)
+    pending = _record(graph).pending
     if pending:
         functions.add_function_defs(graph, pending)
         del pending[:]
+
+
+def _signature(op):
+    return (len(op.inputs), len(op.outputs),
+            tuple(n for _, v in functions.function_attrs(op)
+                  for n in functions.attr_function_names(v)))
+
+
+def note_calls(state, ops):
+    """Remember the v2 loops and conditions of ``ops`` as the clones copied them."""
+    copied = _record(state.graph).calls
+    for op in ops:
+        if functions.is_call(op):
+            copied[op] = _signature(op)
+
+
+def check_calls_unchanged(state):
+    """A v2 loop or condition copied by an earlier rewrite is as it was copied.  Its
+    gradient changes it (TensorFlow gives the forward ``While`` / ``If`` the values the
+    gradient needs as extra outputs, and new bodies): built after the first
+    session.run, the clones' copies would lack them.  Refused with the op's name."""
+    copied = _record(state.graph).calls
+    for op, sig in copied.items():
+        if _signature(op) != sig:
+            raise RuntimeError(
+                "EPL: %s changed after the graph was rewritten for %d clones (%r now has "
+                "%d inputs and %d outputs, %d and %d when it was copied): its gradient was "
+                "built after the first session.run, and TensorFlow extends the forward op "
+                "to feed it. Build the gradients and the optimizer before the first "
+                "session.run." % (describe_call(op), state.num_clones, op.name,
+                                  len(op.inputs), len(op.outputs), sig[0], sig[1]))

@@ -26,6 +26,7 @@ def place_originals(state, sel):
     """The user's replica ops go to clone 0's device (shared variables and the
     single update too, when a worker shares one copy of its variables).  A write to
     a variable runs where the variable lives."""
+    control_flow.check_calls_unchanged(state)
     ops = sorted(list(sel.ops) + list(sel.shared), key=tfg.op_id)
     for op in ops:
         # Our placement replaces TF's colocation hints: tf.gradients colocates a
@@ -78,6 +79,7 @@ def clone_replicas(state, sel):
     for _, rec in pending:
         reduce_gradients(state, rec)
     control_flow.copy_contexts(state, sel.ops, state.copied_contexts)
+    control_flow.note_calls(state, sel.ops)
 
 
 def _copy_segment(state, ops):
