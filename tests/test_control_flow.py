@@ -37,7 +37,8 @@ def cf_mode(request):
     """The control-flow mode of the test: v1 (``disable_v2_behavior``: Switch/Merge/
     Enter/Exit, ref variables; the suite's default) or v2 (what ``disable_eager_execution``
     alone gives on TF 2.x: functional While/If whose bodies are in the graph's function
-    library, resource variables).  Switched on for the test and back."""
+    library, resource variables).  Switched on for the test and back.  TF 1.15 has the
+    same two switches (``tf.compat.v1.enable_control_flow_v2``), and runs both modes."""
     if request.param == "v2":
         tf.enable_control_flow_v2()
         tf.enable_resource_variables()
@@ -201,7 +202,8 @@ def _train_loop_program(op):
 def test_stage_boundary_inside_a_loop_is_refused(cf_mode):
     """The program is valid TensorFlow (without EPL it trains), but a loop cannot cross a
     stage boundary: EPL refuses it with the loop's and the stages' names, and keeps
-    refusing it (the half-rewritten graph never runs)."""
+    refusing it (the half-rewritten graph never runs).  (v2: the loop is one op, which
+    would run its whole body on one stage, silently ignoring the boundary.)"""
     before, after = _train_loop_program(_loop_across_stages(True, pipeline=False))
     assert not np.allclose(before["w"], after["w"], atol=1e-4)
     op = _loop_across_stages(boundary_inside=True)

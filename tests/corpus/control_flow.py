@@ -8,6 +8,11 @@ of pipeline stage i (stage 0: the input projection; stage 1: the loop or
 condition and the head), ``split_head``: the number of devices of an
 ``epl.split`` classifier.  Weights start from fixed seeds, so every build of a
 program starts from the same values.
+
+The programs build in either control-flow mode: v1 (``Enter`` / ``Switch`` / ``Merge``,
+ref variables) or v2 (one ``While`` / ``If`` op per loop or condition with its bodies in
+the graph's function library, resource variables; the loops' gradients read the
+forward values from TensorList accumulators), as the caller has switched TensorFlow.
 """
 import contextlib
 
