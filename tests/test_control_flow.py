@@ -29,6 +29,11 @@ LAYOUTS = {
     "ga2": (1, 2, {"pipeline.num_micro_batch": 2}, "default"),
     "pipeline2": (2, 2, {"pipeline.num_micro_batch": 2}, "stages"),
     "split_head": (2, 2, {"cluster.colocate_split_and_replicate": True}, "split"),
+    # every device its own variable copies (the GPU default): the loops capture them
+    "dp2_per_device": (2, 2, {"cluster.variable_copies": "per_device"}, "default"),
+    # 1F1B over 4 micro-batches: stage 0 runs forwards ahead of backwards
+    "pipeline2_1f1b": (2, 4, {"pipeline.num_micro_batch": 4,
+                              "pipeline.strategy": "PreferBackward"}, "stages"),
 }
 
 
