@@ -4,6 +4,11 @@ local processes.
 
     python benchmarks/collectives.py --sizes-mib 1,16,64,256 --runs 5 --json FILE
 
+Runs on both TensorFlow lines (TF 2.x with TF_USE_LEGACY_KERAS=1): every child builds
+tf.compat.v1 graphs after ``tf.disable_v2_behavior()``; TF's side is the same on both,
+``tensorflow.python.ops.collective_ops.all_reduce / all_gather`` (the CollectiveReduce /
+CollectiveGather kernels), over gRPC between ``tf.train.Server``s across processes.
+
 Prints a table and writes a JSON list of records
 {"impl", "op", "scope", "ranks", "bytes", "seconds", "busbw_gbps", "busbw_min",
 "busbw_max", "runs"}.  Bus bandwidth as nccl-tests defines it: all-reduce
@@ -13,7 +18,12 @@ Every implementation runs in its own fresh processes (benchmarks/watchdog.py: ea
 within --timeout, a rank that fails or exits 0 without its records fails the run at once,
 no process left behind; a failed run is recorded in the JSON); EPL's are started --runs times
 (the figures across processes vary from run to run): busbw_gbps is the median of the
-runs, busbw_min / busbw_max the extremes.  The goals of issue 13 are checked at the end.
+runs, busbw_min / busbw_max the extremes.  The runs are interleaved -- run i measures the
+numpy copy, then EPL, then (in its first --baseline-runs runs) TF and Horovod, back to back
+-- so the ratios are also given run by run (median, min and max of the per-run ratios).
+The goals of issue 13 and of the TF 2.x issue (the same on both lines: cross-process
+all-reduce at 16-256 MiB at least half of a memory copy and at least 4x TF's collective
+ops) are checked at the end.
 """
 import argparse
 import json
@@ -96,10 +106,17 @@ def _epl_op(C, op, x, group, r, n, transport):
     return C.all_to_all(x, group, r, n, transport=transport)[0]
 
 
+def _tf():
+    """tf.compat.v1 with TF1 graph semantics (a no-op on 1.15, required on TF 2.x)."""
+    import tensorflow.compat.v1 as tf
+    tf.disable_v2_behavior()
+    tf.logging.set_verbosity(tf.logging.ERROR)
+    return tf
+
+
 def child_in_process(impl, sizes, n):
     """4 ranks = 4 virtual devices of this process."""
-    import tensorflow.compat.v1 as tf
-    tf.logging.set_verbosity(tf.logging.ERROR)
+    tf = _tf()
     from tensorflow.python.ops import collective_ops
     from epl.communicators import native_ops as C
     records = []
@@ -132,15 +149,15 @@ def child_in_process(impl, sizes, n):
                     nbytes = elems * 4 * (n if op == "allgather" else 1)
                     sec = _timed(sess, step, nbytes)
             records.append(dict(impl=impl, op=op, scope="in_process", ranks=n, bytes=nbytes,
-                                seconds=sec, busbw_gbps=busbw(op, nbytes, sec, n)))
+                                seconds=sec, busbw_gbps=busbw(op, nbytes, sec, n),
+                                tf_version=tf.__version__))
     return records
 
 
 def child_cross_process(impl, sizes, rank, n, ports, job, transport="shm"):
     """One rank per process; TF's collectives over gRPC need a server per process.
     transport "tcp": EPL's TCP ring between 127.0.0.2 and 127.0.0.3 (scope "tcp")."""
-    import tensorflow.compat.v1 as tf
-    tf.logging.set_verbosity(tf.logging.ERROR)
+    tf = _tf()
     from tensorflow.python.ops import collective_ops
     from epl.communicators import native_ops as C
     target = ""
@@ -183,12 +200,12 @@ def child_cross_process(impl, sizes, rank, n, ports, job, transport="shm"):
             records.append(dict(impl=impl, op=op,
                                 scope="tcp" if transport == "tcp" else "cross_process",
                                 ranks=n, bytes=nbytes, seconds=sec,
-                                busbw_gbps=busbw(op, nbytes, sec, n)))
+                                busbw_gbps=busbw(op, nbytes, sec, n), tf_version=tf.__version__))
     return records
 
 
 def child_horovod(sizes):
-    import tensorflow.compat.v1 as tf
+    tf = _tf()
     import horovod.tensorflow as hvd
     hvd.init()
     n = hvd.size()
@@ -202,7 +219,8 @@ def child_horovod(sizes):
                 sess.run(x.initializer)
                 sec = _timed(sess, step, size)
         records.append(dict(impl="horovod", op="allreduce", scope="cross_process", ranks=n,
-                            bytes=size, seconds=sec, busbw_gbps=busbw("allreduce", size, sec, n)))
+                            bytes=size, seconds=sec, busbw_gbps=busbw("allreduce", size, sec, n),
+                            tf_version=tf.__version__))
     return records if hvd.rank() == 0 else []
 
 
@@ -330,6 +348,9 @@ def main():
                    help="bound of each run (its processes are killed past it)")
     p.add_argument("--runs", type=int, default=5,
                    help="fresh runs of EPL's measurements (min / median / max reported)")
+    p.add_argument("--baseline-runs", type=int, default=1,
+                   help="how many of the runs also measure TF's collective ops and Horovod "
+                        "(the slow baselines)")
     p.add_argument("--scopes", default="in_process,cross_process,tcp",
                    help="which scopes to measure (the JSON says which were)")
     a = p.parse_args()
@@ -346,32 +367,38 @@ def main():
                                        a.transport)
         print(json.dumps(recs))
         return
-    records = memcpy_records(sizes)
     scopes = a.scopes.split(",")
-    if "in_process" in scopes:
-        for impl in ("epl", "tf_collective"):
-            runs = [_run_child(["--child", impl, "--scope", "in_process", "--ranks", "4",
-                                "--sizes-mib", a.sizes_mib], a.timeout)
-                    for _ in range(a.runs if impl == "epl" else 1)]
-            records += _aggregate(runs)
-    if "cross_process" in scopes:
-        for impl in ("epl", "tf_collective"):
-            runs = [_run_cross(impl, a.sizes_mib, 2, a.timeout)
-                    for _ in range(a.runs if impl == "epl" else 1)]
-            records += _aggregate(runs)
-    if "cross_process" in scopes or "tcp" in scopes:
-        records += _aggregate([_horovod(a.sizes_mib, a.timeout)])
-    if "tcp" in scopes:
-        records += _aggregate([_run_cross("epl", a.sizes_mib, 2, a.timeout, "tcp")
-                               for _ in range(a.runs)])
+    runs = []   # one list of records per (run, implementation, scope), each tagged "run"
+    for i in range(a.runs):   # interleaved: the ratios of one run saw the same machine
+        baseline = i < a.baseline_runs
+        got = [memcpy_records(sizes)]
+        if "in_process" in scopes:
+            for impl in ("epl", "tf_collective") if baseline else ("epl",):
+                got.append(_run_child(["--child", impl, "--scope", "in_process", "--ranks",
+                                       "4", "--sizes-mib", a.sizes_mib], a.timeout))
+        if "cross_process" in scopes:
+            for impl in ("epl", "tf_collective") if baseline else ("epl",):
+                got.append(_run_cross(impl, a.sizes_mib, 2, a.timeout))
+        if ("cross_process" in scopes or "tcp" in scopes) and baseline:
+            got.append(_horovod(a.sizes_mib, a.timeout))
+        if "tcp" in scopes:
+            got.append(_run_cross("epl", a.sizes_mib, 2, a.timeout, "tcp"))
+        for recs in got:
+            for r in recs:
+                r["run"] = i
+        runs += got
+    records = _aggregate(runs)
+    _per_run_ratios(records, [r for recs in runs for r in recs])
     from common import print_table, write_json
     rows = sorted(records, key=lambda r: (r["scope"], r["op"], r["bytes"], r["impl"]))
     for r in rows:
         r["MiB"] = r["bytes"] / float(1 << 20)
         r["ms"] = r["seconds"] * 1e3
+    version = next((r["tf_version"] for r in records if r.get("tf_version")), "?")
     print_table(rows, ["scope", "op", "ranks", "MiB", "impl", "ms", "busbw_gbps", "busbw_min",
                        "busbw_max", "runs"],
-                "Collectives (bus bandwidth, GB/s: median, min and max over runs)")
+                "Collectives, TensorFlow %s (bus bandwidth, GB/s: median, min and max over "
+                "runs)" % version)
     _print_ratios(records)
     _print_goals(records)
     for r in rows:
@@ -392,10 +419,12 @@ def _aggregate(runs):
     out = []
     for group in by_key.values():
         rec = dict(group[0])
+        rec.pop("run", None)
         rec["seconds"] = _median([g["seconds"] for g in group])
         rec["busbw_gbps"] = busbw(rec["op"], rec["bytes"], rec["seconds"], rec["ranks"])
         rec["busbw_min"] = min(g["busbw_gbps"] for g in group)
         rec["busbw_max"] = max(g["busbw_gbps"] for g in group)
+        rec["busbw_runs"] = [g["busbw_gbps"] for g in group]
         rec["runs"] = len(group)
         out.append(rec)
     return out
@@ -408,7 +437,7 @@ def _print_goals(records):
             if (r["impl"], r["scope"], r["op"], r["bytes"]) == (impl, scope, op, nbytes):
                 return r
         return None
-    print("\nGoals")
+    print("\nGoals of issue 13")
     for r in sorted(records, key=lambda r: (r["scope"], r["bytes"], r["op"])):
         if r["impl"] != "epl":
             continue
@@ -438,29 +467,66 @@ def _print_goals(records):
             continue
         print("  %-4s %7.1f MiB  %s" % ("met" if ok else "MISS", r["bytes"] / float(1 << 20),
                                          line))
+    print("\nGoals of the TF 2.x issue (the 1.15 line's too): cross-process all-reduce, "
+          "16-256 MiB, per-run ratios (median [min..max])")
+    for r in sorted(records, key=lambda r: r["bytes"]):
+        if ((r["impl"], r["scope"], r["op"]) != ("epl", "cross_process", "allreduce")
+                or not 16 << 20 <= r["bytes"] <= 256 << 20):
+            continue
+        for other, goal, what in (("memcpy", 0.5, ">= 50% of a memory copy"),
+                                  ("tf_collective", 4.0, ">= 4x TF's collective ops")):
+            q = r.get("ratio_" + other)
+            if not q:
+                print("  ---- %7.1f MiB  %s: not measured" % (r["bytes"] / float(1 << 20), what))
+                continue
+            scale, unit = (100, "%") if other == "memcpy" else (1, "x")
+            print("  %-4s %7.1f MiB  %s: %.2f%s [%.2f..%.2f]%s" % (
+                "met" if q[0] >= goal else "MISS", r["bytes"] / float(1 << 20), what,
+                scale * q[0], unit, scale * q[1], scale * q[2],
+                "" if q[1] >= goal else " (not in every run)"))
 
 
-def _print_ratios(records):
-    def bw(impl, scope, op, nbytes):
-        for r in records:
-            if (r["impl"], r["scope"], r["op"], r["bytes"]) == (impl, scope, op, nbytes):
-                return r["busbw_gbps"]
-        return None
-    print("\nRatios (EPL bus bandwidth / other)")
+def _per_run_ratios(records, measured):
+    """EPL's bus bandwidth over each other implementation's and over the copy's, run by run
+    (both measured in the same run, back to back): for each aggregated EPL record
+    ``ratio_<other>`` = [median, min, max] over the runs that measured both, and
+    ``ratio_<other>_runs`` the ratios themselves."""
+    by_run = {}
+    for m in measured:
+        by_run[(m["impl"], m["scope"], m["op"], m["bytes"], m["run"])] = m["busbw_gbps"]
     for r in records:
         if r["impl"] != "epl":
             continue
-        parts = []
-        for other in ("tf_collective", "horovod"):
-            o = bw(other, r["scope"], r["op"], r["bytes"])
-            if o:
-                parts.append("%s x%.2f" % (other, r["busbw_gbps"] / o))
-        mem = [m for m in records if m["impl"] == "memcpy" and m["bytes"] == r["bytes"]]
-        if mem:
-            parts.append("of memcpy %.0f%%" % (100 * r["busbw_gbps"] / mem[0]["busbw_gbps"]))
-        print("  %-13s %-9s %7.1f MiB: %s" % (r["scope"], r["op"], r["bytes"] / float(1 << 20),
-                                             ", ".join(parts)))
+        for other in ("tf_collective", "horovod", "memcpy"):
+            ratios = []
+            for (impl, scope, op, nbytes, run), bw in by_run.items():
+                if (impl, scope, op, nbytes) != ("epl", r["scope"], r["op"], r["bytes"]):
+                    continue
+                key = (("memcpy", "in_process", "copy", nbytes, run) if other == "memcpy"
+                       else (other, "cross_process" if other == "horovod" else scope, op,
+                             nbytes, run))
+                if key in by_run:
+                    ratios.append(bw / by_run[key])
+            if ratios:
+                r["ratio_" + other] = [_median(ratios), min(ratios), max(ratios)]
+                r["ratio_%s_runs" % other] = ratios
 
+
+def _print_ratios(records):
+    print("\nRatios (EPL bus bandwidth / other's, per run: median [min..max] over runs)")
+    for r in sorted(records, key=lambda r: (r["scope"], r["op"], r["bytes"])):
+        if r["impl"] != "epl":
+            continue
+        parts = []
+        for other, label, fmt in (("tf_collective", "tf_collective", "x%.2f [%.2f..%.2f]"),
+                                  ("horovod", "horovod", "x%.2f [%.2f..%.2f]"),
+                                  ("memcpy", "of memcpy", "%.0f%% [%.0f..%.0f%%]")):
+            q = r.get("ratio_" + other)
+            if q:
+                scale = 100 if other == "memcpy" else 1
+                parts.append("%s %s" % (label, fmt % tuple(scale * v for v in q)))
+        print("  %-13s %-13s %7.1f MiB: %s" % (r["scope"], r["op"], r["bytes"] / float(1 << 20),
+                                               ", ".join(parts)))
 
 if __name__ == "__main__":
     main()
