@@ -17,6 +17,7 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import epl
+from epl.tf_adapter.version import IS_TF2
 from tests import models
 from tests.corpus import control_flow as cf
 
@@ -364,8 +365,11 @@ def test_v2_clones_call_their_own_bodies_and_loop_accumulators(cf_mode, tmpdir):
     condition calls copies of its branches whose colocation groups name the clone (one
     group string for two replicas' inlined branches would tie them to one device);
     a loop's gradient accumulators (the lists its forward While takes as extra inputs)
-    are copied per clone and placed on the loop's stage, not shared unplaced."""
-    for layout, name in (("dp2", "cond"), ("pipeline2", "lstm")):
+    are copied per clone and placed on the loop's stage, not shared unplaced; a clone's
+    loop that captures a variable all clones share (one copy per worker on CPU) runs
+    on the clone's device, not the variable's (TF 2.x; TF 1.15 requires the
+    variable's)."""
+    for layout, name in (("dp2", "cond"), ("pipeline2", "lstm"), ("dp2", "scan")):
         _run.layout = layout
         _run(name, layout, tmpdir)
         g = tf.get_default_graph()
@@ -380,6 +384,14 @@ def test_v2_clones_call_their_own_bodies_and_loop_accumulators(cf_mode, tmpdir):
             groups = [s for n in fdef.node_def if "_class" in n.attr
                       for s in n.attr["_class"].list.s]
             assert groups and all(s.startswith(b"loc:@EPL_REPLICA_1/") for s in groups)
+        elif name == "scan":
+            shared = ops["scan_w"]
+            copy = ops["EPL_REPLICA_1/scan/while"]
+            assert "EPL_REPLICA_1/scan_w" not in ops
+            assert any(t.op is shared for t in copy.inputs)
+            assert shared.device.endswith("CPU:0")
+            # (TF 1.15 lowers the loop into nodes that must stay with the variable)
+            assert copy.device.endswith("CPU:1" if IS_TF2 else "CPU:0")
         else:
             loop = ops["rnn/while"]
             lists = [t.op for t in loop.inputs if t.op.type == "EmptyTensorList"]
@@ -451,3 +463,37 @@ def test_gradient_of_a_loop_built_after_the_first_run_is_refused(cf_mode):
         with pytest.raises(RuntimeError, match="while.* after the graph was rewritten for 2 "
                                                "clones"):
             sess.run(op)
+
+
+def _penalized(layout):
+    """``nested`` plus a penalty linear in the gradient of its loss (through the loop's
+    gradient: a second-order While), inside a tf.cond; trainable variables after
+    STEPS steps.  Linear in the gradient, so DP's mean of the replicas' penalties is
+    the global batch's."""
+    models.reset()
+    if layout:
+        models.init_data_parallel(2)
+    x, y = _batches(B * (1 if layout else 2), STEPS * 2 * B)
+    loss = cf.model("nested", x, y)
+    kernel = [v for v in tf.trainable_variables() if v.op.name == "proj/kernel"][0]
+    g, = tf.gradients(loss, [kernel])
+    penalty = tf.cond(cf.is_training(), lambda: tf.reduce_sum(g * tf.sin(kernel)),
+                      lambda: tf.constant(0.0))
+    opt = tf.train.GradientDescentOptimizer(0.1)
+    grads = opt.compute_gradients(loss + 0.1 * penalty)
+    with tf.control_dependencies([d for d, _ in grads]):
+        op = opt.apply_gradients(grads)
+    _, after = _train_loop_program(op)
+    return after
+
+
+@pytest.mark.parametrize("cf_mode", ["v2"], indirect=True)
+def test_gradient_penalty_through_a_v2_loop(cf_mode):
+    """A gradient of a loop's gradient (TF's v2 loops have one; v1 refuses second-order
+    loop gradients) in a condition, under DP x2: equals the program without EPL."""
+    if not IS_TF2:
+        pytest.skip("TF 1.15 has no second derivative of "
+                    "sparse_softmax_cross_entropy_with_logits")
+    want, got = _penalized(None), _penalized("dp2")
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)

@@ -116,24 +116,31 @@ def adopt_accumulators(ir_graph, taskgraphs):
     graph's TaskGraph when they were made while the gradient of a body was built -- so
     they would not be copied per clone, nor placed, and a pipeline's schedule (every
     backward after the forwards of the micro-batches) would make the forward loop wait
-    for its own backward: a cycle.  Runs before the selection."""
+    for its own backward: a cycle.  Only ops that feed nothing but forward loops and
+    conditions (and each other) are taken: a gradient a forward condition reads (a
+    gradient penalty) stays the backward op it is.  Runs before the selection."""
     ours = set(id(tg) for tg in ir_graph.taskgraphs)
+
+    def forward_call(op):
+        return functions.is_call(op) and ir_graph.phase_of(op) == ir.FORWARD
+
     for tg in taskgraphs:
         for op in list(tg.ops):
-            if not functions.is_call(op) or ir_graph.phase_of(op) != ir.FORWARD:
+            if not forward_call(op):
                 continue
+            adopted = set()
             stack = [t.op for t in op.inputs]
-            seen = set()
             while stack:
                 up = stack.pop()
-                if up in seen:
+                if up in adopted:
                     continue
-                seen.add(up)
-                phase = ir_graph.phase_of(up)
                 owner = ir_graph.taskgraph_of(up)
                 foreign = owner is not None and id(owner) not in ours
-                if phase != ir.BACKWARD and not foreign:
+                if ir_graph.phase_of(up) != ir.BACKWARD and not foreign:
                     continue
+                if not all(u in adopted or forward_call(u) for u in tfg.users(up)):
+                    continue
+                adopted.add(up)
                 ir_graph.op_phase[up.name] = ir.FORWARD
                 if owner is not tg:
                     if not foreign and owner is not None and up in owner.ops:

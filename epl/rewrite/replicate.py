@@ -46,16 +46,25 @@ def place_originals(state, sel):
 def _device_for(state, c, inputs, op):
     """Clone c's device for the op's stage, unless the op takes a variable itself (a
     resource read, an update): TF keeps those on the variable's device (a shared
-    variable is on clone 0's).  With ``offload.level`` the variables live in host
+    variable is on clone 0's).  Not a v2 loop or condition that captured a variable
+    where TensorFlow lets it run elsewhere (``_apart``).  With ``offload.level`` the variables live in host
     memory; their readers send each value to the device that uses it."""
     if op.type in VARIABLE_OPS and state.cluster.offload:
         return state.host_device(c)
     if op in state.zero_owners:
         return state.zero_owners[op]
-    for t in inputs:
-        if ir.is_state_handle(t) and t.op.type in VARIABLE_OPS and t.op.device:
-            return t.op.device
+    if not _apart(op):
+        for t in inputs:
+            if ir.is_state_handle(t) and t.op.type in VARIABLE_OPS and t.op.device:
+                return t.op.device
     return state.device_for(c, op)
+
+
+def _apart(op):
+    """``op`` is a v2 loop or condition that may run apart from the variables it
+    captured (TF 2.x: its bodies' reads go to the variable; on TF 1.15 it follows the
+    variable, like any op that takes one)."""
+    return functions.is_call(op) and functions.runs_apart_from_captured_variables()
 
 
 def owned(state, op):
@@ -123,7 +132,9 @@ def _describe(state, ops):
             base, _ = template(op, own)
         where = None    # the variable the op takes itself (a resource read, an update)
         inputs = list(op.inputs)
-        for t in inputs:
+        # (a v2 loop or condition hands the variables it captured to its bodies: where
+        # TensorFlow allows, it runs on its stage, like the rest of its clone)
+        for t in () if _apart(op) else inputs:
             if ir.is_state_handle(t) and t.op.type in VARIABLE_OPS:
                 where = ("variable", t.op, t.op in members, state.stage_of(op))
                 break

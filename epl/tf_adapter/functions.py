@@ -33,6 +33,14 @@ _RESOURCE_READS = frozenset(["ReadVariableOp", "ResourceGather", "ResourceGather
 _PASSTHROUGH = frozenset(["Identity", "IdentityN"])
 
 
+def runs_apart_from_captured_variables():
+    """A v2 loop or condition may run on another device than a variable it captured.
+    TF 2.x's placer exempts these ops from colocation with their resource inputs (the
+    reads inside their bodies go to the variable); TF 1.15's lowers a ``While`` into
+    ``Enter`` / ``NextIteration`` nodes that must share the variable's device."""
+    return IS_TF2
+
+
 def is_call(op):
     """``op`` runs functions of the graph's library (a v2 loop or condition, a call)."""
     return op.type in CALL_OPS
