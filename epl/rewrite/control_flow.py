@@ -27,7 +27,6 @@ loop's gradient pushes the forward values it needs onto lists (TensorList
 accumulators) that the forward ``While`` takes as extra inputs, made while the
 gradient is built: ``adopt_accumulators`` counts them with the forward loop.
 """
-import bisect
 
 import tensorflow as tf
 from tensorflow.core.protobuf import control_flow_pb2
@@ -125,6 +124,7 @@ def adopt_accumulators(ir_graph, taskgraphs):
         return functions.is_call(op) and ir_graph.phase_of(op) == ir.FORWARD
 
     for tg in taskgraphs:
+        moved = []      # ops that join tg (merged into its creation order at the end)
         for op in list(tg.ops):
             if not forward_call(op):
                 continue
@@ -146,9 +146,10 @@ def adopt_accumulators(ir_graph, taskgraphs):
                     if not foreign and owner is not None and up in owner.ops:
                         owner.ops.remove(up)
                     ir_graph.op_taskgraph[up.name] = tg
-                    ids = [tfg.op_id(x) for x in tg.ops]
-                    tg.ops.insert(bisect.bisect(ids, tfg.op_id(up)), up)
+                    moved.append(up)
                 stack.extend(t.op for t in up.inputs)
+        if moved:
+            tg.ops[:] = tfg.by_id(tg.ops + moved)
 
 
 def _body_strategies(graph, op, seen):
