@@ -25,9 +25,10 @@ named resources it makes get the clone's names (as ``shared_name`` outside bodie
 and devices set inside a body are dropped (the body runs on its call op's device).  A
 loop's gradient pushes the forward values it needs onto lists (TensorList
 accumulators) that the forward ``While`` takes as extra inputs, made while the
-gradient is built: ``adopt_accumulators`` counts them with the forward loop.
+gradient is built: ``adopt_accumulators`` counts them with the forward loop.  A
+stage boundary inside a body is refused like a v1 loop across stages, and so is a
+loop the clones copied that changed afterwards (``check_calls_unchanged``).
 """
-
 import tensorflow as tf
 from tensorflow.core.protobuf import control_flow_pb2
 from tensorflow.python.ops import control_flow_ops
