@@ -28,7 +28,6 @@ ops) are checked at the end.
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 import uuid
@@ -39,6 +38,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import watchdog  # noqa: E402
+from common import free_ports  # noqa: E402
 
 OPS = ("allreduce", "allgather", "reducescatter", "broadcast", "alltoall")
 TF_OPS = ("allreduce", "allgather")   # TensorFlow 1.15's collectives (no all-to-all etc.)
@@ -245,18 +245,6 @@ def memcpy_records(sizes):
 # ---------------------------------------------------------------- driver
 
 
-def _free_ports(k):
-    socks, ports = [], []
-    for _ in range(k):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
-
-
 def _run_child(args, timeout):
     """One in-process measurement in a fresh process (watchdog: bounded, no leftovers)."""
     out = watchdog.run_one([sys.executable, os.path.abspath(__file__)] + args, timeout,
@@ -276,12 +264,12 @@ def _run_cross(impl, sizes_arg, n, timeout, transport="shm"):
     cannot be cancelled), fails the run at once; so do the --timeout bound and a rank
     still running PEER_SECONDS after another one finished.  A failed
     run is recorded (FAILURES) and the benchmark goes on; no rank is left running."""
-    ports = _free_ports(n)
+    ports = free_ports(n)
     job = uuid.uuid4().hex[:12]
     env = dict(os.environ)
     if transport == "tcp":   # two "hosts" of the loopback range, TCP between them
         env["EPL_COMM_ADDRESSES"] = ",".join(
-            "127.0.0.%d:%d" % (2 + r, p) for r, p in enumerate(_free_ports(n)))
+            "127.0.0.%d:%d" % (2 + r, p) for r, p in enumerate(free_ports(n)))
     cmds = [_rank_command(impl, r, n, sizes_arg, ports, job, transport) for r in range(n)]
     out = watchdog.run_group(cmds, timeout, env=env, has_result=watchdog.has_json_result,
                              names=["rank %d" % r for r in range(n)],

@@ -1,6 +1,7 @@
 """Helpers shared by the benchmarks: timing, tables, JSON output."""
 import json
 import os
+import socket
 import time
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -46,3 +47,16 @@ def write_json(name, records, path=None):
         json.dump(records, f, indent=1)
     print("wrote %s" % path)
     return path
+
+
+def free_ports(k):
+    """``k`` TCP ports free on 127.0.0.1 right now (bound together, so distinct)."""
+    socks, ports = [], []
+    for _ in range(k):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports

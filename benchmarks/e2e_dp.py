@@ -38,7 +38,6 @@ step / compute alone.
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -50,6 +49,7 @@ sys.path.insert(0, HERE)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import watchdog  # noqa: E402
+from common import free_ports  # noqa: E402
 
 BATCH = 32
 MLP_IN, MLP_WIDTH, MLP_DEPTH, CLASSES = 1024, 2048, 6, 16          # ~25M parameters
@@ -216,18 +216,6 @@ def child(impl, model, steps, out):
 # ---------------------------------------------------------------- driver
 
 
-def _free_ports(k):
-    socks, ports = [], []
-    for _ in range(k):
-        sk = socket.socket()
-        sk.bind(("127.0.0.1", 0))
-        socks.append(sk)
-        ports.append(sk.getsockname()[1])
-    for sk in socks:
-        sk.close()
-    return ports
-
-
 def _horovodrun():
     for cand in (os.path.join(os.path.dirname(sys.executable), "horovodrun"),
                  os.path.join(ROOT, ".venv-horovod", "bin", "horovodrun")):
@@ -252,7 +240,7 @@ def _run(impl, model, steps, timeout):
         cmd = [run, "-np", "2", "-H", "localhost:2", "--gloo",
                os.path.join(os.path.dirname(run), "python")] + me
     elif impl == "mwms":
-        ports = _free_ports(2)
+        ports = free_ports(2)
         workers = ["127.0.0.1:%d" % q for q in ports]
         # (the ranks of one run_group share one environment: each gets its own TF_CONFIG
         # through env(1))
