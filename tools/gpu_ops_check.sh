@@ -28,6 +28,20 @@ check_kernels() {
   done
 }
 
+use_wheels() {  # use_wheels VENV OUT CUDART_SONAME INCLUDE_PKG...: build with NVIDIA's wheels
+  local site cuda nccl pkg includes=()
+  site=$("$1/bin/python" -c 'import site; print(site.getsitepackages()[0])')
+  cuda="$site/nvidia/cuda_runtime"
+  nccl="$site/nvidia/nccl"
+  mkdir -p "$2/lib"
+  # The wheels ship versioned libraries only: give the linker its plain names.
+  ln -sf "$cuda/lib/$3" "$2/lib/libcudart.so"
+  ln -sf "$nccl/lib/libnccl.so.2" "$2/lib/libnccl.so"
+  for pkg in "${@:4}"; do includes+=("$site/nvidia/$pkg/include"); done
+  export TF_CPP_MIN_LOG_LEVEL=2 CUDA_HOME="$cuda" NCCL_INCLUDE_DIR="$nccl/include" \
+         CUDA_LIB_DIR="$PWD/$2/lib" CUDA_EXTRA_INCLUDES="$(IFS=:; echo "${includes[*]}")"
+}
+
 check_tf1() (
   VENV=.venv-gpu
   OUT=build/gpu-check
@@ -37,15 +51,7 @@ check_tf1() (
   "$VENV/bin/pip" install -q --disable-pip-version-check tensorflow-gpu==1.15.5 \
       'numpy<1.19' 'protobuf<3.21' nvidia-cuda-runtime-cu11==11.8.89 \
       nvidia-cuda-nvcc-cu11==11.8.89 nvidia-nccl-cu11==2.21.5
-  SITE=$("$VENV/bin/python" -c 'import site; print(site.getsitepackages()[0])')
-  CUDA="$SITE/nvidia/cuda_runtime"
-  NCCL="$SITE/nvidia/nccl"
-  mkdir -p "$OUT/lib"
-  # The wheels ship versioned libraries only: give the linker its plain names.
-  ln -sf "$CUDA/lib/libcudart.so.11.0" "$OUT/lib/libcudart.so"
-  ln -sf "$NCCL/lib/libnccl.so.2" "$OUT/lib/libnccl.so"
-  export TF_CPP_MIN_LOG_LEVEL=2 CUDA_HOME="$CUDA" NCCL_INCLUDE_DIR="$NCCL/include" \
-         CUDA_LIB_DIR="$PWD/$OUT/lib" CUDA_EXTRA_INCLUDES="$SITE/nvidia/cuda_nvcc/include"
+  use_wheels "$VENV" "$OUT" libcudart.so.11.0 cuda_nvcc
   for variant in avg sum-then-scale; do
     defines=()
     [ "$variant" = sum-then-scale ] && defines=(--define EPL_NCCL_SUM_THEN_SCALE)
@@ -59,7 +65,7 @@ check_tf1() (
 )
 
 check_tf2() (
-  local venv=.venv-gpu-tf2 out=build/gpu-check-tf2 pybin site cuda nccl start=$SECONDS
+  local venv=.venv-gpu-tf2 out=build/gpu-check-tf2 pybin start=$SECONDS
   pybin=$(tools/find_python.sh 2)
   [ -x "$venv/bin/python" ] || "$pybin" -m venv "$venv"
   # --no-deps throughout: TensorFlow's own dependencies include Keras, h5py, grpcio and
@@ -73,16 +79,9 @@ check_tf2() (
       'opt_einsum>=2.3.2' packaging 'six>=1.12.0' 'termcolor>=1.1.0' \
       'typing_extensions>=3.6.6' 'wrapt>=1.11.0' 'requests>=2.21.0,<3' \
       'charset_normalizer>=2,<4' 'idna>=2.5,<4' 'urllib3>=1.21.1,<3' 'certifi>=2017.4.17'
-  site=$("$venv/bin/python" -c 'import site; print(site.getsitepackages()[0])')
-  cuda="$site/nvidia/cuda_runtime"
-  nccl="$site/nvidia/nccl"
-  mkdir -p "$out/lib"
-  ln -sf "$cuda/lib/libcudart.so.12" "$out/lib/libcudart.so"
-  ln -sf "$nccl/lib/libnccl.so.2" "$out/lib/libnccl.so"
   # (TF_ENABLE_ONEDNN_OPTS=0: no oneDNN notice from the import; nothing runs.)
-  export TF_CPP_MIN_LOG_LEVEL=2 TF_ENABLE_ONEDNN_OPTS=0 CUDA_HOME="$cuda" \
-         NCCL_INCLUDE_DIR="$nccl/include" CUDA_LIB_DIR="$PWD/$out/lib" \
-         CUDA_EXTRA_INCLUDES="$site/nvidia/cuda_nvcc/include:$site/nvidia/cuda_cccl/include"
+  export TF_ENABLE_ONEDNN_OPTS=0
+  use_wheels "$venv" "$out" libcudart.so.12 cuda_nvcc cuda_cccl
   echo "gpu-ops-check: building the NCCL backend against TensorFlow 2.21 (avg)"
   "$venv/bin/python" csrc/build.py --require-nccl --out "$out/libepl_ops_avg.so"
   check_kernels "$out/libepl_ops_avg.so" "TensorFlow 2.21"
