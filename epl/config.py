@@ -75,6 +75,13 @@ SCHEMA = [
         "Partition the data files evenly and drop the last files that cannot be divided."),
     Key("auto.auto_parallel", _BOOL, False, None,
         "Whether to enable automatic parallelism (experimental)."),
+    Key("profile.dir", _STR, "", None,
+        "EPL extension: a folder; when set, the runs profile.steps names are traced and each "
+        "worker writes worker<k>_step<n>.trace.json there (Chrome trace; read it with "
+        "`python -m epl.profile DIR`). '' = off. See docs/profiling.md."),
+    Key("profile.steps", _STR, "10-12", None,
+        "EPL extension: which session runs profile.dir traces, counted from 1 per graph: "
+        "'10-12', '3', '3,5,8-9'."),
 ]
 _BY_NAME = {k.name: k for k in SCHEMA}
 
@@ -84,6 +91,8 @@ def _allowed(key):
         return "one of %s" % ", ".join(repr(c) for c in key.choices)
     if key.type == _LOSS_SCALE:
         return "'dynamic' or a positive number"
+    if key.name == "profile.steps":
+        return "run numbers from 1 and ranges, e.g. '10-12', '3' or '3,5,8-9'"
     return "a value of type %s" % key.type
 
 
@@ -142,7 +151,40 @@ def _convert(key, value, from_env=False):
         raise AssertionError(key.type)
     if key.choices is not None and out not in key.choices:
         raise bad()
+    if key.name in _CHECKS:
+        why = _CHECKS[key.name](out)
+        if why:
+            raise bad(" (%s)" % why)
     return out
+
+
+def parse_steps(text):
+    """The run numbers ``profile.steps`` names ("10-12", "3", "3,5,8-9"), as a sorted
+    list; ValueError saying what is wrong."""
+    steps = set()
+    for part in text.replace(" ", "").split(","):
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError("%r is not a run number or a range like 10-12" % part)
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if first < 1 or last < first:
+            raise ValueError("%r: runs count from 1 and a range goes up" % part)
+        if last - first >= 10000:
+            raise ValueError("%r traces %d runs; trace a few" % (part, last - first + 1))
+        steps.update(range(first, last + 1))
+    return sorted(steps)
+
+
+def _check_steps(value):
+    try:
+        parse_steps(value)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+# Keys whose values need more than their type: key -> check(value) -> None or why not.
+_CHECKS = {"profile.steps": _check_steps}
 
 
 def _suggest(name):
