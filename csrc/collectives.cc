@@ -3,12 +3,14 @@
 
 #include <algorithm>
 #include <cstring>
+#include <deque>
 #include <thread>
 
 #include "tensorflow/core/common_runtime/dma_helper.h"
 #include "tensorflow/core/framework/register_types.h"
 #include "tensorflow/core/lib/core/errors.h"
 #include "tensorflow/core/lib/strings/strcat.h"
+#include "tensorflow/core/platform/env.h"
 #include "tensorflow/core/util/work_sharder.h"
 
 namespace epl {
@@ -49,6 +51,25 @@ void RendezvousKernel::Meet(OpKernelContext* ctx, DoneCallback done,
   a.ctx = ctx;
   a.done = std::move(done);
   for (int i = 0; i < ctx->num_inputs(); ++i) a.inputs.push_back(ctx->input(i));
+  if (TraceOn()) {
+    // The last rank completes every rank: its arrival is when the bytes start moving.
+    a.arrive_us = TraceNowMicros();
+    const string what = Describe(), group = group_;
+    const DataType dtype = dtype_;
+    complete = [complete, what, group, dtype](std::vector<Arrival>* all) {
+      struct Seen { string node; int rank; int64 arrive, bytes; };
+      std::vector<Seen> seen;   // (read before `complete`: done() ends the contexts)
+      for (auto& r : *all)
+        seen.push_back(Seen{r.ctx->op_kernel().name(), r.rank, r.arrive_us,
+                            CollectiveBytes(r.ctx, dtype)});
+      const int64 ready = TraceNowMicros();
+      complete(all);
+      const int64 end = TraceNowMicros();
+      for (auto& r : seen)
+        TraceAdd(r.node, what, group, "inprocess", r.rank, static_cast<int>(seen.size()),
+                 r.bytes, r.arrive ? r.arrive : ready, ready, end);
+    };
+  }
   InProcessRendezvous::Get()->Arrive(StrCat(group_, "#", gen), size_, timeout_, Describe(),
                                      std::move(a), std::move(complete));
 }
@@ -206,6 +227,63 @@ string DescribeMissing(const std::vector<bool>& seen) {
   }
   return s;
 }
+
+namespace {
+
+std::atomic<bool> trace_on{false};
+std::mutex trace_mu;
+std::deque<string>* trace_lines = new std::deque<string>();
+const size_t kTraceCapacity = 1 << 16;   // records; the oldest go first
+
+}  // namespace
+
+bool TraceOn() { return trace_on.load(std::memory_order_relaxed); }
+
+int64 TraceNowMicros() { return tensorflow::Env::Default()->NowMicros(); }
+
+int64 CollectiveBytes(OpKernelContext* ctx, DataType dtype) {
+  int64 bytes = 0;
+  for (int i = 0; i < ctx->num_inputs(); ++i)
+    if (ctx->input_dtype(i) == dtype) bytes += ctx->input(i).TotalBytes();
+  return bytes;
+}
+
+void TraceAdd(const string& node, const string& what, const string& group,
+              const string& transport, int rank, int size, int64 bytes, int64 start_us,
+              int64 ready_us, int64 end_us) {
+  string line = StrCat(node, "\t", what, "\t", group, "\t", transport, "\t", rank, "\t",
+                       size, "\t", bytes, "\t", start_us, "\t", ready_us, "\t", end_us, "\n");
+  std::lock_guard<std::mutex> lock(trace_mu);
+  if (trace_lines->size() >= kTraceCapacity) trace_lines->pop_front();
+  trace_lines->push_back(std::move(line));
+}
+
+}  // namespace epl
+
+// C entry points for Python's ctypes (epl/profile/collectives.py), on the library
+// TensorFlow already loaded.
+extern "C" {
+
+void epl_trace_enable(int on) { epl::trace_on.store(on != 0); }
+
+// Moves whole records (tab-separated lines) into buf, at most cap bytes; returns the
+// bytes written (0: none left).
+long long epl_trace_take(char* buf, long long cap) {
+  std::lock_guard<std::mutex> lock(epl::trace_mu);
+  long long n = 0;
+  while (!epl::trace_lines->empty()) {
+    const std::string& line = epl::trace_lines->front();
+    if (n + static_cast<long long>(line.size()) > cap) break;
+    std::memcpy(buf + n, line.data(), line.size());
+    n += line.size();
+    epl::trace_lines->pop_front();
+  }
+  return n;
+}
+
+}  // extern "C"
+
+namespace epl {
 
 InProcessRendezvous* InProcessRendezvous::Get() {
   static InProcessRendezvous* instance = new InProcessRendezvous();

@@ -63,6 +63,7 @@ void ParallelCopies(OpKernelContext* ctx, const std::vector<CopyJob>& jobs);
 
 struct Arrival {
   int rank = 0;
+  int64 arrive_us = 0;   // when this rank arrived (only while tracing: see Trace* below)
   OpKernelContext* ctx = nullptr;
   AsyncOpKernel::DoneCallback done;
   std::vector<Tensor> inputs;
@@ -128,6 +129,21 @@ Status AllocateShared(OpKernelContext* ctx, const string& group, DataType dtype,
                       const TensorShape& shape, Tensor* out);
 
 string DescribeMissing(const std::vector<bool>& seen);
+
+// ---- tracing (epl.profile) ----------------------------------------------------------
+// While Python turns tracing on (epl_trace_enable, around the runs profile.steps names),
+// every collective run appends one record to a bounded in-process buffer: the node, what
+// it is, its group, rank, size and bytes, and three times on TensorFlow's clock (the
+// step stats' clock, Env::NowMicros): when this rank started, when every peer was there
+// (the bytes start moving) and when it ended.  Python drains the buffer after the run
+// (epl_trace_take).  Off, a collective pays one relaxed atomic load.
+bool TraceOn();
+int64 TraceNowMicros();
+void TraceAdd(const string& node, const string& what, const string& group,
+              const string& transport, int rank, int size, int64 bytes, int64 start_us,
+              int64 ready_us, int64 end_us);
+// Bytes a rank gives a collective: its inputs of the collective's type.
+int64 CollectiveBytes(OpKernelContext* ctx, DataType dtype);
 
 // Rows rank `src` sends each rank in an all-to-all: equal parts when `splits` is empty,
 // else the split sizes (checked: one per rank, none negative, adding up to the rows).

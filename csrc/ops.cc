@@ -175,6 +175,46 @@ void SplitRows(int64 rows, int n, int r, int64* start, int64* count) {
   *start = r * base + std::min<int64>(r, extra);
 }
 
+// A Link that notes when the first exchange of a run's metadata returned: every op body
+// starts with one (crossproc.cc), so before it this rank waited (in the group's queue,
+// then for its peers), after it the bytes move.  Used only while tracing.
+class TimedLink : public Link {
+ public:
+  explicit TimedLink(Link* inner) : inner_(inner) {}
+  int64 ready_us = 0;
+
+  Status ExchangeMeta(const CrossArgs& a, const std::vector<int64>& mine,
+                      std::vector<std::vector<int64>>* all) override {
+    Status s = inner_->ExchangeMeta(a, mine, all);
+    if (!ready_us) ready_us = TraceNowMicros();
+    return s;
+  }
+  Status AllReduce(const CrossArgs& a, DataType dtype, ReduceOp op, const char* in, char* out,
+                   int64 count) override {
+    return inner_->AllReduce(a, dtype, op, in, out, count);
+  }
+  Status Exchange(const CrossArgs& a, const char* mine, const std::vector<int64>& lens,
+                  const Consumer& consume) override {
+    return inner_->Exchange(a, mine, lens, consume);
+  }
+  Status AllReduceSpans(const CrossArgs& a, DataType dtype, ReduceOp op,
+                        const std::vector<Span>& spans) override {
+    return inner_->AllReduceSpans(a, dtype, op, spans);
+  }
+  Status ReduceScatter(const CrossArgs& a, DataType dtype, ReduceOp op, const char* in,
+                       char* out, const std::vector<int64>& block) override {
+    return inner_->ReduceScatter(a, dtype, op, in, out, block);
+  }
+  Status AllToAll(const CrossArgs& a, const std::vector<const char*>& send,
+                  const std::vector<char*>& recv,
+                  const std::vector<std::vector<int64>>& bytes) override {
+    return inner_->AllToAll(a, send, recv, bytes);
+  }
+
+ private:
+  Link* inner_;
+};
+
 // A CPU collective: ranks of this process meet in the rendezvous (transport
 // "inprocess"); ranks in other processes go through the group's link.
 class CollectiveKernel : public RendezvousKernel {
@@ -187,6 +227,20 @@ class CollectiveKernel : public RendezvousKernel {
     if (transport_ != "inprocess") {
       // Runs of a group are ordered by the group's queue in this process, so a second
       // session (new kernels) continues where the first one stopped.
+      if (TraceOn()) {
+        const int64 start = TraceNowMicros(), bytes = CollectiveBytes(ctx, dtype_);
+        const string node = name();
+        RunCross(transport_, Args(), ctx, std::move(done),
+                 [this, ctx, start, bytes, node](Link* link) {
+                   TimedLink timed(link);
+                   Status s = CrossBody(&timed, ctx);
+                   const int64 end = TraceNowMicros();
+                   TraceAdd(node, Describe(), group_, transport_, rank_, size_, bytes, start,
+                            timed.ready_us ? timed.ready_us : end, end);
+                   return s;
+                 });
+        return;
+      }
       RunCross(transport_, Args(), ctx, std::move(done),
                [this, ctx](Link* link) { return CrossBody(link, ctx); });
       return;

@@ -18,8 +18,9 @@ import os
 
 import tensorflow as tf
 
-from epl import distributed_runtime, gradient_checkpoint, ir, rewrite, runtime, tf_patches
+from epl import distributed_runtime, gradient_checkpoint, ir, progress, rewrite, runtime, tf_patches
 from epl.env import Env
+from epl.profile import record as profile_record
 from epl.tf_adapter import objects, patching
 
 log = logging.getLogger("epl")
@@ -35,6 +36,7 @@ def _saver_save(self, sess, save_path, *args, **kwargs):
 def _add_event(self, event):
     if Env.initialized() and not Env.get().cluster.is_chief:
         return None  # only the chief writes summaries
+    progress.note_writer(self)
     return original("summary.add_event")(self, event)
 
 
@@ -95,6 +97,20 @@ def _session_init(self, target="", graph=None, config=None):
 
 def _session_run(self, fetches, feed_dict=None, options=None, run_metadata=None):
     runtime.before_run(self)
+    traced = profile_record.start(self.graph, options, run_metadata)
+    if traced is None:
+        return _run(self, fetches, feed_dict, options, run_metadata)
+    ok = False
+    try:
+        out = _run(self, fetches, feed_dict, traced.options, traced.metadata)
+        ok = True
+        return out
+    finally:
+        profile_record.finish(traced, ok)
+
+
+def _run(self, fetches, feed_dict, options, run_metadata):
+    given = fetches
     fetches = runtime.map_fetches(self.graph, fetches)
     when, checks = gradient_checkpoint.pending_checks(self, fetches)
     if when == "before":
@@ -104,7 +120,9 @@ def _session_run(self, fetches, feed_dict=None, options=None, run_metadata=None)
                                                 run_metadata)
         gradient_checkpoint.report(values)
         return out
-    return original("session.run")(self, fetches, feed_dict, options, run_metadata)
+    out = original("session.run")(self, fetches, feed_dict, options, run_metadata)
+    progress.after_run(self, given, feed_dict, out)   # (live progress, TensorBoard)
+    return out
 
 
 def _make_callable(self, fetches, feed_list=None, accept_options=False):

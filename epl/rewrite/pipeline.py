@@ -56,6 +56,7 @@ class PassPipeline(object):
     def __init__(self, passes, given=()):
         self.passes = list(passes)
         self.seconds = {}
+        self.first_spans = []   # (pass, start, end) wall times of a first rewrite (epl.profile)
         have = set(given)
         names = set()
         for p in self.passes:
@@ -77,12 +78,16 @@ class PassPipeline(object):
         pass."""
         dump_dir = dump_dir if dump_dir is not None else os.environ.get(DUMP_ENV)
         self.seconds = {}
+        if ctx.first:
+            self.first_spans = []
         for i, p in enumerate(self.passes):
             if p.first_only and not ctx.first:
                 continue
             start = time.time()
             p.run(ctx)
             self.seconds[p.name] = time.time() - start
+            if ctx.first:
+                self.first_spans.append((p.name, start, start + self.seconds[p.name]))
             if dump_dir and ctx.first:
                 _dump(ctx.state.graph, dump_dir, "%02d_%s" % (i, p.name))
         log.debug("EPL rewrite passes (s): %s",
