@@ -30,7 +30,7 @@ import logging
 
 import tensorflow as tf
 
-from epl import apply_gate, capture_context, ir
+from epl import apply_gate, backward_hooks, capture_context, ir
 from epl.tf_adapter import graph as tfg, op_types
 
 log = logging.getLogger("epl")
@@ -255,6 +255,43 @@ def guard_updates(epl_graph, config):
             "trainable variable %r from gradients by hand: it would apply an infinite or NaN "
             "gradient. Update it through an optimizer, or set a fixed amp.loss_scale (e.g. "
             "128)." % (op.name, op.type, written_variable(op).name))
+
+
+class _Hook(backward_hooks.BackwardHook):
+    """AMP's part in a user's tf.gradients call (a graph-mode tape's gradient is
+    computed through tf.gradients while AMP is on): before it, the forward products
+    are rebuilt in half precision and the backward pass starts from the loss scale;
+    inside it, weights are cast again where the backward pass reads them and the
+    gradients are divided by the scale."""
+
+    name = "amp"
+    needs_gradients_call = True
+
+    def applies(self, call):
+        return call.kind == "gradients" and enabled(call.config)
+
+    def prepare(self, call):
+        from tensorflow.python.util import nest
+        convert(call.graph, call.ys)
+        scale, _ = loss_scale(call.graph, call.config)
+        call.scratch[self.name] = scale
+        given = call.arguments
+        given["grad_ys"] = scaled_grad_ys(given["ys"], given.get("grad_ys"), scale)
+        if given.get("stop_gradients") is not None:
+            given["stop_gradients"] = rebuilt(call.graph, nest.flatten(given["stop_gradients"]))
+
+    def wrap(self, call, compute):
+        scale = call.scratch[self.name]
+
+        def scaled():
+            first = tfg.last_op_id(call.graph) + 1
+            grads = compute()
+            recast_weights(call.graph, first)
+            return unscale(grads, scale)
+        return scaled
+
+
+backward_hooks.register(_Hook())
 
 
 def _values(g):

@@ -6,6 +6,8 @@ upwards to do so.
 """
 import tensorflow as tf
 
+# amp and gradient_checkpoint: imported to register their backward-pass hooks
+from epl import amp, gradient_checkpoint  # noqa: F401
 from epl import auto_stages, integration, strategies, tf_patches
 from epl.cluster import Cluster
 from epl.config import Config

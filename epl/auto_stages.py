@@ -18,7 +18,7 @@ same for every layer.
 """
 import logging
 
-from epl import ir
+from epl import backward_hooks, ir
 from epl.tf_adapter import graph as tfg
 
 log = logging.getLogger("epl")
@@ -75,6 +75,33 @@ def partition(graph, ys, num_stages):
         log.info("EPL auto stages: stage %d = %s .. %s (%d ops, %.0f%% of the cost)", k,
                  compute[0].name, compute[-1].name, len(members), 100 * share)
     return stages
+
+
+class _Hook(backward_hooks.BackwardHook):
+    """``auto.auto_parallel``: the first user backward pass cuts the unannotated forward
+    pass into pipeline stages before its ops are attributed to them.  After AMP: the
+    stages are cut from the forward pass AMP rebuilt in half precision."""
+
+    name = "auto_stages"
+    after = ("amp",)
+
+    def applies(self, call):
+        return bool(call.config.get("auto.auto_parallel"))
+
+    def prepare(self, call):
+        epl_graph = ir.Graph.get(call.graph)
+        if any(tg.strategy.name and tg.strategy.name.startswith("auto_stage_")
+               for tg in epl_graph.taskgraphs):
+            return
+        if epl_graph.taskgraphs:
+            raise ValueError(
+                "epl.Config: 'auto.auto_parallel' = True cuts an unannotated model into stages, "
+                "but this model has epl.replicate / epl.split annotations (%r). Remove the "
+                "annotations or auto.auto_parallel." % (epl_graph.taskgraphs[0].strategy,))
+        partition(call.graph, call.ys, call.config.get("pipeline.num_stages"))
+
+
+backward_hooks.register(_Hook())
 
 
 def _forward(epl_graph, ys):

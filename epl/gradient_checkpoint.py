@@ -31,7 +31,9 @@ What it does to the backward ops just built:
 """
 import logging
 
-from epl import capture_context, ir
+from tensorflow.python.util import nest
+
+from epl import backward_hooks, capture_context, ir
 from epl.tf_adapter import graph as tfg
 
 log = logging.getLogger("epl")
@@ -111,6 +113,30 @@ def apply(graph, ys, first_id, config):
     log.info("EPL gradient checkpoint (%s): %d checkpoint tensors, %d forward ops recomputed",
              config.get("gradient_checkpoint.type"), len(checkpoints), len(copies))
     return len(copies)
+
+
+class _Hook(backward_hooks.BackwardHook):
+    """Gradient checkpointing's part in a user's backward pass: once its backward ops
+    are built, they recompute forward activations (``apply``); with
+    ``gradient_checkpoint.check_gradients`` the same gradients are built again without
+    recomputation, to be compared once (``add_check``).  After AMP (recomputation
+    copies the half-precision forward products AMP rebuilt) and the automatic stages
+    (the checkpoints are chosen per stage)."""
+
+    name = "gradient_checkpoint"
+    after = ("amp", "auto_stages")
+
+    def applies(self, call):
+        return enabled(call.config)
+
+    def finish(self, call, result, recompute):
+        apply(call.graph, call.ys, call.first_id, call.config)
+        if call.config.get("gradient_checkpoint.check_gradients"):
+            # The same gradients without recomputation, compared once.
+            add_check(call.graph, nest.flatten(result), nest.flatten(recompute()))
+
+
+backward_hooks.register(_Hook())
 
 
 def add_check(graph, recomputed, plain):

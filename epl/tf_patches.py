@@ -16,14 +16,12 @@ before the split; 5-9 and 16 now live in those modules):
    the whole call is the backward phase (ops not tied to one
    forward op go to the loss's TaskGraph); each call is recorded
    (``ir.GradientRecord``) so the rewriter can find the gradients a variable
-   update consumes, however the update is written.  The memory and auto
-   features that change the backward pass hook the same call: with
-   ``auto.auto_parallel`` the first call cuts the unannotated forward pass into
-   stages (``epl.auto_stages``); with ``amp.level`` the forward products become
-   float16 and the backward pass is loss-scaled (``epl.amp``; a tape's gradient
-   is then computed through tf.gradients, the one AMP path); with
-   ``gradient_checkpoint.type`` the call's backward ops then recompute
-   activations (``epl.gradient_checkpoint``).
+   update consumes, however the update is written.  The features that change a
+   user's backward pass register a hook in ``epl.backward_hooks`` (with the hooks
+   they run after) and run from there, in that order: AMP (``epl.amp``: float16
+   forward products, a loss-scaled backward pass; a tape's gradient is then
+   computed through tf.gradients), the automatic stages (``epl.auto_stages``, with
+   ``auto.auto_parallel``), gradient checkpointing (``epl.gradient_checkpoint``).
 4. ``optimizer.Optimizer.apply_gradients`` (and ``OptimizerV2.apply_gradients``
    of tf.keras), plus ``Optimizer.__init__`` / ``OptimizerV2.__init__``, which
    route a subclass's own ``apply_gradients`` override through the same
@@ -86,10 +84,13 @@ before the split; 5-9 and 16 now live in those modules):
 Everything else reads and edits graphs through :mod:`epl.ir` and the rewriter.
 """
 import contextlib
+import inspect
 
 import tensorflow as tf
+from tensorflow.python.util import nest
 
-from epl import ir
+from epl import backward_hooks, ir
+from epl.env import Env
 from epl.capture_context import creating_for, observing_dense, rewriting  # noqa: F401
 from epl.capture_context import state as _c
 from epl.tf_adapter import deferred, objects, patching
@@ -161,7 +162,6 @@ def _forward_taskgraph(epl_graph, inputs):
 
 
 def _create_op_internal(self, op_type, inputs, *args, **kwargs):
-    from epl.env import Env
     c = _c()
     if inputs and Env.initialized() and not (c.rewriting or c.save or c.apply or c.forced):
         from epl import rebatch
@@ -191,7 +191,6 @@ def _colocated(epl_graph, op):
 
 def _create_op_helper(self, op, compute_device=True):
     original("graph.create_op_helper")(self, op, compute_device=compute_device)
-    from epl.env import Env
     if Env.initialized():
         tg, phase, shard = _classify(self, op)
         ir.Graph.get(self).record(op, tg, phase, shard)
@@ -216,41 +215,51 @@ def _maybe_colocate_with(op, gradient_uid, colocate_gradients_with_ops):
         c.grad_ops.pop()
 
 
-def _backward_call(ys, xs, compute):
-    """Run ``compute()`` (a tf.gradients or GradientTape.gradient call) as the backward
-    phase of the loss ``ys`` and record which gradients it returned."""
-    from tensorflow.python.util import nest
-    from epl.env import Env
+def _backward_call(kind, ys, xs, compute, bind=None):
+    """Run ``compute(call)`` (a tf.gradients or GradientTape.gradient call; ``call`` is
+    the :class:`epl.backward_hooks.BackwardCall` the hooks share, or None) as the
+    backward phase of the loss ``ys`` and record which gradients it returned.
+
+    A user's call (not one EPL builds, nor one inside another backward pass or an
+    apply_gradients) goes through the registered backward hooks
+    (``epl.backward_hooks``), in their order: every ``prepare``, then ``compute``
+    wrapped by every ``wrap`` (the first hook outermost) inside the backward phase,
+    then every ``finish``."""
     c = _c()
     ys_list = [y for y in nest.flatten(ys) if hasattr(y, "op")]
     graph = ys_list[0].graph if ys_list else None
-    if graph is not None and Env.initialized() and not (c.rewriting or c.grad_default or c.apply) \
-            and Env.get().config.get("auto.auto_parallel"):
-        _auto_stages(graph, ys_list)
+    call, hooks = None, []
+    if graph is not None and Env.initialized() and not (c.rewriting or c.grad_default or c.apply):
+        call = backward_hooks.BackwardCall(kind, graph, ys_list, xs, Env.get().config, bind)
+        hooks = backward_hooks.active(call)
+    for hook in hooks:
+        hook.prepare(call)
     tg = None
     for y in ys_list:
         tg = ir.Graph.get(y.graph).taskgraph_of(y.op)
         if tg is not None:
             break
 
+    def computed():
+        return compute(call)
+    for hook in reversed(hooks):
+        computed = hook.wrap(call, computed)
+
     def backward():
         c.grad_default.append(tg)
         c.grad_ops.append(None)
         try:
-            return compute()
+            return computed()
         finally:
             c.grad_ops.pop()
             c.grad_default.pop()
     first_id = tfg.last_op_id(graph) + 1 if graph is not None else 0
+    if call is not None:
+        call.first_id = first_id
     result = backward()
     if Env.initialized() and graph is not None and not c.rewriting:
-        from epl import gradient_checkpoint
-        config = Env.get().config
-        if gradient_checkpoint.enabled(config) and not c.grad_default and not c.apply:
-            gradient_checkpoint.apply(graph, ys_list, first_id, config)
-            if config.get("gradient_checkpoint.check_gradients"):
-                # The same gradients without recomputation, compared once.
-                gradient_checkpoint.add_check(graph, nest.flatten(result), nest.flatten(backward()))
+        for hook in hooks:
+            hook.finish(call, result, backward)
         grads = nest.flatten(result) if not isinstance(result, list) else list(result)
         ir.Graph.get(graph).gradient_records.append(ir.GradientRecord(
             ys_list, nest.flatten(xs), grads,
@@ -258,61 +267,30 @@ def _backward_call(ys, xs, compute):
     return result
 
 
-def _auto_stages(graph, ys):
-    """auto.auto_parallel: the first backward pass cuts the unannotated forward pass into
-    pipeline stages (``epl.auto_stages``) before its ops are attributed to them."""
-    from epl import auto_stages
-    from epl.env import Env
-    epl_graph = ir.Graph.get(graph)
-    if any(tg.strategy.name and tg.strategy.name.startswith("auto_stage_")
-           for tg in epl_graph.taskgraphs):
-        return
-    if epl_graph.taskgraphs:
-        raise ValueError(
-            "epl.Config: 'auto.auto_parallel' = True cuts an unannotated model into stages, "
-            "but this model has epl.replicate / epl.split annotations (%r). Remove the "
-            "annotations or auto.auto_parallel." % (epl_graph.taskgraphs[0].strategy,))
-    auto_stages.partition(graph, ys, Env.get().config.get("pipeline.num_stages"))
+def _gradients_helper(ys, xs, *args, **kwargs):
+    """tf.gradients (and ``GradientTape.gradient`` where a hook needs a tf.gradients
+    call: ``_tape_gradient``)."""
+    helper = original("gradients.helper")
+
+    def bind():
+        return inspect.signature(helper).bind(ys, xs, *args, **kwargs)
+
+    def compute(call):
+        if call is not None and call.bound is not None:   # a hook changed the arguments
+            return helper(*call.bound.args, **call.bound.kwargs)
+        return helper(ys, xs, *args, **kwargs)
+    return _backward_call("gradients", ys, xs, compute, bind)
 
 
-def _amp_backward():
-    """The next backward pass is a user's under ``amp.level`` (not one EPL builds)."""
-    from epl.env import Env
+def _needs_gradients_call(target):
+    """A hook that would change this user's backward pass needs a tf.gradients call."""
     c = _c()
     if not Env.initialized() or c.rewriting or c.grad_default or c.apply:
         return False
-    from epl import amp
-    return amp.enabled(Env.get().config)
-
-
-def _gradients_helper(ys, xs, *args, **kwargs):
-    """tf.gradients, and ``GradientTape.gradient`` under AMP (``_tape_gradient``): the
-    one place a mixed-precision backward pass is built."""
-    if _amp_backward():
-        # Mixed precision: half-precision forward math, a scaled backward pass.
-        from tensorflow.python.util import nest
-        from epl import amp
-        from epl.env import Env
-        config = Env.get().config
-        ys_list = [y for y in nest.flatten(ys) if hasattr(y, "op")]
-        if ys_list:
-            import inspect
-            graph = ys_list[0].graph
-            amp.convert(graph, ys_list)
-            scale, _ = amp.loss_scale(graph, config)
-            call = inspect.signature(original("gradients.helper")).bind(ys, xs, *args, **kwargs)
-            given = call.arguments
-            given["grad_ys"] = amp.scaled_grad_ys(ys, given.get("grad_ys"), scale)
-            if given.get("stop_gradients") is not None:
-                given["stop_gradients"] = amp.rebuilt(graph, nest.flatten(given["stop_gradients"]))
-
-            def compute():
-                first = tfg.last_op_id(graph) + 1
-                grads = original("gradients.helper")(*call.args, **call.kwargs)
-                amp.recast_weights(graph, first)
-                return amp.unscale(grads, scale)
-            return _backward_call(ys, xs, compute)
-    return _backward_call(ys, xs, lambda: original("gradients.helper")(ys, xs, *args, **kwargs))
+    ys_list = [y for y in nest.flatten(target) if hasattr(y, "op")]
+    call = backward_hooks.BackwardCall(
+        "gradients", ys_list[0].graph if ys_list else None, ys_list, None, Env.get().config)
+    return any(h.needs_gradients_call and h.applies(call) for h in backward_hooks.order())
 
 
 def _tape_gradient(self, target, sources, output_gradients=None, unconnected_gradients=None):
@@ -321,9 +299,9 @@ def _tape_gradient(self, target, sources, output_gradients=None, unconnected_gra
     unconnected = UnconnectedGradients(unconnected_gradients or UnconnectedGradients.NONE)
     if tf.executing_eagerly():
         return original("tape.gradient")(self, target, sources, output_gradients, unconnected)
-    if _amp_backward() and objects.tape_live(self):
+    if _needs_gradients_call(target) and objects.tape_live(self):
         return _tape_as_gradients(self, target, sources, output_gradients, unconnected)
-    return _backward_call(target, sources, lambda: original("tape.gradient")(
+    return _backward_call("tape", target, sources, lambda call: original("tape.gradient")(
         self, target, sources, output_gradients, unconnected))
 
 
@@ -483,7 +461,6 @@ def _capture_apply(grads_and_vars, global_step, apply):
 
     A nested call (an override calling ``super().apply_gradients``, an optimizer
     wrapping another) belongs to the outermost one."""
-    from epl.env import Env
     c = _c()
     if not Env.initialized() or c.apply_depth:
         return apply(grads_and_vars)
@@ -541,15 +518,21 @@ def _capture_apply(grads_and_vars, global_step, apply):
 def _saver_build(self, *args, **kwargs):
     c = _c()
     c.save += 1
+    graph = None
     if objects.saver_default_var_list(self):
         from epl import internal_state
         graph = tf.compat.v1.get_default_graph()
         if graph.get_collection(internal_state.COLLECTION):
             objects.set_saver_var_list(self, internal_state.saveable_default(graph))
+        else:
+            graph = None
     try:
-        return original("saver.build")(self, *args, **kwargs)
+        built = original("saver.build")(self, *args, **kwargs)
     finally:
         c.save -= 1
+    if graph is not None:   # its restore starts EPL's own state again
+        internal_state.reinitialize_on_restore(self, graph)
+    return built
 
 
 def _reader_init(key):
