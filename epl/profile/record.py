@@ -24,6 +24,7 @@ With ``profile.dir`` unset, ``start`` costs one config lookup per run.
 """
 import json
 import os
+import re
 import socket
 import time
 import weakref
@@ -128,8 +129,43 @@ def task_map(graph):
     return out
 
 
+def task_spans(graph, nodes):
+    """[((device, replica, stage, micro-batch, phase), (start, end))]: when each task
+    (a stage's forward or backward of one micro-batch) ran on its device.  A task's ops
+    do not all run together (its shape and constant ops run as soon as they can, often
+    at the step's start), so a task is the union of its ops' times with gaps shorter than
+    1% of the run closed, one span per piece, not the envelope from its first op to its
+    last."""
+    tasks = task_map(graph)
+    by_task = {}
+    for n in nodes:
+        task = tasks.get(n.name)
+        if task is not None:
+            by_task.setdefault((n.device,) + task, []).append((n.start_us, n.end_us))
+    if not nodes:
+        return []
+    gap = max(50, (max(n.end_us for n in nodes) - min(n.start_us for n in nodes)) // 100)
+    out = []
+    for key, spans in sorted(by_task.items()):
+        pieces = []
+        for a, b in sorted(spans):
+            if pieces and a <= pieces[-1][1] + gap:
+                pieces[-1][1] = max(pieces[-1][1], b)
+            else:
+                pieces.append([a, b])
+        # A piece of zero-time ops alone (a shape read at the step's start) is no work.
+        out.extend((key, (a, b)) for a, b in pieces if b > a)
+    return out
+
+
 def _short(device):
-    return device.split("/device:")[-1] if "/device:" in device else device
+    """'/job:localhost/replica:0/task:0/device:CPU:1' -> 'device:CPU:1'; in-graph jobs
+    (devices of several workers in one trace) keep their task."""
+    if "/device:" not in device:
+        return device
+    task = re.search(r"/job:worker/replica:\d+/task:(\d+)", device)
+    short = "device:" + device.split("/device:")[-1]
+    return ("task:%s/%s" % (task.group(1), short)) if task else short
 
 
 def trace_document(traced, records, worker):
@@ -176,18 +212,9 @@ def trace_document(traced, records, worker):
                            dur=r.ready_us - r.start_us, args=dict(node=r.node)))
         events.append(dict(common, ph="X", name="move", ts=r.ready_us,
                            dur=r.end_us - r.ready_us, args=dict(node=r.node, bytes=r.bytes)))
-    tasks = task_map(traced.graph)
-    spans = {}
-    for n in nodes:
-        task = tasks.get(n.name)
-        if task is None:
-            continue
-        key = (n.device,) + task
-        lo, hi = spans.get(key, (n.start_us, n.end_us))
-        spans[key] = (min(lo, n.start_us), max(hi, n.end_us))
     stages = state.layout.num_stages if state is not None else 1
     micro = state.layout.num_micro_batch if state is not None else 1
-    for (device, replica, stage, m, phase), (lo, hi) in sorted(spans.items()):
+    for (device, replica, stage, m, phase), (lo, hi) in task_spans(traced.graph, nodes):
         kind = "F" if phase == ir.FORWARD else "B"
         if stages > 1 or micro > 1:
             name = "S%d %s%d" % (stage, kind, m)
