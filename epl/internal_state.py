@@ -33,3 +33,17 @@ def saveable_default(graph):
     """What a default ``tf.train.Saver`` saves: every saveable but EPL's own state."""
     mine = set(id(v) for v in graph.get_collection(COLLECTION))
     return [v for v in tfg.all_saveable_objects() if id(v) not in mine]
+
+
+def reinitialize_on_restore(saver, graph):
+    """A default Saver's restore also starts EPL's own state again (its initial values):
+    the checkpoint does not hold it, and a session restored from a checkpoint
+    (MonitoredTrainingSession, Estimator, a job epl-launch restarted) runs no
+    initializer, so TensorFlow's session manager would refuse the model ("Variables not
+    initialized: EPL_AMP/loss_scale")."""
+    saver_def = getattr(saver, "saver_def", None)
+    mine = graph.get_collection(COLLECTION)
+    if not mine or saver_def is None or not saver_def.restore_op_name:
+        return
+    restore = graph.get_operation_by_name(saver_def.restore_op_name)
+    tfg.add_control_inputs(restore, [v.initializer for v in mine])
