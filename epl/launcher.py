@@ -46,8 +46,12 @@ import time
 from epl.processes import dies_with_parent
 
 GRACE_SECONDS = 10
+# --restart_window's default: an hour of running before a failure resets the restart count.
+DEFAULT_RESTART_WINDOW = 3600
 # The folder through which the workers tell the launcher that they joined the job.
 LAUNCH_DIR_ENV = "EPL_LAUNCH_DIR"
+# How many times epl-launch started the job's workers again before this attempt (0 first).
+RESTART_COUNT_ENV = "EPL_RESTART_COUNT"
 _marked = []
 
 
@@ -64,6 +68,17 @@ def parse_args(argv=None):
                    help="where worker_<i>.log files go (default: $EPL_LOG_DIR, else epl_logs "
                         "in the current folder)")
     p.add_argument("--timeout", type=float, default=0, help="stop the job after S seconds (0: never)")
+    p.add_argument("--max_restarts", type=int, default=0,
+                   help="when a worker fails, stop the others and start every worker again, "
+                        "up to N times; training resumes from the job's newest checkpoint "
+                        "(default 0: the job fails at the first failure)")
+    p.add_argument("--restart_window", type=float, default=DEFAULT_RESTART_WINDOW,
+                   help="an attempt that ran this many seconds before it failed resets the "
+                        "count of restarts (default %d s)" % DEFAULT_RESTART_WINDOW)
+    p.add_argument("--min_workers", type=int, default=0,
+                   help="a worker that fails again at start-up after a restart is dropped and "
+                        "the job goes on with the others, as long as at least M remain "
+                        "(default: --num_workers, never drop)")
     p.add_argument("script", help="the local training script (.sh or .py)")
     p.add_argument("args", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
@@ -73,6 +88,23 @@ def parse_args(argv=None):
         p.error("--gpu_per_worker must be >= 1, got %d" % a.gpu_per_worker)
     if not os.path.exists(a.script):
         p.error("script %r does not exist" % a.script)
+    if a.max_restarts < 0:
+        p.error("--max_restarts must be >= 0, got %d" % a.max_restarts)
+    if a.restart_window <= 0:
+        p.error("--restart_window must be > 0 seconds, got %g" % a.restart_window)
+    if a.min_workers == 0:
+        a.min_workers = a.num_workers
+    if not 1 <= a.min_workers <= a.num_workers:
+        p.error("--min_workers must be between 1 and --num_workers (%d), got %d"
+                % (a.num_workers, a.min_workers))
+    if a.min_workers < a.num_workers and not a.max_restarts:
+        p.error("--min_workers %d: dropping a worker restarts the job on the others; give "
+                "--max_restarts N (N >= 2: one restart after the failure, one after the "
+                "worker fails again at start-up)" % a.min_workers)
+    if a.machine_list and (a.max_restarts or a.min_workers < a.num_workers):
+        p.error("--max_restarts / --min_workers work on one machine only for now (the "
+                "launchers of several machines do not agree on restarts yet): restart a "
+                "--machine_list job from its newest checkpoint by launching it again")
     return a
 
 
@@ -163,9 +195,12 @@ def joined(launch_dir, index):
 
 
 def worker_env(a, addrs, comm, index, job_id, gpus, local_index=None, run_id="",
-               secret="", launch_dir=""):
-    """The environment of worker ``index``, the ``local_index``-th this machine starts."""
+               secret="", launch_dir="", restarts=0):
+    """The environment of worker ``index``, the ``local_index``-th this machine starts, in
+    the job's attempt number ``restarts`` (0: the first start)."""
     env = dict(os.environ)
+    env[RESTART_COUNT_ENV] = str(restarts)
+    env["EPL_LAUNCH_NUM_WORKERS"] = str(a.num_workers)
     env["TF_CONFIG"] = json.dumps({"cluster": {"worker": addrs},
                                    "task": {"type": "worker", "index": index}})
     env["EPL_JOB_ID"] = job_id
@@ -221,8 +256,13 @@ def command(a):
 
 
 class Worker(object):
-    def __init__(self, index, proc, log_path):
+    """One worker process of one attempt.  ``index``: the worker's number at launch (its
+    log and console prefix keep it across restarts); ``rank``: its index in this attempt's
+    TF_CONFIG (smaller once workers were dropped)."""
+
+    def __init__(self, index, proc, log_path, rank=None):
         self.index = index
+        self.rank = index if rank is None else rank
         self.proc = proc
         self.log_path = log_path
         self.pump = None
@@ -308,10 +348,10 @@ def stop(workers):
 def left_before_joining(workers, launch_dir):
     """(a worker that exited 0 before it joined the job, a running worker that joined and
     so waits for it), or None: see the module's docstring."""
-    left = [w for w in workers if w.proc.returncode == 0 and not joined(launch_dir, w.index)]
+    left = [w for w in workers if w.proc.returncode == 0 and not joined(launch_dir, w.rank)]
     if not left:
         return None
-    waiting = [w for w in workers if w.proc.poll() is None and joined(launch_dir, w.index)]
+    waiting = [w for w in workers if w.proc.poll() is None and joined(launch_dir, w.rank)]
     return (left[0], waiting) if waiting else None
 
 
@@ -325,92 +365,206 @@ def _on_sigterm(signum, frame):
     raise _Terminated()
 
 
+class Attempt(object):
+    """One start of the job's workers: attempt ``number`` (EPL_RESTART_COUNT), its run
+    (EPL_RUN_ID: its shared memory), its launch folder (join marks) and its workers."""
+
+    def __init__(self, number, run_id, launch_dir):
+        self.number = number
+        self.run_id = run_id
+        self.launch_dir = launch_dir
+        self.workers = []
+        self.start = time.time()
+        self.ended = False
+        self.cause_joined = False   # whether the root-cause worker had joined the job
+
+    def seconds(self):
+        return time.time() - self.start
+
+
+def start_attempt(a, attempt, slots, job_id, secret, gpus):
+    """Start the workers ``slots`` (their launch indices, in rank order) of ``attempt``.
+    On one machine every attempt gets new free ports; with --machine_list the ports are
+    the list's (and every worker of this machine takes part)."""
+    if a.machine_list:
+        addrs, comm, mine = worker_addresses(a)
+        ranks = list(mine)
+    else:
+        ports = free_ports(2 * len(slots))
+        addrs = ["127.0.0.1:%d" % p for p in ports[:len(slots)]]
+        comm = ["127.0.0.1:%d" % p for p in ports[len(slots):]]
+        ranks = list(range(len(slots)))
+    for local, (index, rank) in enumerate(zip(slots, ranks)):
+        log_path = os.path.join(a.log_dir, "worker_%d.log" % index)
+        # (a worker keeps its GPUs across restarts: those of its launch index)
+        env = worker_env(a, addrs, comm, rank, job_id, gpus,
+                         local if a.machine_list else index, attempt.run_id, secret,
+                         attempt.launch_dir, attempt.number)
+        proc = subprocess.Popen(dies_with_parent(command(a)), env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        w = Worker(index, proc, log_path, rank)
+        w.pump = threading.Thread(target=_pump, args=(w, open(log_path, "w")), daemon=True)
+        w.pump.start()
+        attempt.workers.append(w)
+
+
+def watch(a, attempt, job_start):
+    """Wait for the attempt's end: (root-cause worker or None, reason or None when every
+    worker succeeded, whether a restart cannot help: --timeout)."""
+    workers = attempt.workers
+    while True:
+        codes = [w.proc.poll() for w in workers]
+        bad = [w for w, c in zip(workers, codes) if c not in (None, 0)]
+        if bad:
+            time.sleep(0.3)   # the peers of a failed worker fail within moments:
+            bad = [w for w in workers if w.proc.poll() not in (None, 0)]   # see them all
+            failed = root_cause(bad)
+            return failed, describe_exit(failed.proc.returncode), False
+        if all(c == 0 for c in codes):
+            return None, None, False
+        early = left_before_joining(workers, attempt.launch_dir)
+        if early:
+            return early[0], (
+                "exited with status 0 before it joined the job's collectives (it never ran "
+                "the job's graph), while worker%s %s joined and would wait for it in them "
+                "(every worker of a job runs its steps: look for what ended worker %d's "
+                "script early)" % ("s" if len(early[1]) > 1 else "",
+                                   ", ".join(str(w.index) for w in early[1]), early[0].index)
+            ), False
+        if a.timeout and time.time() - job_start > a.timeout:
+            failed = next(w for w, c in zip(workers, codes) if c is None)
+            return failed, "still running after --timeout %gs" % a.timeout, True
+        time.sleep(0.1)
+
+
+def end_attempt(attempt, failed, reason):
+    """Stop what still runs (when the attempt failed), collect the logs, remove the run's
+    shared memory and launch folder.  Idempotent."""
+    if attempt is None or attempt.ended:
+        return
+    attempt.ended = True
+    try:
+        if failed is not None:
+            attempt.cause_joined = joined(attempt.launch_dir, failed.rank)
+        if reason:
+            stop(attempt.workers)
+        for w in attempt.workers:
+            w.pump.join(5)
+    finally:
+        remove_segments(attempt.run_id)
+        shutil.rmtree(attempt.launch_dir, ignore_errors=True)
+
+
+def keep_log(a, w, number):
+    """Move a failed attempt's log aside (worker_<i>.attempt<k>.log): the next attempt
+    writes worker_<i>.log again."""
+    kept = os.path.join(a.log_dir, "worker_%d.attempt%d.log" % (w.index, number))
+    try:
+        os.replace(w.log_path, kept)
+    except OSError:
+        return w.log_path
+    w.log_path = kept
+    return kept
+
+
 def main(argv=None):
     a = parse_args(argv)
     addrs, comm, mine = worker_addresses(a)
     job_id = os.environ.get("EPL_JOB_ID") or hashlib.sha1(
         (",".join(addrs) + str(time.time() if not a.machine_list else "")).encode()).hexdigest()[:12]
     secret = job_secret(a)
-    # This launch's id (shared memory is named from it).  The launchers of several
-    # machines derive the same one from what they share (workers on one host meet in
-    # shared memory); a reused secret gives reused names, which is safe: a segment whose
-    # owner died is never used.
-    run_id = (hashlib.sha256((job_id + secret).encode()).hexdigest()[:12] if a.machine_list
-              else secrets.token_hex(6))
     os.makedirs(a.log_dir, exist_ok=True)
-    launch_dir = tempfile.mkdtemp(prefix="epl-launch-%s-" % run_id)
     gpus = _have_gpus()
     print("epl-launch: %d worker(s) x %d %s device(s), job %s, this machine starts %s"
           % (a.num_workers, a.gpu_per_worker, "GPU" if gpus else "virtual CPU", job_id, mine),
           flush=True)
-    workers = []
-    for local, i in enumerate(mine):
-        log_path = os.path.join(a.log_dir, "worker_%d.log" % i)
-        env = worker_env(a, addrs, comm, i, job_id, gpus, local, run_id, secret, launch_dir)
-        proc = subprocess.Popen(dies_with_parent(command(a)), env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        w = Worker(i, proc, log_path)
-        w.pump = threading.Thread(target=_pump, args=(w, open(log_path, "w")), daemon=True)
-        w.pump.start()
-        workers.append(w)
-    failed, reason = None, None
-    start = time.time()
+    if a.max_restarts:
+        print("epl-launch: up to %d restart(s) (the count resets after %g s of running)%s"
+              % (a.max_restarts, a.restart_window,
+                 ", down to %d worker(s)" % a.min_workers if a.min_workers < a.num_workers
+                 else ""), flush=True)
+    slots = list(mine)        # the launch indices of the workers that take part
+    used = 0                  # restarts counted against --max_restarts (the window resets it)
+    last_cause = None         # the launch index of the previous attempt's root cause
+    attempt, failed, reason, final, number = None, None, None, False, 0
+    job_start = time.time()
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
     else:
         previous = None
     try:
         while True:
-            codes = [w.proc.poll() for w in workers]
-            bad = [w for w, c in zip(workers, codes) if c not in (None, 0)]
-            if bad:
-                time.sleep(0.3)   # the peers of a failed worker fail within moments:
-                bad = [w for w in workers if w.proc.poll() not in (None, 0)]   # see them all
-                failed = root_cause(bad)
-                reason = describe_exit(failed.proc.returncode)
+            # This attempt's id (shared memory is named from it): new for every attempt on
+            # one machine.  The launchers of several machines derive the same one from what
+            # they share (workers on one host meet in shared memory); a reused secret gives
+            # reused names, which is safe: a segment whose owner died is never used.
+            run_id = (hashlib.sha256((job_id + secret).encode()).hexdigest()[:12]
+                      if a.machine_list else secrets.token_hex(6))
+            attempt = Attempt(number, run_id,
+                              tempfile.mkdtemp(prefix="epl-launch-%s-" % run_id))
+            start_attempt(a, attempt, slots, job_id, secret, gpus)
+            failed, reason, final = watch(a, attempt, job_start)
+            end_attempt(attempt, failed, reason)
+            if reason is None or final:
                 break
-            if all(c == 0 for c in codes):
+            ran = attempt.seconds()
+            if ran >= a.restart_window:
+                used = 0
+            if used >= a.max_restarts:
                 break
-            early = left_before_joining(workers, launch_dir)
-            if early:
-                failed = early[0]
-                reason = ("exited with status 0 before it joined the job's collectives (it "
-                          "never ran the job's graph), while worker%s %s joined and would "
-                          "wait for it in them (every worker of a job runs its steps: look "
-                          "for what ended worker %d's script early)"
-                          % ("s" if len(early[1]) > 1 else "",
-                             ", ".join(str(w.index) for w in early[1]), early[0].index))
-                break
-            if a.timeout and time.time() - start > a.timeout:
-                failed = next(w for w, c in zip(workers, codes) if c is None)
-                reason = "still running after --timeout %gs" % a.timeout
-                break
-            time.sleep(0.1)
+            used += 1
+            cause = exception_line(failed.log_path)
+            print("\nepl-launch: attempt %d: worker %d %s after %.1f s; stopped the others.%s"
+                  % (number, failed.index, reason, ran, "\n  " + cause if cause else ""),
+                  flush=True)
+            drop = (failed.index == last_cause and not attempt.cause_joined
+                    and len(slots) > a.min_workers)
+            last_cause = failed.index
+            for w in attempt.workers:
+                path = keep_log(a, w, number)
+                if w is failed:
+                    print("  its log: %s" % path, flush=True)
+            if drop:
+                slots.remove(failed.index)
+                print("epl-launch: worker %d failed again at start-up (before it joined the "
+                      "job): dropped for good; the job goes on with %d worker(s) (--min_workers "
+                      "%d): %s. Every worker keeps its batch, so the global batch is now %d of "
+                      "the %d workers' batches; input sliced by io.slicing is re-sharded over "
+                      "the remaining workers."
+                      % (failed.index, len(slots), a.min_workers,
+                         ", ".join("worker %d is rank %d" % (i, r) for r, i in enumerate(slots)),
+                         len(slots), a.num_workers), flush=True)
+            number += 1
+            print("epl-launch: restart %d of %d (EPL_RESTART_COUNT=%d): starting %d worker(s) "
+                  "again; training resumes from the job's newest checkpoint"
+                  % (used, a.max_restarts, number, len(slots)), flush=True)
     except KeyboardInterrupt:
-        reason = "interrupted (Ctrl-C)"
+        failed, reason = None, "interrupted (Ctrl-C)"
     except _Terminated:
-        reason = "terminated (SIGTERM)"
-    try:
-        if reason:
-            stop(workers)
-        for w in workers:
-            w.pump.join(5)
+        failed, reason = None, "terminated (SIGTERM)"
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-        remove_segments(run_id)
-        shutil.rmtree(launch_dir, ignore_errors=True)
+        try:
+            end_attempt(attempt, failed, reason or "stopped")
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
     print("\nepl-launch summary:")
-    for w in workers:
-        code = w.proc.returncode
-        print("  worker %d: %s  log %s" % (w.index, "exit %s" % code, w.log_path))
+    for w in attempt.workers if attempt else []:
+        print("  worker %d: %s  log %s" % (w.index, "exit %s" % w.proc.returncode, w.log_path))
+    if number:
+        print("  %d restart(s); the logs of earlier attempts: worker_<i>.attempt<k>.log in %s"
+              % (number, a.log_dir))
     if reason:
         if failed is not None:
             cause = exception_line(failed.log_path)
             print("\nepl-launch: worker %d %s; stopped the others.%s\nLast lines of %s:\n%s"
                   % (failed.index, reason, "\n  " + cause if cause else "", failed.log_path,
                      tail(failed.log_path)))
+            if a.max_restarts and not final:
+                print("epl-launch: the job failed after %d restart(s): --max_restarts %d "
+                      "(the count resets after %g s of running)"
+                      % (number, a.max_restarts, a.restart_window))
         else:
             print("\nepl-launch: %s; stopped all workers." % reason)
         return 1

@@ -1,0 +1,278 @@
+"""epl-launch --max_restarts / --restart_window / --min_workers (issue 27): a job that
+survives a lost worker.  Every job runs under a hard timeout; every test checks that no
+worker is left running and no shared memory (/dev/shm/epl-*) is left behind."""
+import glob
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow.compat.v1 as tf
+
+from tests import models
+from tests import restart_train as rt
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _segments():
+    return set(glob.glob("/dev/shm/epl-*"))
+
+
+def _running(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _launch(args, env_extra=None, timeout=150):
+    """Run epl-launch ``args``: (exit status, output).  Fails the test if it hangs."""
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("EPL_JOB_ID", None)
+    env.update(env_extra or {})
+    try:
+        out = subprocess.run([sys.executable, "-m", "epl.launcher"] + args, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail("epl-launch hung:\n%s" % (e.output or b"").decode()[-5000:])
+    return out.returncode, out.stdout.decode("utf-8", "replace")
+
+
+def _nothing_left(tmp_path, before):
+    """No worker of any attempt still runs (each wrote its pid), no segment is left."""
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid_*")]
+    assert pids
+    deadline = time.time() + 10
+    while any(_running(p) for p in pids) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if _running(p)], "workers outlived epl-launch"
+    assert _segments() - before == set()
+
+
+# -- the launcher's rules, with workers that need no TensorFlow ------------------------
+
+FLAKY = """import os, sys, time
+attempt = int(os.environ["EPL_RESTART_COUNT"])
+rank = os.environ["EPL_WORKER_INDEX"]
+open(os.path.join(sys.argv[1], "pid_%d_%s" % (attempt, rank)), "w").write(str(os.getpid()))
+print("attempt %d rank %s of %s workers" % (attempt, rank, os.environ["EPL_LAUNCH_NUM_WORKERS"]),
+      flush=True)
+if rank == "1":
+    if attempt < int(sys.argv[2]):   # the first attempts run a while before they fail
+        time.sleep(float(sys.argv[3]))
+    raise ValueError("worker 1 broke in attempt %d" % attempt)
+time.sleep(60)
+"""
+
+
+def _flaky(tmp_path, restarts, window, slow_attempts, seconds):
+    script = tmp_path / "flaky.py"
+    script.write_text(FLAKY)
+    args = ["--num_workers", "2", "--max_restarts", str(restarts), "--log_dir",
+            str(tmp_path / "logs")]
+    if window:
+        args += ["--restart_window", str(window)]
+    return _launch(args + [str(script), str(tmp_path), str(slow_attempts), str(seconds)],
+                   timeout=60)
+
+
+def test_after_n_restarts_the_job_fails_naming_the_root_cause(tmp_path):
+    """Worker 1 fails in every attempt: 2 restarts, then the job fails with worker 1's
+    exception (not worker 0, which the launcher stopped), each restart logged with it."""
+    before = _segments()
+    code, out = _flaky(tmp_path, 2, 0, 0, 0)
+    assert code == 1, out
+    for k in range(3):
+        assert "attempt %d rank 1 of 2 workers" % k in out, out
+    assert "attempt 3 " not in out
+    for k in (1, 2):
+        assert "restart %d of 2 (EPL_RESTART_COUNT=%d)" % (k, k) in out, out
+    assert out.count("ValueError: worker 1 broke in attempt") >= 3
+    final = out[out.index("epl-launch summary"):]
+    assert "worker 1 exited with status 1; stopped the others." in final, final
+    assert "ValueError: worker 1 broke in attempt 2" in final, final
+    assert "the job failed after 2 restart(s)" in final, final
+    for k in (0, 1):   # the earlier attempts' logs are kept
+        assert "broke in attempt %d" % k in (
+            tmp_path / "logs" / ("worker_1.attempt%d.log" % k)).read_text()
+    _nothing_left(tmp_path, before)
+
+
+def test_the_restart_window_resets_the_count(tmp_path):
+    """Attempts 0-2 run 1.5 s before worker 1 fails, longer than --restart_window 1: each
+    failure finds the count reset, so --max_restarts 1 allows all of them; attempt 3
+    fails at once and ends the job.  Without the window the job ends after attempt 1."""
+    code, out = _flaky(tmp_path, 1, 1, 3, 1.5)
+    assert code == 1, out
+    assert "attempt 3 rank 1" in out and "attempt 4 " not in out, out
+    assert out.count("restart 1 of 1") == 3, out
+    assert "the job failed after 3 restart(s)" in out, out
+    code, out = _flaky(tmp_path, 1, 0, 3, 1.5)   # the default window: an hour
+    assert code == 1 and "attempt 1 rank 1" in out and "attempt 2 " not in out, out
+
+
+def test_restart_flags_are_checked():
+    for args, says in ((["--max_restarts", "-1"], "--max_restarts must be >= 0"),
+                       (["--restart_window", "0"], "--restart_window must be > 0"),
+                       (["--min_workers", "3"], "--min_workers must be between 1 and"),
+                       (["--min_workers", "1"], "give --max_restarts N"),
+                       (["--max_restarts", "1", "--machine_list", "a:1,b:1"],
+                        "one machine only")):
+        code, out = _launch(["--num_workers", "2"] + args + [__file__], timeout=30)
+        assert code == 2 and says in out, out
+
+
+# -- a training job that loses a worker -------------------------------------------------
+
+def _local(batches, optimizer="adam"):
+    """The oracle: the local model trained on ``batches`` [(x, y)] one after the other."""
+    with tf.Graph().as_default():
+        px = tf.placeholder(tf.float32, [None, models.IN])
+        py = tf.placeholder(tf.int64, [None])
+        _, loss = models.forward(px, py)
+        op = models.train_op(loss, optimizer, tf.train.get_or_create_global_step())
+        with tf.Session() as sess:
+            sess.run(tf.global_variables_initializer())
+            for bx, by in batches:
+                sess.run(op, {px: bx, py: by})
+            return models.weights(sess)
+
+
+def _train_job(tmp_path, extra_args, env_extra):
+    data = tmp_path / "data"
+    data.mkdir()
+    x, y = rt.write_files(str(data))
+    before = _segments()
+    code, out = _launch(["--num_workers", "2", "--gpu_per_worker", "1", "--log_dir",
+                         str(tmp_path / "logs")] + extra_args +
+                        [os.path.join(HERE, "restart_train.py"), str(tmp_path), str(data)],
+                        env_extra)
+    return code, out, (x, y), before
+
+
+def _restored_step(out, attempt):
+    found = re.findall(r"attempt %d: worker 0 of \d+ starts at global step (\d+)" % attempt,
+                       out)
+    assert found, out[-5000:]
+    return int(found[0])
+
+
+def _final_checkpoint(tmp_path):
+    path = tf.train.latest_checkpoint(str(tmp_path / "ckpt"))
+    reader = tf.train.load_checkpoint(path)
+    return reader.get_tensor("global_step"), {k: reader.get_tensor(k)
+                                              for k in models.initial_weights()}
+
+
+def test_kill_9_at_step_5_restarts_and_equals_an_uninterrupted_run(tmp_path):
+    """Worker 1 is killed (SIGKILL) after step 5 of 10 under --max_restarts 1: the
+    launcher names it, starts both workers again, they restore the newest checkpoint
+    (global_step, Adam's slots) and read on from the restored step; the final weights
+    of both workers and of the last checkpoint equal the uninterrupted run's."""
+    code, out, (x, y), before = _train_job(tmp_path, ["--max_restarts", "1"],
+                                           {"RESTART_KILL": "1:5"})
+    assert code == 0, out[-6000:]
+    assert "attempt 0: worker 1 was killed by SIGKILL" in out, out[-6000:]
+    assert "restart 1 of 1 (EPL_RESTART_COUNT=1): starting 2 worker(s) again" in out
+    start = _restored_step(out, 1)
+    assert 1 <= start <= 5, start
+    print("attempt 1 restored global step %d" % start)
+    want = _local([rt.global_batch(x, y, 2, s) for s in range(rt.STEPS)])
+    for w in range(2):
+        models.assert_weights_close(dict(np.load(str(tmp_path / ("worker_%d.npz" % w)))),
+                                    want)
+    step, weights = _final_checkpoint(tmp_path)
+    assert step == rt.STEPS
+    models.assert_weights_close(weights, want)
+    _nothing_left(tmp_path, before)
+
+
+def test_a_worker_that_stays_down_is_dropped(tmp_path):
+    """Worker 1 is killed after step 5, then fails at start-up in the restarted attempt:
+    under --min_workers 1 it is dropped and worker 0 finishes alone from the newest
+    checkpoint.  The documented rule: every worker keeps its batch (the global batch
+    shrinks from 2 to 1 worker's batch), the learning rate is the program's, and
+    io.slicing gives the remaining worker every file; the input position is the global
+    step.  So the weights are the local model's on the 2-worker global batches up to the
+    restored step, then on worker 0's batches of all the files."""
+    code, out, (x, y), before = _train_job(
+        tmp_path, ["--max_restarts", "2", "--min_workers", "1"],
+        {"RESTART_KILL": "1:5", "RESTART_DOWN": "1"})
+    assert code == 0, out[-6000:]
+    assert "worker 1: its host is down" in out
+    assert "worker 1 failed again at start-up (before it joined the job): dropped for good; " \
+           "the job goes on with 1 worker(s) (--min_workers 1): worker 0 is rank 0" in out, \
+        out[-6000:]
+    assert "restart 2 of 2 (EPL_RESTART_COUNT=2): starting 1 worker(s) again" in out
+    assert re.search(r"attempt 2: worker 0 of 1 starts", out), out[-6000:]
+    start = _restored_step(out, 2)
+    assert 1 <= start <= 5, start
+    print("the remaining worker restored global step %d" % start)
+    want = _local([rt.global_batch(x, y, 2, s) for s in range(start)] +
+                  [rt.global_batch(x, y, 1, s) for s in range(start, rt.STEPS)])
+    models.assert_weights_close(dict(np.load(str(tmp_path / "worker_0.npz"))), want)
+    step, weights = _final_checkpoint(tmp_path)
+    assert step == rt.STEPS
+    models.assert_weights_close(weights, want)
+    _nothing_left(tmp_path, before)
+
+
+# -- EPL's own state across a restore ----------------------------------------------------
+
+def _state_program(config, ckpt_dir, runs):
+    """The models' MLP under ``config`` (on 2 devices) in a MonitoredTrainingSession that
+    checkpoints every step into ``ckpt_dir`` (restoring the newest checkpoint first):
+    ``runs`` runs of the train op.  Returns (global step and EPL's own variables right
+    after the session restored or initialized, the same after the runs, the weights)."""
+    import epl
+    from epl import internal_state
+    models.reset()
+    epl.init(epl.Config(dict(config, **{"cluster.devices_per_worker": 2})))
+    if "pipeline.num_micro_batch" not in config:   # (accumulation across runs: no annotation)
+        epl.set_default_strategy(epl.replicate(1))
+    x, y = models.data(64)
+    bx, by = models.input_batch(x, y, 4)
+    _, loss = models.forward(bx, by)
+    gs = tf.train.get_or_create_global_step()
+    op = models.train_op(loss, "momentum", gs)
+    state = {v.op.name: v for v in tf.get_collection(internal_state.COLLECTION)}
+    assert state
+    with tf.train.MonitoredTrainingSession(checkpoint_dir=ckpt_dir, save_checkpoint_steps=1,
+                                           save_summaries_steps=None,
+                                           save_summaries_secs=None,
+                                           log_step_count_steps=None) as sess:
+        first = sess.run([gs, state])
+        for _ in range(runs):
+            sess.run(op)
+        return first, sess.run([gs, state]), models.weights(sess)
+
+
+@pytest.mark.parametrize("feature", ["amp", "accumulate"])
+def test_epl_state_starts_again_when_a_checkpoint_is_restored(tmp_path, feature):
+    """EPL's own state is not in checkpoints (they interchange with the program without
+    the feature): a session that restores one -- a restarted job's -- starts it again
+    at its initial values (the dynamic loss scale and its count of good steps; the run
+    accumulators and their run counter), and the model is restored."""
+    config = ({"amp.level": "O1"} if feature == "amp"
+              else {"pipeline.num_micro_batch": 2})
+    ckpt = str(tmp_path / "ckpt")
+    (step0, initial), (step, trained), weights = _state_program(config, ckpt, 3)
+    assert step0 == 0
+    changed = [k for k in initial if not np.array_equal(initial[k], trained[k])]
+    assert changed, trained   # (the runs changed EPL's state: the test can fail)
+    (restored_step, restored), _, _ = _state_program(config, ckpt, 0)
+    assert restored_step == step == (3 if feature == "amp" else 1)
+    for k in initial:
+        np.testing.assert_array_equal(restored[k], initial[k], err_msg=k)
+    models.reset()
+    with tf.Graph().as_default():   # the model itself is the checkpoint's
+        reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(ckpt))
+        models.assert_weights_close({k: reader.get_tensor(k) for k in weights}, weights,
+                                    rtol=0, atol=0)
