@@ -40,6 +40,14 @@ def _add_event(self, event):
     return original("summary.add_event")(self, event)
 
 
+def _add_event_at_step(self, event, step):
+    """FileWriter.add_summary / add_graph / add_session_log (``_add_event``)."""
+    if Env.initialized() and not Env.get().cluster.is_chief:
+        return None  # only the chief writes summaries
+    progress.note_writer(self)
+    return original("summary.add_event_at_step")(self, event, step)
+
+
 def _worker_session(self):
     if Env.initialized() and ir.Graph.get().taskgraphs:
         raise RuntimeError(
@@ -147,6 +155,7 @@ HOOKS = [
     ("session.make_callable_from_options", _make_callable_from_options),
     ("saver.save", _saver_save),
     ("summary.add_event", _add_event),
+    ("summary.add_event_at_step", _add_event_at_step),
     ("monitored.worker_session", _worker_session),
     ("estimator.run_config_init", _run_config_init),
     ("estimator.run_local", _train_and_evaluate_locally),

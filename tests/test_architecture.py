@@ -30,7 +30,7 @@ LAYERS = [
                  "epl.grouped_apply", "epl.io_slicing", "epl.keras_reports"]),
     ("rewrite", ["epl.rewrite"]),
     ("runtime", ["epl.runtime", "epl.distributed_runtime", "epl.launcher", "epl.integration",
-                 "epl.processes", "epl.profile"]),
+                 "epl.processes", "epl.profile", "epl.progress", "epl.progress_display"]),
     ("api", ["epl", "epl.api", "epl.auto"]),
 ]
 

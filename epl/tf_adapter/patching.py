@@ -70,6 +70,9 @@ POINTS = {
     "saver.build": ("tensorflow.python.training.saver", "Saver", "build"),
     "saver.save": ("tensorflow.python.training.saver", "Saver", "save"),
     "summary.add_event": ("tensorflow.python.summary.writer.writer", "FileWriter", "add_event"),
+    # (add_summary, add_graph, add_session_log: they do not go through add_event)
+    "summary.add_event_at_step": ("tensorflow.python.summary.writer.writer", "FileWriter",
+                                  "_add_event"),
     "monitored.worker_session": ("tensorflow.python.training.monitored_session",
                                  "WorkerSessionCreator", "create_session"),
     "session.init": ("tensorflow.python.client.session", "BaseSession", "__init__"),

@@ -1,0 +1,164 @@
+"""Live progress (epl.progress, epl.progress_display) and EPL's TensorBoard scalars.
+
+The oracles: the steps a job ran, the losses its program fetched and printed, the global
+batch from the job's shape, the bytes of the model's gradients from its variables'
+sizes, and samples/s = steps/s x global batch in every record.
+"""
+import glob
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow.compat.v1 as tf
+
+from epl import progress
+from epl.progress_display import ProgressDisplay
+from tests import models
+from tests.mw_progress import BATCH, STEPS
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+# The gradients of models.forward: float32, one per variable.
+GRADIENT_BYTES = 4 * (models.IN * models.HIDDEN + models.HIDDEN
+                      + models.HIDDEN * models.CLASSES + models.CLASSES)
+
+
+def _launch(args, timeout=240):
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("EPL_JOB_ID", None)
+    try:
+        out = subprocess.run([sys.executable, "-m", "epl.launcher"] + args, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail("epl-launch hung:\n%s" % (e.output or b"").decode()[-5000:])
+    return out.returncode, out.stdout.decode()
+
+
+def _scalars(folder):
+    """{tag: [(step, value)]} of the epl/ scalars in the event files of ``folder``."""
+    out = {}
+    for path in glob.glob(os.path.join(folder, "events.out.tfevents.*")):
+        for event in tf.train.summary_iterator(path):
+            for v in event.summary.value:
+                if v.tag.startswith("epl/"):
+                    out.setdefault(v.tag, []).append((event.step, v.simple_value))
+    return out
+
+
+def _fed_program():
+    """A 2-device program fed through placeholders, with a global_step."""
+    models.init_data_parallel(2)
+    x = tf.placeholder(tf.float32, [None, models.IN])
+    y = tf.placeholder(tf.int64, [None])
+    _, loss = models.forward(x, y)
+    step = tf.train.get_or_create_global_step()
+    return x, y, loss, step, models.train_op(loss, "sgd", step)
+
+
+def test_a_worker_records_its_steps_and_fetched_loss(tmp_path, monkeypatch):
+    """Only training runs count (not an evaluation fetching the loss alone); the loss is
+    the one fetched, wherever it sits in the fetches; samples are rate-limited."""
+    monkeypatch.setenv("EPL_LAUNCH_DIR", str(tmp_path))
+    monkeypatch.setenv("EPL_WORKER_INDEX", "0")
+    monkeypatch.setattr(progress, "_TRACKER", [])
+    x, y, loss, step, train = _fed_program()
+    bx, by = models.data(8 * 20)
+    fetched = []
+    start = time.time()
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
+        for i in range(20):
+            feed = {x: bx[8 * i:8 * i + 8], y: by[8 * i:8 * i + 8]}
+            got = sess.run({"out": [loss], "train": train}, feed)
+            fetched.append(float(got["out"][0]))
+            sess.run(loss, feed)   # an evaluation: not a step
+        elapsed = time.time() - start
+        progress.tracker().finish()
+    progress.tracker().path = None   # (no second final record at exit)
+    lines = (tmp_path / "worker_0.progress.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert 2 <= len(records) <= 2 + elapsed / progress.INTERVAL, records
+    first, last = records[0], records[-1]
+    assert first["runs"] == 1 and first["step"] == 1 and first["loss"] == fetched[0]
+    assert last["final"] and last["runs"] == 20 and last["step"] == 20
+    assert last["loss"] == fetched[-1]
+    assert all(r["global_batch"] == 8 for r in records)   # the fed rows (one worker)
+
+
+def test_nothing_without_epl_launch_or_summaries(tmp_path, monkeypatch):
+    """Outside epl-launch, without a summary writer: no file, no analysis of the runs."""
+    monkeypatch.delenv("EPL_LAUNCH_DIR", raising=False)
+    monkeypatch.setattr(progress, "_TRACKER", [])
+    monkeypatch.chdir(tmp_path)
+    x, y, loss, step, train = _fed_program()
+    bx, by = models.data(8)
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
+        for _ in range(3):
+            sess.run([loss, train], {x: bx, y: by})
+    t = progress.tracker()
+    assert t.path is None and t.writer is None
+    assert t.runs == 0 and not t.facts
+    assert not glob.glob(str(tmp_path / "**" / "*.progress.jsonl"), recursive=True)
+
+
+def _write(folder, worker, **fields):
+    record = dict(worker=worker, runs=1, step=1, steps_per_sec=None, samples_per_sec=None,
+                  mean_steps_per_sec=None, global_batch=4, loss=None, final=False)
+    record.update(fields)
+    with open(os.path.join(str(folder), "worker_%d.progress.jsonl" % worker), "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_display_redraws_in_place_on_a_terminal(tmp_path):
+    out = _Tty()
+    display = ProgressDisplay(str(tmp_path), [0, 1], stream=out, interval=0)
+    _write(tmp_path, 0, loss=2.5)
+    _write(tmp_path, 1, loss=2.25)
+    display.poll()
+    first = out.getvalue()
+    assert "worker 0: step 1" in first and "worker 1: step 1" in first and "\x1b[" not in first
+    _write(tmp_path, 0, runs=5, step=5, steps_per_sec=4.0, samples_per_sec=16.0, loss=1.5)
+    display.poll()
+    again = out.getvalue()[len(first):]
+    assert again.startswith("\x1b[2A\r\x1b[J")   # up over the two lines, cleared, redrawn
+    assert "worker 0: step 5  4.00 steps/s  16.0 samples/s  loss 1.5" in again
+    display.out.write("[worker 1] a line of the program\n")   # erases the block first
+    assert out.getvalue().endswith("\x1b[2A\r\x1b[J[worker 1] a line of the program\n")
+    display.poll()   # nothing new: not redrawn
+    assert out.getvalue().endswith("program\n")
+
+
+def test_display_plain_lines_summary_and_log_json(tmp_path):
+    out = io.StringIO()
+    log = tmp_path / "log.json"
+    display = ProgressDisplay(str(tmp_path), [0, 1], stream=out, log_json=str(log))
+    assert not display.tty and display.interval == 10.0
+    _write(tmp_path, 0)
+    display.poll()
+    _write(tmp_path, 0, runs=7, step=7, steps_per_sec=2.0, samples_per_sec=8.0,
+           mean_steps_per_sec=2.5, loss=0.75, final=True)
+    display.poll()                      # within the interval: not printed yet
+    assert out.getvalue().count("[progress]") == 1
+    display.poll(final=True)            # the end of the job: printed
+    assert out.getvalue().count("[progress]") == 2 and "(done)" in out.getvalue()
+    rows = display.summary({0: 0, 1: 1})
+    assert rows == [{"worker": 0, "steps": 7, "step": 7, "mean_steps_per_sec": 2.5,
+                     "samples_per_sec": 10.0, "global_batch": 4, "loss": 0.75,
+                     "exit_status": 0}]
+    table = out.getvalue().split("epl-launch progress")[1].splitlines()
+    assert table[1].split() == ["worker", "steps", "steps/s", "samples/s", "last", "loss", "exit"]
+    assert table[2].split() == ["0", "7", "2.50", "10.0", "0.75", "0"]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["type"] for r in records] == ["status", "status", "summary"]
+    assert records[-1]["workers"] == rows
