@@ -16,6 +16,15 @@
 // per connection files data frames into per-(peer, group) mailboxes, so any number
 // of groups share the connection.  A peer that disconnects, or an abort frame,
 // fails every pending and later collective of the job.
+//
+// Every error about a peer names it by rank and address ("rank 1 (h1:7001)"): across
+// hosts, the address is what tells a person which machine to look at.  Nothing waits
+// on the network past communication.timeout_seconds: connecting is non-blocking with
+// the collective's deadline, and a connection whose sent data stays unacknowledged
+// that long (a partition, a host that went off) fails in the kernel
+// (TCP_USER_TIMEOUT), so a send blocked on a full buffer ends too.  A partition is
+// silent (no reset, no FIN): it looks like a slow peer, and the collective timeout
+// is what ends a collective that waits for data across it.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
@@ -90,6 +99,13 @@ std::vector<std::pair<string, int>> Addresses() {
   return out;
 }
 
+// "rank k (host:port)": a peer as a person looks for it.
+string Where(int rank) {
+  auto addrs = Addresses();
+  if (rank < 0 || rank >= static_cast<int>(addrs.size())) return StrCat("rank ", rank);
+  return StrCat("rank ", rank, " (", addrs[rank].first, ":", addrs[rank].second, ")");
+}
+
 // Security events and the missing-secret warning always reach stderr (TensorFlow's
 // log level, often 2 in production, would hide a LOG(WARNING)).
 void Report(const string& message) {
@@ -126,6 +142,45 @@ string Nonce() {
 void NoDelay(int fd) {
   const int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+// Sent data that stays unacknowledged for `seconds` fails the connection (the peer's
+// host is gone or cut off), so no send blocks past the collective timeout.
+void UserTimeout(int fd, int seconds) {
+  const unsigned int ms = static_cast<unsigned int>(std::max(1, seconds)) * 1000u;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &ms, sizeof(ms));
+}
+
+// connect() that gives up at the deadline (a host that is off answers nothing: a
+// blocking connect would wait for the kernel's SYN retries, minutes).  Leaves the
+// socket blocking; on failure `why` says what happened.
+bool ConnectBy(int fd, const sockaddr* addr, socklen_t len, Clock::time_point deadline,
+               string* why) {
+  const int flags = ::fcntl(fd, F_GETFL, 0);
+  ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+  int err = ::connect(fd, addr, len) == 0 ? 0 : errno;
+  if (err == EINPROGRESS) {
+    err = ETIMEDOUT;
+    while (true) {
+      const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - Clock::now()).count();
+      if (ms <= 0) break;
+      struct pollfd pfd = {fd, POLLOUT, 0};
+      const int k = ::poll(&pfd, 1, static_cast<int>(std::min<int64>(ms, 1000)));
+      if (k < 0 && errno != EINTR) {
+        err = errno;
+        break;
+      }
+      if (k > 0) {
+        socklen_t n = sizeof(err);
+        if (::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &n) != 0) err = errno;
+        break;
+      }
+    }
+  }
+  ::fcntl(fd, F_SETFL, flags);
+  if (err != 0) *why = strerror(err);
+  return err == 0;
 }
 
 Status SendAll(int fd, const void* p, int64 n) {
@@ -214,8 +269,9 @@ void DivideRange(DataType dtype, char* p, int64 count, int n) {
 
 class Mesh {
  public:
-  Mesh(const string& job, int rank, int size)
-      : job_(job), rank_(rank), size_(size), secret_(Secret(job)), peers_(size) {}
+  Mesh(const string& job, int rank, int size, int timeout_seconds)
+      : job_(job), rank_(rank), size_(size), timeout_seconds_(timeout_seconds),
+        secret_(Secret(job)), peers_(size) {}
 
   const string& job() const { return job_; }
   const string& secret() const { return secret_; }
@@ -259,21 +315,22 @@ class Mesh {
           Status st = JobState::Get(job_)->Aborted();
           if (!st.ok()) return st;
           if (peers_[peer].dead)
-            return Aborted("EPL ", a.what, " (group '", a.group, "'): rank ", peer,
+            return Aborted("EPL ", a.what, " (group '", a.group, "'): ", Where(peer),
                            " disconnected while rank ", rank_, " waited for its data (",
                            peers_[peer].why, "): a worker died or left the job before its "
                            "collectives were done.");
           if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && mail_[key].empty())
-            return DeadlineExceeded("EPL ", a.what, " (group '", a.group, "'): rank ", peer,
-                                    " sent nothing within ", a.timeout_seconds,
+            return DeadlineExceeded("EPL ", a.what, " (group '", a.group, "'): ",
+                                    Where(peer), " sent nothing within ", a.timeout_seconds,
                                     " s (communication.timeout_seconds): a worker ran a "
-                                    "different step, or is stuck.");
+                                    "different step, is stuck, or cannot be reached (a "
+                                    "network partition looks the same).");
         }
         frame = std::move(mail_[key].front());
         mail_[key].pop_front();
       }
       if (frame.len > n)
-        return Internal("EPL ", a.what, " (group '", a.group, "'): rank ", peer, " sent ",
+        return Internal("EPL ", a.what, " (group '", a.group, "'): ", Where(peer), " sent ",
                         frame.len, " bytes where ", n, " were expected");
       std::memcpy(out, frame.data.get(), frame.len);
       out += frame.len;
@@ -316,12 +373,14 @@ class Mesh {
   }
 
   Status Lost(int peer, const CrossArgs& a, const Status& s) {
-    return Aborted("EPL ", a.what, " (group '", a.group, "'): cannot send to rank ", peer, " (",
-                   StatusMessage(s), "): a worker died or left the job.");
+    return Aborted("EPL ", a.what, " (group '", a.group, "'): cannot send to ", Where(peer),
+                   " (", StatusMessage(s), "): a worker died, left the job, or cannot be "
+                   "reached.");
   }
 
   // Called with mu_ held.
   void Start(int peer, int fd) {
+    UserTimeout(fd, timeout_seconds_);
     peers_[peer].fd = fd;
     std::thread([this, peer, fd] { Read(peer, fd); }).detach();
   }
@@ -363,6 +422,8 @@ class Mesh {
 
   string job_;
   int rank_, size_;
+  int timeout_seconds_;   // (the first collective's: sent data unacknowledged that long
+                          // fails the connection)
   string secret_;
   std::mutex mu_;
   std::condition_variable cv_;
@@ -494,14 +555,16 @@ Status Mesh::Ensure(int peer, Clock::time_point deadline, const CrossArgs& a) {
   while (true) {
     if (peers_[peer].fd >= 0) return OkStatus();
     if (peers_[peer].dead)
-      return Aborted("EPL ", a.what, " (group '", a.group, "'): rank ", peer, " disconnected (",
-                     peers_[peer].why, ")");
+      return Aborted("EPL ", a.what, " (group '", a.group, "'): ", Where(peer),
+                     " disconnected (", peers_[peer].why, ")");
     if (peer > rank_ && !peers_[peer].connecting) break;   // this process connects
     // The lower rank connects to us, or another of this job's groups is connecting.
     if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && peers_[peer].fd < 0)
-      return DeadlineExceeded("EPL ", a.what, " (group '", a.group, "'): rank ", peer,
-                              " never connected to rank ", rank_, " within ", a.timeout_seconds,
-                              " s (communication.timeout_seconds)");
+      return DeadlineExceeded("EPL ", a.what, " (group '", a.group, "'): ", Where(peer),
+                              peer < rank_ ? " never connected to " : " was not reached by ",
+                              Where(rank_), " within ", a.timeout_seconds,
+                              " s (communication.timeout_seconds): is it running, and can "
+                              "the hosts reach each other?");
   }
   peers_[peer].connecting = true;   // one connection per pair: the others wait for it
   lock.unlock();
@@ -526,7 +589,7 @@ Status Mesh::Connect(int peer, Clock::time_point deadline, const CrossArgs& a) {
     if (::getaddrinfo(addrs[peer].first.c_str(), std::to_string(addrs[peer].second).c_str(),
                       &hints, &res) == 0) {
       int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-      const bool connected = ::connect(fd, res->ai_addr, res->ai_addrlen) == 0;
+      const bool connected = ConnectBy(fd, res->ai_addr, res->ai_addrlen, deadline, &last);
       ::freeaddrinfo(res);
       if (connected) {
         NoDelay(fd);
@@ -561,9 +624,10 @@ Status Mesh::Connect(int peer, Clock::time_point deadline, const CrossArgs& a) {
       ::close(fd);
     }
     if (Clock::now() > deadline)
-      return DeadlineExceeded("EPL ", a.what, " (group '", a.group, "'): rank ", peer, " at ",
-                              addrs[peer].first, ":", addrs[peer].second,
-                              " did not accept within ", a.timeout_seconds, " s (", last, ")");
+      return DeadlineExceeded("EPL ", a.what, " (group '", a.group, "'): ", Where(peer),
+                              " did not accept within ", a.timeout_seconds,
+                              " s (communication.timeout_seconds; last: ", last,
+                              "): is it running, and can the hosts reach each other?");
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
 }
@@ -577,7 +641,7 @@ Mesh* MeshFor(const CrossArgs& a, Status* s) {
   if (!m) {
     *s = Hub::Get()->Listen(a.rank);
     if (!s->ok()) return nullptr;
-    m.reset(new Mesh(job, a.rank, a.size));
+    m.reset(new Mesh(job, a.rank, a.size, a.timeout_seconds));
     Mesh* mesh = m.get();
     JobState::Get(job)->AddPropagator([mesh](const Status& st) { mesh->SendAbort(st); });
     Hub::Get()->Register(mesh);
