@@ -57,17 +57,23 @@ void RendezvousKernel::Meet(OpKernelContext* ctx, DoneCallback done,
     const string what = Describe(), group = group_;
     const DataType dtype = dtype_;
     complete = [complete, what, group, dtype](std::vector<Arrival>* all) {
-      struct Seen { string node; int rank; int64 arrive, bytes; };
-      std::vector<Seen> seen;   // (read before `complete`: done() ends the contexts)
-      for (auto& r : *all)
-        seen.push_back(Seen{r.ctx->op_kernel().name(), r.rank, r.arrive_us,
-                            CollectiveBytes(r.ctx, dtype)});
       const int64 ready = TraceNowMicros();
+      const int size = static_cast<int>(all->size());
+      for (auto& r : *all) {
+        // Each rank's record is added before its done(): the run cannot end before it
+        // (and done() ends the rank's context, so what it says is read now).
+        const string node = r.ctx->op_kernel().name();
+        const int64 start = r.arrive_us ? r.arrive_us : ready;
+        const int64 bytes = CollectiveBytes(r.ctx, dtype);
+        const int rank = r.rank;
+        AsyncOpKernel::DoneCallback done = std::move(r.done);
+        r.done = [done, node, what, group, rank, size, bytes, start, ready]() {
+          TraceAdd(node, what, group, "inprocess", rank, size, bytes, start, ready,
+                   TraceNowMicros());
+          done();
+        };
+      }
       complete(all);
-      const int64 end = TraceNowMicros();
-      for (auto& r : seen)
-        TraceAdd(r.node, what, group, "inprocess", r.rank, static_cast<int>(seen.size()),
-                 r.bytes, r.arrive ? r.arrive : ready, ready, end);
     };
   }
   InProcessRendezvous::Get()->Arrive(StrCat(group_, "#", gen), size_, timeout_, Describe(),

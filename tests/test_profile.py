@@ -1,0 +1,285 @@
+"""profile.dir / profile.steps and ``python -m epl.profile`` (issue 28, tracing part).
+
+The traces of a 2-worker x 2-device data-parallel job (epl-launch) and of a 2-stage,
+4-micro-batch pipeline: spans on every device, each collective's bytes equal to the sizes
+of the variables whose gradients it reduces, the pipeline bubble within 10% of
+benchmarks/pipeline_bubble.py's own figure for the same run, the picture a valid PNG of
+the size the renderer promises, and the config's errors.
+"""
+import json
+import os
+import struct
+import subprocess
+import sys
+import zlib
+
+import pytest
+
+from epl.config import Config, parse_steps
+from epl.profile import analysis, collectives, render
+from tests import models
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+# float32 bytes of the variables of tests/models.py (2 dense layers, kernels and biases)
+MODEL_BYTES = 4 * (models.IN * models.HIDDEN + models.HIDDEN
+                   + models.HIDDEN * models.CLASSES + models.CLASSES)
+
+
+# -- config ----------------------------------------------------------------------------
+
+def test_profile_keys_default_off():
+    cfg = Config(environ={})
+    assert cfg.get("profile.dir") == ""
+    assert parse_steps(cfg.get("profile.steps")) == [10, 11, 12]
+    assert parse_steps("3") == [3]
+    assert parse_steps("3, 5,8-9") == [3, 5, 8, 9]
+
+
+@pytest.mark.parametrize("value", ["", "a", "0", "5-3", "3-", "-2", "1-20000", "3;4"])
+def test_profile_steps_errors_name_key_value_and_fix(value):
+    with pytest.raises(ValueError) as e:
+        Config({"profile.steps": value}, environ={})
+    msg = str(e.value)
+    assert "'profile.steps'" in msg and repr(value) in msg and "'10-12'" in msg, msg
+
+
+def test_profile_steps_error_from_environment():
+    with pytest.raises(ValueError) as e:
+        Config(environ={"EPL_PROFILE_STEPS": "x"})
+    assert "EPL_PROFILE_STEPS" in str(e.value) and "'profile.steps'" in str(e.value)
+
+
+def test_profile_dir_must_be_a_string():
+    with pytest.raises(ValueError) as e:
+        Config({"profile.dir": 3}, environ={})
+    assert "'profile.dir'" in str(e.value)
+
+
+# -- a 2-worker x 2-device data-parallel job ---------------------------------------------
+
+def _launch(args, env_extra, cwd, timeout=240):
+    cmd = [sys.executable, "-m", "epl.launcher"] + args
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", **env_extra)
+    env.pop("EPL_JOB_ID", None)
+    try:
+        out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                             timeout=timeout, cwd=cwd)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail("epl-launch hung:\n%s" % (e.output or b"").decode()[-5000:])
+    return out.returncode, out.stdout.decode()
+
+
+@pytest.fixture(scope="module")
+def dp_traces(tmp_path_factory):
+    """tests/mw_train.py on 2 workers x 2 devices, its 3rd run (the 2nd training step)
+    traced."""
+    work = tmp_path_factory.mktemp("dp")
+    folder = str(work / "trace")
+    code, out = _launch(["--num_workers", "2", "--gpu_per_worker", "2",
+                         os.path.join(HERE, "mw_train.py"), str(work)],
+                        {"EPL_PROFILE_DIR": folder, "EPL_PROFILE_STEPS": "3"}, str(work))
+    assert code == 0, out[-5000:]
+    return folder
+
+
+def test_dp_one_trace_per_worker_and_traced_run(dp_traces):
+    assert sorted(os.listdir(dp_traces)) == ["worker0_rewrite.trace.json",
+                                             "worker0_step3.trace.json",
+                                             "worker1_rewrite.trace.json",
+                                             "worker1_step3.trace.json"]
+    steps = analysis.load(dp_traces)
+    assert list(steps) == [3]
+    assert [t.worker for t in steps[3]] == [0, 1]
+
+
+def test_dp_spans_on_every_device(dp_traces):
+    traces = analysis.load(dp_traces)[3]
+    lanes = [(t.worker, name, lane) for t in traces for name, lane in t.lanes.items()]
+    assert sorted(name for _, name, _ in lanes) == [
+        "worker %d device:CPU:%d" % (w, d) for w in (0, 1) for d in (0, 1)]
+    for worker, name, lane in lanes:
+        assert lane["ops"], name
+        assert lane["collectives"], name
+        # every device runs one replica: its forward and its backward
+        phases = sorted(set(e["args"]["phase"] for e in lane["stages"]))
+        assert phases == ["backward", "forward"], (name, phases)
+        replicas = set(e["args"]["replica"] for e in lane["stages"])
+        assert len(replicas) == 1, (name, replicas)
+        for e in lane["collectives"]:
+            a = e["args"]
+            assert a["wait_us"] >= 0 and a["move_us"] >= 0
+            assert a["wait_us"] + a["move_us"] == e["dur"]
+            assert a["peers"] == 2
+
+
+def test_dp_collective_bytes_are_the_variables_sizes(dp_traces):
+    """Every worker reduces its 2 devices' gradients in process (each rank gives the
+    gradients of every variable once), then across the workers (one rank per worker)."""
+    runs = analysis.collectives(analysis.load(dp_traces)[3])
+    for worker in (0, 1):
+        mine = [r for r in runs if r["worker"] == worker]
+        for rank in (0, 1):
+            local = [r for r in mine if r["transport"] == "inprocess" and r["rank"] == rank]
+            assert sum(r["bytes"] for r in local) == MODEL_BYTES, local
+        cross = [r for r in mine if r["transport"] == "shm"]
+        assert sum(r["bytes"] for r in cross) == MODEL_BYTES, cross
+        assert set(r["rank"] for r in cross) == {worker}
+    # the two workers' ranks of each cross-worker run agree on the bytes
+    by_group = {}
+    for r in runs:
+        if r["transport"] == "shm":
+            by_group.setdefault(r["group"], set()).add((r["worker"], r["bytes"]))
+    for group, seen in by_group.items():
+        assert len(seen) == 2 and len(set(b for _, b in seen)) == 1, (group, seen)
+
+
+def test_dp_breakdown_adds_up_and_clocks_agree(dp_traces):
+    traces = analysis.load(dp_traces)[3]
+    lanes = analysis.breakdown(traces)
+    assert len(lanes) == 4
+    for ln in lanes:
+        parts = (ln.compute_us, ln.comm_us, ln.hidden_us, ln.exposed_us, ln.wait_us,
+                 ln.idle_us)
+        assert min(parts) >= 0, ln
+        assert ln.hidden_us + ln.exposed_us == ln.comm_us, ln
+        assert ln.compute_us + ln.exposed_us + ln.wait_us + ln.idle_us == ln.window_us, ln
+        assert ln.compute_us > 0 and ln.comm_us > 0, ln
+    # One host: one clock.  The estimate from the shared collectives must say so, to
+    # within what a loaded 2-core machine takes to pass a message.
+    offsets = analysis.clock_offsets(traces)
+    assert offsets[0] == 0 and abs(offsets[1]) < 50000, offsets
+
+
+def test_dp_rewrite_passes_traced_once(dp_traces):
+    from epl import rewrite
+    for worker in (0, 1):
+        with open(os.path.join(dp_traces, "worker%d_rewrite.trace.json" % worker)) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "epl.rewrite"]
+        assert [e["name"] for e in events] == rewrite.PASSES.names()
+        assert all(e["dur"] >= 0 for e in events)
+        assert all(a["ts"] + a["dur"] <= b["ts"] + 1 for a, b in zip(events, events[1:]))
+
+
+# -- a 2-stage, 4-micro-batch pipeline ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pipeline_run(tmp_path_factory):
+    """benchmarks/pipeline_bubble.py's model (2 stages of 50 ms per micro-batch each way,
+    4 micro-batches, 1F1B) measured by the benchmark itself on its 3rd run, which EPL
+    traces at the same time (the benchmark passes its own RunOptions and RunMetadata: EPL
+    merges its full trace with them)."""
+    folder = str(tmp_path_factory.mktemp("pipe"))
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    saved = {k: os.environ.get(k) for k in ("EPL_PROFILE_DIR", "EPL_PROFILE_STEPS")}
+    os.environ.update(EPL_PROFILE_DIR=folder, EPL_PROFILE_STEPS="3")
+    try:
+        import pipeline_bubble
+        models.reset()
+        figure = pipeline_bubble.measure(2, 4, "PreferBackward", 0.05)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+        models.reset()
+    return folder, figure
+
+
+def test_pipeline_only_the_named_run_is_traced(pipeline_run):
+    folder, _ = pipeline_run
+    assert sorted(os.listdir(folder)) == ["worker0_rewrite.trace.json",
+                                          "worker0_step3.trace.json"]
+
+
+def test_pipeline_stage_spans_on_every_device(pipeline_run):
+    folder, _ = pipeline_run
+    (trace,) = analysis.load(folder)[3]
+    assert list(trace.lanes) == ["worker 0 device:CPU:0", "worker 0 device:CPU:1"]
+    for stage, lane in enumerate(trace.lanes.values()):
+        assert set(e["args"]["stage"] for e in lane["stages"]) == {stage}
+        tasks = set((e["args"]["phase"], e["args"]["micro_batch"]) for e in lane["stages"])
+        assert tasks == set((p, m) for p in ("forward", "backward") for m in range(4)), tasks
+        names = set(e["name"] for e in lane["stages"])
+        assert "S%d F0" % stage in names and "S%d B3" % stage in names
+
+
+def test_pipeline_bubble_matches_the_benchmark(pipeline_run):
+    folder, figure = pipeline_run
+    (bubble,) = analysis.bubbles(analysis.load(folder)[3])
+    assert (bubble.stages, bubble.micro_batches) == (2, 4)
+    assert bubble.theory == pytest.approx(1.0 / 5)
+    assert abs(bubble.bubble - figure["bubble"]) <= 0.1 * figure["bubble"], (bubble, figure)
+    # each stage ran 4 forwards and 4 backwards of 50 ms
+    for busy in bubble.busy_us:
+        assert 0.4e6 <= busy <= 0.5e6, bubble
+
+
+def test_report_and_png(pipeline_run, tmp_path):
+    folder, _ = pipeline_run
+    text = analysis.report(folder)
+    assert "worker 0 device:CPU:1" in text and "bubble" in text and "theory" in text
+    out = subprocess.run([sys.executable, "-m", "epl.profile", folder, "--png",
+                          str(tmp_path / "p.png")], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert out.returncode == 0, out.stdout.decode()[-3000:]
+    assert b"pipeline replica 0" in out.stdout
+    width, height = _check_png(str(tmp_path / "p.png"))
+    assert (width, height) == render.image_size(2)
+
+
+def _check_png(path):
+    """(width, height) of a valid 8-bit RGB PNG: signature, chunk CRCs, image bytes."""
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    at, chunks = 8, []
+    while at < len(data):
+        (n,) = struct.unpack(">I", data[at:at + 4])
+        kind, body = data[at + 4:at + 8], data[at + 8:at + 8 + n]
+        (crc,) = struct.unpack(">I", data[at + 8 + n:at + 12 + n])
+        assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF, kind
+        chunks.append((kind, body))
+        at += 12 + n
+    assert [k for k, _ in chunks][0] == b"IHDR" and chunks[-1][0] == b"IEND"
+    width, height, depth, color = struct.unpack(">IIBB", chunks[0][1][:10])
+    assert (depth, color) == (8, 2)
+    raw = zlib.decompress(b"".join(b for k, b in chunks if k == b"IDAT"))
+    assert len(raw) == height * (1 + 3 * width)
+    return width, height
+
+
+def test_empty_folder_is_an_error_that_says_what_to_set(tmp_path):
+    with pytest.raises(ValueError) as e:
+        analysis.load(str(tmp_path))
+    assert "profile.dir" in str(e.value)
+
+
+# -- off by default ----------------------------------------------------------------------
+
+def test_no_profile_keys_no_trace_no_records(tmp_path):
+    """Without profile.dir nothing is traced: no file, the collectives record nothing,
+    and a user's RunMetadata stays as the user asked (empty without a trace level)."""
+    import tensorflow.compat.v1 as tf
+    models.reset()
+    try:
+        os.chdir(str(tmp_path))
+        models.init_data_parallel(2)
+        x, y = models.data(32)
+        bx, by = models.input_batch(x, y, 4)
+        _, loss = models.forward(bx, by)
+        op = models.train_op(loss, "sgd")
+        collectives.take()
+        with tf.Session() as sess:
+            sess.run(tf.global_variables_initializer())
+            meta = tf.RunMetadata()
+            for _ in range(3):
+                sess.run(op, run_metadata=meta)
+        assert not meta.step_stats.dev_stats
+        assert collectives.take() == []
+        assert os.listdir(str(tmp_path)) == []
+    finally:
+        os.chdir(ROOT)
+        models.reset()
