@@ -26,6 +26,16 @@ workers too; a launcher killed outright takes its workers with it: SIGKILL).  Th
 collectives authenticate each other with the job's secret (EPL_JOB_SECRET): a random
 one per launch on one machine; with --machine_list, export the same random value on
 every machine before launching.
+
+Restarts (--max_restarts N, one machine): a failed attempt -- a worker exits non-zero
+or dies, or leaves before joining -- is stopped as above and logged with its root cause,
+and every worker starts again as a new run (new EPL_RUN_ID, new free ports, the old run's
+shared memory removed, the old logs kept as worker_<i>.attempt<k>.log; EPL_RESTART_COUNT
+is the attempt).  The program resumes from its newest checkpoint.  An attempt that ran
+--restart_window seconds resets the count; after N restarts the job fails as above.  With
+--min_workers M, a worker that was the root cause and then fails again at start-up
+(before it joined) is dropped while more than M remain: the others go on with a smaller
+TF_CONFIG (see docs/cluster.md, "Restarts", for the batch and learning-rate rule).
 """
 import argparse
 import glob
