@@ -78,6 +78,7 @@ class _GraphFacts(object):
         self.graph = graph
         self.active = state is not None
         self.kinds = {}          # fetch signature -> (is a training step, path to the loss)
+        self.fast = {}           # ids of fetched elements -> (kinds' entry, the elements)
         if not self.active:
             return
         epl_graph = ir.Graph.get(graph)
@@ -102,13 +103,27 @@ class _GraphFacts(object):
         self.comm_bytes = (self.gradient_bytes * 2.0 * (ranks - 1) / ranks) if ranks > 1 else 0.0
         self.global_step = tf.compat.v1.train.get_global_step(graph)
 
-    def kind(self, key, paths):
-        """(is a training step, the path to the fetched loss or None) of a fetch signature."""
+    def kind(self, fetches):
+        """(is a training step, the path to the fetched loss or None) of what a run
+        fetches.  The usual fetches, a list of tensors and ops, are known by the ids of
+        their elements: the entry keeps them alive, so an id cannot name another object."""
+        flat = isinstance(fetches, (list, tuple)) and not hasattr(fetches, "indices")
+        fast = (type(fetches), tuple(map(id, fetches))) if flat else id(fetches)
+        found = self.fast.get(fast)
+        if found is not None:
+            return found[0]
+        leaves = _leaves(fetches, (), [])
+        key = _key(leaves)
         found = self.kinds.get(key)
         if found is None:
+            paths = [(p, _name(x)) for p, x in leaves]
             loss = next((p for p, name in paths if name in self.loss_names), None)
             found = (self._reaches_gradients([name for _, name in paths]), loss)
             self.kinds[key] = found
+        if len(self.fast) < 1000 and all(
+                isinstance(x, _GRAPH_ELEMENTS + (str,)) and len(p) == (1 if flat else 0)
+                for p, x in leaves):
+            self.fast[fast] = (found, list(fetches) if flat else fetches)
         return found
 
     def _reaches_gradients(self, names):
@@ -226,21 +241,44 @@ def gradient_bytes(state):
     return total, ranks
 
 
-def _paths(fetch, path, out):
-    """(path, name) of every leaf of a fetch structure, in a fixed order."""
-    if isinstance(fetch, (tf.Tensor, tf.Operation)):
-        out.append((path, fetch.name))
-    elif isinstance(fetch, str):
-        out.append((path, fetch))
+_GRAPH_ELEMENTS = (tf.Tensor, tf.Operation)   # (bound once: tf.X costs a lookup per use)
+
+
+def _leaves(fetch, path, out):
+    """(path, leaf) of every leaf of a fetch structure, in a fixed order."""
+    if isinstance(fetch, (list, tuple)) and not hasattr(fetch, "indices"):
+        for i, v in enumerate(fetch):
+            _leaves(v, path + (i,), out)
     elif isinstance(fetch, dict):
         for k in fetch:
-            _paths(fetch[k], path + (k,), out)
-    elif isinstance(fetch, (list, tuple)) and not hasattr(fetch, "indices"):
-        for i, v in enumerate(fetch):
-            _paths(v, path + (i,), out)
-    else:   # a Variable, a SparseTensor...
-        out.append((path, getattr(fetch, "name", type(fetch).__name__)))
+            _leaves(fetch[k], path + (k,), out)
+    else:
+        out.append((path, fetch))
     return out
+
+
+def _key(leaves):
+    """The signature of a fetch structure.  A graph element lives as long as its graph,
+    so its id names it (``Tensor.name`` asks the C API each time)."""
+    return tuple((p, id(x) if isinstance(x, _GRAPH_ELEMENTS) else
+                  (x if isinstance(x, str) else getattr(x, "name", type(x).__name__)))
+                 for p, x in leaves)
+
+
+def _name(leaf):
+    if isinstance(leaf, str):
+        return leaf
+    return getattr(leaf, "name", type(leaf).__name__)   # (a Variable, a SparseTensor...)
+
+
+def _number(value):
+    """A fetched loss as a float (the mean of a loss per example), or None."""
+    if value is None:
+        return None
+    try:
+        return float(np.mean(value))
+    except (TypeError, ValueError):
+        return None
 
 
 def _follow(value, path):
@@ -271,21 +309,22 @@ class WorkerProgress(object):
         self.registered = False
 
     def graph_facts(self, graph):
-        result = ir.Graph.get(graph).rewrite_result
+        known = self.facts.get(id(graph))
+        epl_graph = known[0] if known is not None and known[1].graph is graph \
+            else ir.Graph.get(graph)
+        result = epl_graph.rewrite_result
         if result is None:
             return None
-        facts = self.facts.get(id(graph))
-        if facts is None or facts.result is not result:
-            facts = _GraphFacts(graph, result)
-            self.facts[id(graph)] = facts
-        return facts
+        if known is None or known[1].result is not result:
+            known = (epl_graph, _GraphFacts(graph, result))
+            self.facts[id(graph)] = known
+        return known[1]
 
     def after_run(self, session, fetches, feed_dict, results):
         facts = self.graph_facts(session.graph)
         if facts is None or not facts.active:
             return
-        paths = _paths(fetches, (), [])
-        is_step, loss_path = facts.kind(tuple(name for _, name in paths), paths)
+        is_step, loss_path = facts.kind(fetches)
         if not is_step:
             return
         now = time.time()
@@ -296,8 +335,8 @@ class WorkerProgress(object):
                 self.first_end = now
             if loss_path is not None:
                 try:
-                    self.last_loss = float(np.mean(_follow(results, loss_path)))
-                except (TypeError, ValueError, KeyError, IndexError):
+                    self.last_loss = _follow(results, loss_path)   # (made a float in sample)
+                except (TypeError, KeyError, IndexError):
                     pass
             self.facts_now = facts
             due = self.last_sample is None or now - self.last_sample[0] >= INTERVAL
@@ -324,7 +363,7 @@ class WorkerProgress(object):
             "step_time_s": 1.0 / rate if rate else None,
             "global_batch": self.batch,
             "samples_per_sec": rate * self.batch if rate and self.batch else None,
-            "loss": self.last_loss,
+            "loss": _number(self.last_loss),
             "gradient_bytes_per_step": facts.gradient_bytes,
             "comm_bytes_per_step": facts.comm_bytes,
             "final": final,
