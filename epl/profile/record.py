@@ -41,6 +41,14 @@ _tasks = weakref.WeakKeyDictionary()     # tf.Graph -> (last op id, {node: task}
 _rewrite_written = []
 
 
+def _steps(text, cache={}):   # pylint: disable=dangerous-default-value
+    """profile.steps as a set (parsed once per value: a run asks every time)."""
+    steps = cache.get(text)
+    if steps is None:
+        steps = cache[text] = frozenset(parse_steps(text))
+    return steps
+
+
 class Traced(object):
     """One run being traced."""
 
@@ -61,7 +69,7 @@ def start(graph, options, run_metadata):
         return None
     n = _runs.get(graph, 0) + 1
     _runs[graph] = n
-    if n not in parse_steps(config.get("profile.steps")):
+    if n not in _steps(config.get("profile.steps")):
         return None
     metadata = run_metadata if run_metadata is not None else tftrace.new_run_metadata()
     collectives.take()   # (records of an earlier, failed traced run)
