@@ -309,8 +309,15 @@ def exception_line(path):
             lines = f.read().splitlines()
     except OSError:
         return ""
-    found = [l.strip() for l in lines if _EXCEPTION.match(l.strip())]
-    return found[-1] if found else ""
+    found = [i for i, l in enumerate(lines) if _EXCEPTION.match(l.strip())]
+    if not found:
+        return ""
+    line = lines[found[-1]].strip()
+    if line.endswith(": Graph execution error:"):   # TF 2.x: the message follows "Node: 'x'"
+        node = [k for k in range(found[-1], len(lines)) if lines[k].startswith("Node: ")]
+        if node and node[0] + 1 < len(lines):
+            line = line[:-len("Graph execution error:")] + lines[node[0] + 1].strip()
+    return line
 
 
 def root_cause(failed):

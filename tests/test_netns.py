@@ -27,7 +27,7 @@ PORT = 7000             # every host's base port: worker 0 has TF on 7000, EPL o
 EPL_PORT = PORT + 1
 
 _WHY = netns.unavailable()
-pytestmark = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
+needs_netns = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
 
 
 @pytest.fixture
@@ -129,6 +129,7 @@ def _check_equal_local(tmp_path, workers):
     _check_workers(tmp_path, workers, 1)
 
 
+@needs_netns
 @pytest.mark.parametrize("latency", [0.0, 0.02])
 def test_two_hosts_train_equal_to_the_local_model(network, tmp_path, latency):
     """Two hosts, one worker each, EPL's TCP ring between them (through the relay with
@@ -153,6 +154,7 @@ def test_two_hosts_train_equal_to_the_local_model(network, tmp_path, latency):
 TIMEOUT = 10   # communication.timeout_seconds of the fault tests
 
 
+@needs_netns
 def test_partition_mid_step_names_the_unreachable_host(network, tmp_path):
     """Host 1's link goes down while both hosts are training (steps back to back, so the
     cut lands inside a step's collectives): a partition is silent, so each side can tell
@@ -181,6 +183,7 @@ def test_partition_mid_step_names_the_unreachable_host(network, tmp_path):
     _assert_nothing_running(net)
 
 
+@needs_netns
 def test_a_host_that_never_comes_up_is_named(network, tmp_path):
     """Host 1 is off (its link down, nothing runs there): host 0's worker tries to reach
     it until the start-up bound (communication.timeout_seconds) and fails naming it."""
@@ -201,6 +204,7 @@ def test_a_host_that_never_comes_up_is_named(network, tmp_path):
     _assert_nothing_running(net)
 
 
+@needs_netns
 def test_a_host_that_comes_up_late_joins_the_job(network, tmp_path):
     """Host 1 is off when host 0 starts and comes up (link up, then its launcher) well
     within the start-up bound: the job runs and equals the local model."""
@@ -219,3 +223,20 @@ def test_a_host_that_comes_up_late_joins_the_job(network, tmp_path):
     assert codes == [0, 0], first.output()[-4000:] + late.output()[-4000:]
     _check_equal_local(tmp_path, 2)
     _assert_nothing_running(net)
+
+
+def test_the_launcher_names_the_message_of_a_tf2_graph_execution_error(tmp_path):
+    """TF 2.x prints 'XError: Graph execution error:' and the op's message lines later
+    (after "Node: 'name'"): the launcher's summary shows that message, which names the
+    unreachable host, not 'Graph execution error:'."""
+    from epl.launcher import exception_line
+    log = tmp_path / "worker_0.log"
+    log.write_text("step 3\n"
+                   "tensorflow.python.framework.errors_impl.DeadlineExceededError: Graph "
+                   "execution error:\n\nDetected at node 'EplAllReduceN' defined at:\n"
+                   "  File \"x.py\", line 3, in <module>\nNode: 'EplAllReduceN'\n"
+                   "EPL all_reduce_n: rank 1 (h1:7001) sent nothing within 10 s\n"
+                   "\t [[{{node EplAllReduceN}}]]\n")
+    assert exception_line(str(log)) == ("tensorflow.python.framework.errors_impl."
+                                         "DeadlineExceededError: EPL all_reduce_n: rank 1 "
+                                         "(h1:7001) sent nothing within 10 s")
