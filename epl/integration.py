@@ -142,8 +142,9 @@ def _make_callable(self, fetches, feed_list=None, accept_options=False):
 def _make_callable_from_options(self, callable_options):
     """tf.keras runs its train, test and predict functions through callables."""
     runtime.before_run(self)
-    return original("session.make_callable_from_options")(self, runtime.map_callable(self.graph,
-                                                                       callable_options))
+    return progress.watch_callable(self, callable_options, original(
+        "session.make_callable_from_options")(self, runtime.map_callable(self.graph,
+                                                                         callable_options)))
 
 
 # point (epl.tf_adapter.patching) -> the hook that replaces it.

@@ -443,6 +443,22 @@ def after_run(session, fetches, feed_dict, results):
     t.after_run(session, fetches, feed_dict, results)
 
 
+def watch_callable(session, callable_options, fn):
+    """``fn`` (a callable ``Session._make_callable_from_options`` made: how tf.keras runs
+    its train, test and predict functions), reporting each call like a run: its fetches
+    and targets by name (the program's, before EPL mapped them), its feeds in order."""
+    names = list(callable_options.fetch) + list(callable_options.target)
+    feeds = list(callable_options.feed)
+
+    def call(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        t = _TRACKER[0] if _TRACKER else tracker()
+        if t.path is not None or t.writer is not None:
+            after_run(session, names, dict(zip(feeds, args)), out)
+        return out
+    return call
+
+
 def note_writer(writer):
     """Called when a summary writer adds an event on the chief: the first is where EPL's
     scalars go."""

@@ -162,3 +162,53 @@ def test_display_plain_lines_summary_and_log_json(tmp_path):
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["type"] for r in records] == ["status", "status", "summary"]
     assert records[-1]["workers"] == rows
+
+
+@pytest.mark.estimator
+def test_an_estimator_gets_the_scalars_in_its_model_dir(tmp_path):
+    """The Estimator's own summary writer (model_dir) receives EPL's scalars; the first
+    step is always sampled."""
+    models.init_data_parallel(2)
+    bx, by = models.data(8 * 6)
+
+    def input_fn():
+        return tf.data.Dataset.from_tensor_slices((bx, by)).batch(8).repeat()
+
+    def model_fn(features, labels, mode):
+        _, loss = models.forward(features, labels)
+        return tf.estimator.EstimatorSpec(
+            mode, loss=loss, train_op=models.train_op(loss, "sgd", tf.train.get_global_step()))
+    est = tf.estimator.Estimator(model_fn, model_dir=str(tmp_path / "est"))
+    est.train(input_fn, steps=3)
+    scalars = _scalars(str(tmp_path / "est"))
+    assert scalars["epl/gradient_bytes_per_step"][0] == (1, GRADIENT_BYTES)
+    assert scalars["epl/comm_bytes_per_step"][0] == (1, GRADIENT_BYTES)   # 2 ranks: x 1
+
+
+def test_keras_fit_steps_and_loss(tmp_path, monkeypatch):
+    """tf.keras trains through session callables: each batch is a step, its loss the one
+    keras reports for the batch (a model without global_step: the steps are counted)."""
+    monkeypatch.setenv("EPL_LAUNCH_DIR", str(tmp_path))
+    monkeypatch.setenv("EPL_WORKER_INDEX", "0")
+    monkeypatch.setattr(progress, "_TRACKER", [])
+    models.init_data_parallel(2)
+    x, y = models.data(64)
+    model = tf.keras.Sequential([tf.keras.layers.Dense(models.HIDDEN, activation="tanh",
+                                                       input_shape=(models.IN,)),
+                                 tf.keras.layers.Dense(models.CLASSES)])
+    model.compile(tf.keras.optimizers.SGD(0.1), loss=tf.keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True))
+    seen = []
+    log_loss = tf.keras.callbacks.LambdaCallback(
+        on_batch_end=lambda batch, logs: seen.append(float(logs["loss"])))
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False, callbacks=[log_loss])
+    model.evaluate(x, y, batch_size=8, verbose=0)   # not steps
+    progress.tracker().finish()
+    progress.tracker().path = None
+    records = [json.loads(line) for line in
+               (tmp_path / "worker_0.progress.jsonl").read_text().splitlines()]
+    first, last = records[0], records[-1]
+    assert first["runs"] == first["step"] == 1 and first["loss"] == seen[0]
+    assert last["final"] and last["runs"] == last["step"] == 16 and last["loss"] == seen[-1]
+    assert all(r["global_batch"] == 8 and r["gradient_bytes_per_step"] == GRADIENT_BYTES
+               for r in records)
