@@ -43,6 +43,20 @@ GROWTH_INTERVAL = 2000
 COLLECTION = "epl_amp_state"
 
 
+class AmpState(object):
+    """AMP's state of one graph (``ir.Graph.feature(AmpState)``)."""
+
+    def __init__(self):
+        self.converted = {}       # float32 op -> its float16 rebuild (``convert``)
+        self.dynamic = None       # (loss scale, good steps) variables of a dynamic scale
+        self.guarded_id = -1      # ``guard_updates`` has seen the ops up to this id
+
+
+def state_of(epl_graph):
+    """AMP's state of ``epl_graph`` (an ``ir.Graph``)."""
+    return epl_graph.feature(AmpState)
+
+
 def enabled(config):
     return bool(config.get("amp.level"))
 
@@ -57,9 +71,7 @@ def half_dtype():
 def convert(graph, ys):
     """Rebuild the allow-listed float32 ops ``ys`` depend on in float16."""
     epl_graph = ir.Graph.get(graph)
-    converted = getattr(epl_graph, "amp_converted", None)
-    if converted is None:
-        converted = epl_graph.amp_converted = {}   # float32 op -> its float16 rebuild
+    converted = state_of(epl_graph).converted
     half = half_dtype()
     todo = [op for op in ir.upstream([y.op for y in ys], control=False)
             if op.type in ALLOW and op not in converted and _convertible(epl_graph, op)]
@@ -90,7 +102,7 @@ def rebuilt(graph, tensors):
     """``tensors`` (tf.gradients' ``stop_gradients``), each output of an op ``convert``
     rebuilt in float16 replaced by the rebuild's output: the backward pass reads the
     rebuild, so a stop at the float32 op it replaced would stop nothing."""
-    converted = getattr(ir.Graph.get(graph), "amp_converted", {})
+    converted = state_of(ir.Graph.get(graph)).converted
     return [converted[t.op].outputs[t.value_index] if t.op in converted else t
             for t in tensors]
 
@@ -156,14 +168,13 @@ def loss_scale(graph, config):
     if value != "dynamic":
         return tf.constant(float(value), tf.float32, name="EPL_AMP/loss_scale"), None
     from epl.internal_state import variable
-    epl_graph = ir.Graph.get(graph)
-    state = getattr(epl_graph, "amp_state", None)
-    if state is None:
+    amp = state_of(ir.Graph.get(graph))
+    if amp.dynamic is None:
         with graph.name_scope("EPL_AMP/"):
             scale = variable("loss_scale", lambda: tf.constant(INITIAL_SCALE))
             good = variable("good_steps", lambda: tf.constant(0, tf.int64))
-        state = epl_graph.amp_state = (scale, good)
-    return state[0].read_value(), state
+        amp.dynamic = (scale, good)
+    return amp.dynamic[0].read_value(), amp.dynamic
 
 
 def scaled_grad_ys(ys, grad_ys, scale):
@@ -237,11 +248,12 @@ def guard_updates(epl_graph, config):
     by hand) would apply an overflowed gradient: refused, naming the op.  (A
     ``global_step`` incremented by hand keeps its value on a skipped step:
     ``apply_gate.guard_step``.)"""
-    since = epl_graph.amp_guarded_id
+    amp = state_of(epl_graph)
+    since = amp.guarded_id
     graph = epl_graph.tf_graph
-    epl_graph.amp_guarded_id = tfg.last_op_id(graph)
+    amp.guarded_id = tfg.last_op_id(graph)
     if not enabled(config) or config.get("amp.loss_scale") != "dynamic" \
-            or getattr(epl_graph, "amp_state", None) is None:
+            or amp.dynamic is None:
         return
     from epl.variable_writes import hand_written_update, written_variable
     handled = set()

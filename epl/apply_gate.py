@@ -43,9 +43,17 @@ def done(pred, after, name="step"):
     return tf.group(merged, name=name)
 
 
+class Gates(object):
+    """The gates of one graph (``ir.Graph.feature(Gates)``)."""
+
+    def __init__(self):
+        self.flags = []             # predicates gating optimizer updates
+        self.step_guarded_id = -1   # ``guard_step`` has seen the ops up to this id
+
+
 def register(pred):
     """``pred`` gates an optimizer's update (hand-written step advances follow it)."""
-    ir.Graph.get(pred.graph).apply_flags.append(pred)
+    ir.Graph.get(pred.graph).feature(Gates).flags.append(pred)
 
 
 def guard_step(epl_graph):
@@ -55,10 +63,11 @@ def guard_step(epl_graph):
     ``assign_add``).  Initializers and restores set the step: left alone."""
     from epl.variable_writes import advances, written_variable
     graph = epl_graph.tf_graph
-    since = epl_graph.step_guarded_id
-    epl_graph.step_guarded_id = tfg.last_op_id(graph)
+    gates = epl_graph.feature(Gates)
+    since = gates.step_guarded_id
+    gates.step_guarded_id = tfg.last_op_id(graph)
     step = tf.compat.v1.train.get_global_step(graph)
-    flags = epl_graph.apply_flags
+    flags = gates.flags
     if step is None or not flags:
         return
     handled = set()

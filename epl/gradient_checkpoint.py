@@ -48,6 +48,15 @@ _NEVER = frozenset(["Const", "Placeholder", "PlaceholderWithDefault", "VarHandle
                     "VariableV2", "Variable"])
 
 
+class Checks(object):
+    """``gradient_checkpoint.check_gradients``' checks of one graph
+    (``ir.Graph.feature(Checks)``): (the stacked differences, the ops of the checked
+    gradients), one per backward pass."""
+
+    def __init__(self):
+        self.checks = []
+
+
 def enabled(config):
     return bool(config.get("gradient_checkpoint.type"))
 
@@ -159,7 +168,7 @@ def add_check(graph, recomputed, plain):
             diffs.append(tf.reduce_max(tf.abs(tf.cast(b, tf.float32))))
     if diffs:
         sources = set(tf.convert_to_tensor(g).op for g in recomputed if g is not None)
-        ir.Graph.get(graph).gc_checks.append((tf.stack(diffs), sources))
+        ir.Graph.get(graph).feature(Checks).checks.append((tf.stack(diffs), sources))
 
 
 def pending_checks(session, fetches):
@@ -174,14 +183,14 @@ def pending_checks(session, fetches):
     read ref variables while the step updates them in place (PLATFORM_NOTES), so
     their numbers would be meaningless.
     """
-    epl_graph = ir.Graph.get(session.graph)
-    if getattr(session, "_epl_gc_checked", False) or not epl_graph.gc_checks:
+    recorded = ir.Graph.get(session.graph).feature(Checks).checks
+    if getattr(session, "_epl_gc_checked", False) or not recorded:
         return None, []
-    sources = set().union(*(s for _, s in epl_graph.gc_checks))
+    sources = set().union(*(s for _, s in recorded))
     if not _computes(session.graph, fetches, sources):
         return None, []
     session._epl_gc_checked = True  # pylint: disable=protected-access
-    checks = [t for t, _ in epl_graph.gc_checks]
+    checks = [t for t, _ in recorded]
     upstream = ir.upstream([t.op for t in checks])
     if not any(_advanced_by_a_run(op) for op in upstream):
         return "before", checks

@@ -179,6 +179,16 @@ def components(g):
     return [g]
 
 
+class RewriteLifecycle(object):
+    """Where the rewrite of one graph stands (written by ``epl.rewrite.rewrite``)."""
+
+    def __init__(self):
+        self.rewritten = False
+        self.pending = False        # model ops were added since the last rewrite
+        self.result = None          # the last rewrite's RewriteResult
+        self.error = None           # the exception a failed rewrite raised
+
+
 class Graph(object):
     """The IR of one ``tf.Graph``; ``epl.Graph.get()`` is the default graph's."""
 
@@ -195,17 +205,29 @@ class Graph(object):
         self.relaxed = {}           # batch-relaxing op name -> the tensor it relaxes
         self.relax_cache = {}       # (tensor name, taskgraph index) -> relaxed view
         self._batch_memo = {}       # op name -> computed from a batch (capture time)
-        self.rewritten = False
-        self.rewrite_result = None
-        self.rewrite_error = None   # the exception a failed rewrite raised
-        self.pending = False        # model ops were added since the last rewrite
-        self.gc_checks = []         # gradient_checkpoint.check_gradients tensors
         # (tensor, {state variable op name: aggregation}): values computed from per-replica
         # state (tf.keras metric results, epl.keras_reports); merged by epl.rewrite.merge
         self.state_results = []
-        self.apply_flags = []       # predicates gating optimizer updates (epl.apply_gate)
-        self.step_guarded_id = -1   # apply_gate.guard_step has seen the ops up to this id
-        self.amp_guarded_id = -1    # amp.guard_updates has seen the ops up to this id
+        self.lifecycle = RewriteLifecycle()
+        self._features = {}
+
+    def feature(self, cls):
+        """The state of one feature for this graph: an instance of ``cls`` (the
+        feature's own small class, made with no arguments on first use).  Features keep
+        what they need per graph here (``epl.amp.AmpState``...), typed and named by
+        their class, instead of attributes set on the IR."""
+        state = self._features.get(cls)
+        if state is None:
+            state = self._features[cls] = cls()
+        return state
+
+    # The rewrite's lifecycle, read and written by the runtime layer under these names.
+    rewritten = property(lambda self: self.lifecycle.rewritten,
+                         lambda self, v: setattr(self.lifecycle, "rewritten", v))
+    pending = property(lambda self: self.lifecycle.pending,
+                       lambda self, v: setattr(self.lifecycle, "pending", v))
+    rewrite_result = property(lambda self: self.lifecycle.result)
+    rewrite_error = property(lambda self: self.lifecycle.error)
 
     @staticmethod
     def get(tf_graph=None):

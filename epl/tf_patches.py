@@ -89,7 +89,7 @@ import inspect
 import tensorflow as tf
 from tensorflow.python.util import nest
 
-from epl import backward_hooks, ir
+from epl import accumulate, amp, backward_hooks, ir
 from epl.env import Env
 from epl.capture_context import creating_for, observing_dense, rewriting  # noqa: F401
 from epl.capture_context import state as _c
@@ -479,7 +479,7 @@ def _capture_apply(grads_and_vars, global_step, apply):
             break
     config = Env.get().config
     across = config.get("pipeline.num_micro_batch") > 1 and not epl_graph.taskgraphs
-    amp_state = getattr(epl_graph, "amp_state", None)
+    amp_state = amp.state_of(epl_graph).dynamic
     if across and amp_state is not None:
         raise NotImplementedError(
             "epl.Config: 'amp.loss_scale' = 'dynamic' with 'pipeline.num_micro_batch' = %d "
@@ -492,12 +492,10 @@ def _capture_apply(grads_and_vars, global_step, apply):
     gates = []      # each wraps the gradients the optimizer gets, and its result
     try:
         if across:
-            from epl.accumulate import AcrossRuns
-            gates.append(AcrossRuns(grads_and_vars, config.get("pipeline.num_micro_batch"),
+            gates.append(accumulate.AcrossRuns(grads_and_vars, config.get("pipeline.num_micro_batch"),
                                     config.get("communication.gradients_reduce_method")))
         if amp_state is not None:
-            from epl.amp import SkipOnOverflow
-            gates.append(SkipOnOverflow(grads_and_vars, amp_state, config.get("amp.debug_log")))
+            gates.append(amp.SkipOnOverflow(grads_and_vars, amp_state, config.get("amp.debug_log")))
         result = apply(gates[-1].grads_and_vars if gates else grads_and_vars)
         for gate in reversed(gates):
             result = gate.finish(result)

@@ -1,7 +1,7 @@
 """Every rewrite pass alone, on a small graph over 2 virtual devices (issue 25).
 
 Each test builds a few ops under ``epl.init``, prepares the state as
-``epl.rewrite._rewrite`` does before its passes (``_prepare``), then runs only the
+``epl.rewrite._rewrite`` does before its passes (``rewrite.prepare_state``), then runs only the
 passes of ``rewrite.PASSES`` that the pass under test requires, found from the
 contracts (``_needed``: the pass and, transitively, the earlier passes providing
 the facts it requires), and checks what the pass promises on the graph itself:
@@ -20,7 +20,7 @@ import tensorflow.compat.v1 as tf
 import epl
 from epl import ir
 from epl.env import Env
-from epl.rewrite import PASSES, RewriteResult
+from epl.rewrite import PASSES, RewriteResult, prepare_state
 from epl.rewrite.pipeline import PassContext, PassPipeline
 from epl.tf_adapter import graph as tfg
 
@@ -32,23 +32,11 @@ W = np.array([[0.5], [-1.0], [2.0]], np.float32)
 # ---------------------------------------------------------------------------- helpers
 
 def _prepare(cluster=None):
-    """The ``ReplicaState`` the passes share, made as ``rewrite._rewrite`` makes it (layout,
-    selection, split placement) before it runs ``PASSES``.  ``cluster`` replaces the
-    cluster of ``epl.init`` (a worker of a multi-worker job)."""
-    from epl import plan as planner
-    from epl.rewrite import control_flow, selection, split
-    from epl.rewrite.state import ReplicaState, share_variables
+    """The ``ReplicaState`` the passes share, made as ``rewrite._rewrite`` makes it
+    (``rewrite.prepare_state``: the analyses, split placement) before it runs ``PASSES``.
+    ``cluster`` replaces the cluster of ``epl.init`` (a worker of a multi-worker job)."""
     env = Env.get()
-    cluster = cluster or env.cluster
-    epl_graph = ir.Graph.get()
-    layout = planner.plan(cluster, epl_graph.taskgraphs, env.config)
-    replicated = [tg for tg in epl_graph.taskgraphs if tg.kind != "split"]
-    control_flow.check_stages(epl_graph, replicated, layout.num_stages)
-    sel = selection.select(epl_graph, replicated, share_variables(cluster, env.config),
-                           env.config.get("communication.clip_after_allreduce"))
-    state = ReplicaState(epl_graph, replicated, sel, layout, cluster, env.config)
-    split.place(state)
-    return state
+    return prepare_state(ir.Graph.get(), env.config, cluster or env.cluster)
 
 
 def _needed(target):
@@ -92,8 +80,8 @@ def _session(state):
     """A session on the graph as the passes left it: the graph is marked rewritten, so its
     first run does not rewrite it whole (fetches of epl.GraphKeys tensors are mapped to
     ``state.merged`` as after a real rewrite)."""
-    g = state.ir_graph
-    g.rewritten, g.pending, g.rewrite_result = True, False, RewriteResult(state)
+    life = state.ir_graph.lifecycle
+    life.rewritten, life.pending, life.result = True, False, RewriteResult(state)
     return tf.Session(graph=state.graph)
 
 

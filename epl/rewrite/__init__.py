@@ -23,8 +23,13 @@ first ``Session.run`` of a plain session.  Passes, in order, each with one job:
 import logging
 import time
 
-from epl import ir
+from epl import amp, apply_gate, ir
+from epl import plan as planner
+from epl.env import Env
+from epl.rewrite import (control_flow, inputs, merge, mirror, placement, replicate, schedule,
+                         selection, split, step, zero)
 from epl.rewrite.pipeline import Pass, PassContext, PassPipeline
+from epl.rewrite.state import ReplicaState, share_variables
 from epl.tf_adapter import graph as tfg
 from epl.variable_writes import VARIABLE_OPS, hand_written_update, written_variable
 
@@ -44,44 +49,38 @@ def rewrite_if_needed(graph):
 
     A rewrite that failed leaves the graph half-edited: every later call raises the
     same error (never runs the plain graph)."""
-    from epl.env import Env
     if not Env.initialized():
         return None
     epl_graph = ir.Graph.get(graph)
-    if epl_graph.rewrite_error is not None:
-        raise epl_graph.rewrite_error
-    if epl_graph.rewritten and not epl_graph.pending:
-        return epl_graph.rewrite_result
-    from epl import amp, apply_gate
+    life = epl_graph.lifecycle
+    if life.error is not None:
+        raise life.error
+    if life.rewritten and not life.pending:
+        return life.result
     amp.guard_updates(epl_graph, Env.get().config)
     apply_gate.guard_step(epl_graph)
     if not epl_graph.taskgraphs:
         _refuse_unannotated_accumulation(epl_graph, Env.get().config)
-        from epl.rewrite import step
         step.order_global_step(graph, epl_graph)
         if Env.get().cluster.offload:
             _offload_unplaced(graph, Env.get().cluster)
-        epl_graph.rewritten = True
-        epl_graph.pending = False
-        epl_graph.rewrite_result = RewriteResult()
-        return epl_graph.rewrite_result
+        life.rewritten, life.pending, life.result = True, False, RewriteResult()
+        return life.result
     start = time.time()
     try:
-        if epl_graph.rewritten:
-            state = epl_graph.rewrite_result.state
+        if life.rewritten:
+            state = life.result.state
             _extend(epl_graph, Env.get(), state)
         else:
             state = _rewrite(epl_graph, Env.get())
     except Exception as e:
-        epl_graph.rewrite_error = e
+        life.error = e
         raise
     seconds = time.time() - start
-    if not epl_graph.rewritten:
+    if not life.rewritten:
         log.info("EPL rewrote the graph for %d clones in %.2fs", state.num_clones, seconds)
-    epl_graph.rewritten = True
-    epl_graph.pending = False
-    epl_graph.rewrite_result = RewriteResult(state, seconds)
-    return epl_graph.rewrite_result
+    life.rewritten, life.pending, life.result = True, False, RewriteResult(state, seconds)
+    return life.result
 
 
 def _refuse_unannotated_accumulation(epl_graph, config):
@@ -117,38 +116,58 @@ def _offload_unplaced(graph, cluster):
             tfg.set_device(op, cluster.host_device())
 
 
-def _rewrite(epl_graph, env):
-    from epl import plan as planner
-    from epl.rewrite import control_flow, selection, split
-    from epl.rewrite.state import ReplicaState, share_variables
-    layout = planner.plan(env.cluster, epl_graph.taskgraphs, env.config)
-    if env.cluster.offload and layout.split_devices:
+def prepare_state(epl_graph, config, cluster):
+    """The ``ReplicaState`` the passes share for the first rewrite of ``epl_graph``.
+
+    The analyses run here, each returning its value: the layout (``plan.plan``), the
+    selection of the replica's ops and the update plan (``selection.select``), the
+    placement of this worker's clones (``placement.place``), the ZeRO owners
+    (``zero.plan_owners``); the state is made from them.  Then the capture-time
+    corrections of v2 control flow (``control_flow.check_stages``, before the
+    selection) and the split shards' placement (``split.place``): the state is ready
+    for ``PASSES``.  ``cluster``: this worker's (a test may pass another worker's)."""
+    layout = planner.plan(cluster, epl_graph.taskgraphs, config)
+    if cluster.offload and layout.split_devices:
         raise NotImplementedError(
             "epl.Config: 'offload.level' = %r with an epl.split scope: offloading the shards "
             "of split variables is not implemented yet. Remove offload.level, or use "
-            "epl.replicate scopes only." % env.config.get("offload.level"))
+            "epl.replicate scopes only." % config.get("offload.level"))
     if any(rec.across_runs for rec in epl_graph.apply_records):
         raise RuntimeError(
             "EPL: apply_gradients / minimize was called before the first EPL annotation, "
             "so it was built to accumulate gradients across session runs "
             "('pipeline.num_micro_batch' = %d on a model without annotation), but the "
             "model has annotations. Call epl.set_default_strategy / open the epl.replicate "
-            "scopes before building the optimizer." % env.config.get("pipeline.num_micro_batch"))
+            "scopes before building the optimizer." % config.get("pipeline.num_micro_batch"))
     replicated = [tg for tg in epl_graph.taskgraphs if tg.kind != "split"]
     control_flow.check_stages(epl_graph, replicated, layout.num_stages)
-    sel = selection.select(epl_graph, replicated, share_variables(env.cluster, env.config),
-                           env.config.get("communication.clip_after_allreduce"))
-    state = ReplicaState(epl_graph, replicated, sel, layout, env.cluster, env.config)
-    if env.config.get("zero.level"):
-        from epl.rewrite import zero
-        if env.cluster.offload:
+    sel = selection.select(epl_graph, replicated, share_variables(cluster, config),
+                           config.get("communication.clip_after_allreduce"))
+    stages = epl_graph.stage_order(replicated) if layout.num_stages > 1 else {}
+    where = placement.place(layout, cluster, config)
+    owners = None
+    if config.get("zero.level"):
+        if cluster.offload:
             raise NotImplementedError(
-                "epl.Config: 'zero.level' = %r with 'offload.level' = %r: both decide where the "
-                "variables live; remove one of the two keys."
-                % (env.config.get("zero.level"), env.config.get("offload.level")))
-        state.zero_owners = zero.plan_owners(state, sel)
+                "epl.Config: 'zero.level' = %r with 'offload.level' = %r: both decide where "
+                "the variables live; remove one of the two keys."
+                % (config.get("zero.level"), config.get("offload.level")))
+        owners = zero.plan_owners(sel.shared, lambda op: _stage(epl_graph, stages, op), where)
+    state = ReplicaState(epl_graph, replicated, sel, layout, cluster, config,
+                         placement=where, zero_owners=owners, stage_index=stages)
     split.place(state)
-    _passes(state, sel, since=-1, first=True)
+    return state
+
+
+def _stage(epl_graph, stages, op):
+    """The pipeline stage of ``op`` ({taskgraph index: stage}; none: stage 0)."""
+    tg = epl_graph.taskgraph_of(op)
+    return stages[tg.index] if tg is not None and stages else 0
+
+
+def _rewrite(epl_graph, env):
+    state = prepare_state(epl_graph, env.config, env.cluster)
+    _passes(state, state.selection, since=-1, first=True)
     if env.cluster.offload:
         _offload_unplaced(state.graph, env.cluster)
     return state
@@ -163,7 +182,6 @@ def _passes(state, sel, since, first):
 
 
 def _default_pipeline():
-    from epl.rewrite import inputs, merge, mirror, replicate, schedule, split, step
     return PassPipeline([
         Pass("place_originals", lambda c: replicate.place_originals(c.state, c.selection),
              provides={"originals_placed"},
@@ -216,7 +234,6 @@ def _extend(epl_graph, env, state):
     adds nodes and edits new ones; what would need more is refused by name.  (With
     gradient accumulation the added ops' micro-batches are not scheduled: they run in
     whatever order TensorFlow picks, which changes no number.)"""
-    from epl.rewrite import selection
     since = state.last_id
     new = [op for op in tfg.ops_between(state.graph, since + 1)
            if epl_graph.phase_of(op) not in (ir.REWRITE, ir.SAVE)]
@@ -263,13 +280,12 @@ def on_new_op(graph, op):
     built after the first run, a user's assign) at once; model ops wait for the next
     rewrite (before the next run)."""
     epl_graph = ir.Graph.existing(graph)
-    if epl_graph is None or epl_graph.rewrite_result is None:
+    if epl_graph is None or epl_graph.lifecycle.result is None:
         return
-    state = epl_graph.rewrite_result.state
+    state = epl_graph.lifecycle.result.state
     if state is None:
         return
     if epl_graph.taskgraph_of(op) is not None:
-        epl_graph.pending = True
+        epl_graph.lifecycle.pending = True
         return
-    from epl.rewrite.mirror import mirror_one
-    mirror_one(state, op)
+    mirror.mirror_one(state, op)

@@ -1,4 +1,5 @@
 """What the data-parallel passes share: the layout and the per-clone maps."""
+from epl.rewrite.placement import place
 from epl.tf_adapter import graph as tfg
 
 
@@ -12,61 +13,29 @@ class ReplicaState(object):
     clone ``c`` (clone 0 maps everything to itself).
     """
 
-    def __init__(self, ir_graph, taskgraphs, selection, layout, cluster, config):
+    def __init__(self, ir_graph, taskgraphs, selection, layout, cluster, config,
+                 placement=None, zero_owners=None, stage_index=None):
         self.ir_graph = ir_graph
         self.graph = ir_graph.tf_graph
         self.taskgraphs = taskgraphs
         self.laid_out = list(ir_graph.taskgraphs)   # every scope the layout placed
         # {taskgraph index: pipeline stage} (a pipeline's stages are replicate scopes)
-        self.stage_index = ir_graph.stage_order(taskgraphs) if layout.num_stages > 1 else {}
+        if stage_index is None:
+            stage_index = ir_graph.stage_order(taskgraphs) if layout.num_stages > 1 else {}
+        self.stage_index = stage_index
         self.selection = selection
         self.layout = layout
         self.cluster = cluster
         self.config = config
-        per = cluster.gpu_num_per_worker
-        me = max(cluster.worker_index, 0)
-        from epl.plan import in_graph, spans_workers
-        # A pipeline or split over several workers, ZeRO across workers: the chief
-        # drives every clone in-graph.
-        self.in_graph = in_graph(layout, cluster, config)
-        if self.in_graph and config.get("io.slicing"):
-            raise ValueError(
-                "epl.Config: 'io.slicing' = True, but this job runs in-graph (%s): only the "
-                "chief reads input, so slicing the files across workers would drop the other "
-                "workers' shares. Set io.slicing to False."
-                % ("'zero.level' = %r over %d workers" % (config.get("zero.level"),
-                                                         cluster.worker_num)
-                   if config.get("zero.level") else "a model replica spans workers"))
-        if self.in_graph and config.get("zero.level") and not spans_workers(layout, per):
-            import logging
-            logging.getLogger("epl").warning(
-                "EPL: 'zero.level' = %r over %d workers: the chief drives the whole job "
-                "in-graph on TF's runtime (each variable and its optimizer state live once, "
-                "on one device of one worker); only the chief's input pipeline is read, one "
-                "batch per replica of the job.", config.get("zero.level"), cluster.worker_num)
-        self.clones = [cl for cl in layout.clones if self.in_graph or cl[2] // per == me]
-        split = [r for r, _, _ in self.clones
-                 if any(dev // per != me for rr, _, dev in layout.clones if rr == r)]
-        if split and not self.in_graph:
-            from epl.plan import LayoutError
-            raise LayoutError(
-                "model replica %d spans several workers (device_count %d > %d devices per "
-                "worker); between-graph data parallelism needs each replica within one worker: "
-                "use device_count <= %d." % (split[0], layout.device_count, per, per))
-        local_index = [layout.clones.index(cl) for cl in self.clones]
-        # stage_devices[c][s]: this worker's device running stage s of clone c
-        if self.in_graph:
-            def where(d):
-                return cluster.device(d)
-        else:
-            def where(d):
-                return cluster.local_device(d % per)
-        self.stage_devices = [[where(layout.stage_device(g, s))
-                               for s in range(layout.num_stages)] for g in local_index]
-        self.devices = [sd[0] for sd in self.stage_devices]
-        self.reps = [local_index.index(layout.representative(g)) for g in local_index]
-        self.pull_groups = [[local_index.index(g) for g in grp]
-                            for grp in layout.pull_groups(local_index)]
+        if placement is None:
+            placement = place(layout, cluster, config)
+        self.placement = placement
+        self.in_graph = placement.in_graph
+        self.clones = placement.clones
+        self.stage_devices = placement.stage_devices
+        self.devices = placement.devices
+        self.reps = placement.reps
+        self.pull_groups = placement.pull_groups
         self.share_variables = share_variables(cluster, config)
         self.tensor_map = [dict() for _ in self.clones]
         self.op_map = [dict() for _ in self.clones]
@@ -80,7 +49,8 @@ class ReplicaState(object):
         self.batch_ops = None      # ops computed from an input batch (split.py)
         self.copied_contexts = set()  # loops / conditions the clones have copies of
         self.templates = {}       # op -> its NodeDef template (replicate.place_originals)
-        self.zero_owners = {}     # shared variable op -> its device (zero.level)
+        # shared variable op -> its device (zero.level: ``zero.plan_owners``)
+        self.zero_owners = dict(zero_owners or {})
 
     @property
     def num_clones(self):

@@ -25,9 +25,12 @@ from epl.rewrite.updates import VARIABLE_OPS
 log = logging.getLogger("epl")
 
 
-def plan_owners(state, sel):
-    """{variable op: device} for the worker's shared variables (``sel.shared``)."""
-    variables = [op for op in sel.shared if op.type in VARIABLE_OPS]
+def plan_owners(shared, stage_of, placement):
+    """{variable op: device} for the worker's shared variables (of the ops ``shared``,
+    a selection's ``shared``): each on one device of its stage (``stage_of(op)``) among
+    the clones of ``placement`` (a ``rewrite.placement.Placement``) that own their
+    replica's variables.  An analysis: reads, edits nothing."""
+    variables = [op for op in shared if op.type in VARIABLE_OPS]
     names = dict((op.name, op) for op in variables)
     groups = {}     # primary variable -> the variables kept beside it
     for op in variables:
@@ -40,14 +43,14 @@ def plan_owners(state, sel):
         groups.setdefault(primary, []).append(op)
     by_stage = {}
     for primary, members in groups.items():
-        by_stage.setdefault(state.stage_of(primary), []).append(
+        by_stage.setdefault(stage_of(primary), []).append(
             (sum(ir.variable_bytes(op) for op in members), primary, members))
     owners = {}
     for stage, items in by_stage.items():
         devices = []
-        for c in range(state.num_clones):
-            dev = state.stage_devices[c][stage]
-            if state.is_rep(c) and dev not in devices:
+        for c, stage_devices in enumerate(placement.stage_devices):
+            dev = stage_devices[stage]
+            if placement.reps[c] == c and dev not in devices:
                 devices.append(dev)
         load = dict((d, 0) for d in devices)
         for size, primary, members in sorted(items, key=lambda x: (-x[0], x[1].name)):

@@ -128,10 +128,11 @@ def _expert_axes(graph):
     """tensor -> (axis, letter, equation, variable, experts, shards) of the einsums that
     read ``tensor``'s ``axis`` as a split variable's expert dimension."""
     from epl import ir
-    epl_graph = ir.Graph.get(graph)
-    if not hasattr(epl_graph, "einsum_expert_axes"):
-        epl_graph.einsum_expert_axes = {}
-    return epl_graph.einsum_expert_axes
+    return ir.Graph.get(graph).feature(_ExpertAxes)
+
+
+class _ExpertAxes(dict):
+    """``_expert_axes``' map of one graph (``ir.Graph.feature``)."""
 
 
 def check_not_gathered(t, copies):
