@@ -68,7 +68,8 @@ class _Terminal(object):
             if not self.line_start:
                 self.stream.write("\n")
                 self.line_start = True
-            width = max(20, shutil.get_terminal_size((100, 20)).columns - 1)
+            columns = shutil.get_terminal_size((100, 20)).columns
+            width = columns - 1 if columns > 20 else 200   # (a pty may report 0)
             for line in lines:   # (a wrapped line would break the cursor-up count)
                 self.stream.write(line[:width] + "\n")
             self.drawn = len(lines)
