@@ -558,3 +558,13 @@ def test_merge_outputs_merges_the_clones_values_of_graphkeys_tensors():
     np.testing.assert_allclose(got_loss, np.mean((X.dot(W) - Y) ** 2), rtol=1e-5)
     np.testing.assert_allclose(alone, np.mean((X[2:].dot(W) - Y[2:]) ** 2), rtol=1e-5)
     assert got_rows == 4.0
+
+
+def test_every_pass_of_the_pipeline_has_its_own_test_here():
+    """A pass added to ``rewrite.PASSES`` gets a test in this file named after it
+    (``test_<pass name>_...``), run alone on a small graph like the ones above."""
+    tested = set(name for name in globals() if name.startswith("test_"))
+    missing = [p for p in PASSES.names()
+               if not any(t.startswith("test_%s_" % p) for t in tested)]
+    assert not missing, "passes without a test of their own in tests/test_passes.py: %s" % missing
+    assert len(tested) >= len(PASSES.names()) > 0
