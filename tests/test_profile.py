@@ -89,12 +89,12 @@ def test_dp_one_trace_per_worker_and_traced_run(dp_traces):
                                              "worker1_rewrite.trace.json",
                                              "worker1_step3.trace.json"]
     steps = analysis.load(dp_traces)
-    assert list(steps) == [3]
-    assert [t.worker for t in steps[3]] == [0, 1]
+    assert list(steps) == [(1, 3)]
+    assert [t.worker for t in steps[(1, 3)]] == [0, 1]
 
 
 def test_dp_spans_on_every_device(dp_traces):
-    traces = analysis.load(dp_traces)[3]
+    traces = analysis.load(dp_traces)[(1, 3)]
     lanes = [(t.worker, name, lane) for t in traces for name, lane in t.lanes.items()]
     assert sorted(name for _, name, _ in lanes) == [
         "worker %d device:CPU:%d" % (w, d) for w in (0, 1) for d in (0, 1)]
@@ -116,7 +116,7 @@ def test_dp_spans_on_every_device(dp_traces):
 def test_dp_collective_bytes_are_the_variables_sizes(dp_traces):
     """Every worker reduces its 2 devices' gradients in process (each rank gives the
     gradients of every variable once), then across the workers (one rank per worker)."""
-    runs = analysis.collectives(analysis.load(dp_traces)[3])
+    runs = analysis.collectives(analysis.load(dp_traces)[(1, 3)])
     for worker in (0, 1):
         mine = [r for r in runs if r["worker"] == worker]
         for rank in (0, 1):
@@ -135,7 +135,7 @@ def test_dp_collective_bytes_are_the_variables_sizes(dp_traces):
 
 
 def test_dp_breakdown_adds_up_and_clocks_agree(dp_traces):
-    traces = analysis.load(dp_traces)[3]
+    traces = analysis.load(dp_traces)[(1, 3)]
     lanes = analysis.breakdown(traces)
     assert len(lanes) == 4
     for ln in lanes:
@@ -196,7 +196,7 @@ def test_pipeline_only_the_named_run_is_traced(pipeline_run):
 
 def test_pipeline_stage_spans_on_every_device(pipeline_run):
     folder, _ = pipeline_run
-    (trace,) = analysis.load(folder)[3]
+    (trace,) = analysis.load(folder)[(1, 3)]
     assert list(trace.lanes) == ["worker 0 device:CPU:0", "worker 0 device:CPU:1"]
     for stage, lane in enumerate(trace.lanes.values()):
         assert set(e["args"]["stage"] for e in lane["stages"]) == {stage}
@@ -208,7 +208,7 @@ def test_pipeline_stage_spans_on_every_device(pipeline_run):
 
 def test_pipeline_bubble_matches_the_benchmark(pipeline_run):
     folder, figure = pipeline_run
-    (bubble,) = analysis.bubbles(analysis.load(folder)[3])
+    (bubble,) = analysis.bubbles(analysis.load(folder)[(1, 3)])
     assert (bubble.stages, bubble.micro_batches) == (2, 4)
     assert bubble.theory == pytest.approx(1.0 / 5)
     assert abs(bubble.bubble - figure["bubble"]) <= 0.1 * figure["bubble"], (bubble, figure)
@@ -283,3 +283,41 @@ def test_no_profile_keys_no_trace_no_records(tmp_path):
     finally:
         os.chdir(ROOT)
         models.reset()
+
+
+def _small_dp_graph_runs(runs, metadata=None):
+    import tensorflow.compat.v1 as tf
+    with tf.Graph().as_default():
+        models.init_data_parallel(2)
+        x, y = models.data(32)
+        bx, by = models.input_batch(x, y, 4)
+        _, loss = models.forward(bx, by)
+        op = models.train_op(loss, "sgd")
+        with tf.Session() as sess:
+            sess.run(tf.global_variables_initializer())
+            for _ in range(runs - 1):
+                sess.run(op, run_metadata=metadata)
+
+
+def test_runs_counted_per_graph_and_user_metadata_filled(tmp_path, monkeypatch):
+    """Runs count from 1 in every graph; a process's second traced graph gets files of its
+    own (not the first graph's, overwritten); a user's RunMetadata of a traced run is
+    filled as if the user had asked for the trace."""
+    import tensorflow.compat.v1 as tf
+    folder = str(tmp_path / "t")
+    monkeypatch.setenv("EPL_PROFILE_DIR", folder)
+    monkeypatch.setenv("EPL_PROFILE_STEPS", "2")
+    models.reset()
+    try:
+        meta = tf.RunMetadata()
+        _small_dp_graph_runs(2, meta)
+        assert meta.step_stats.dev_stats   # the traced run filled the user's metadata
+        _small_dp_graph_runs(3)
+    finally:
+        models.reset()
+    assert sorted(os.listdir(folder)) == [
+        "worker0_graph2_rewrite.trace.json", "worker0_graph2_step2.trace.json",
+        "worker0_rewrite.trace.json", "worker0_step2.trace.json"]
+    steps = analysis.load(folder)
+    assert sorted(steps) == [(1, 2), (2, 2)]
+    assert "graph 2 step 2" in analysis.report(folder)

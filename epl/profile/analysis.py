@@ -86,7 +86,7 @@ def subtract(u, v):
 
 # -- loading -------------------------------------------------------------------------
 
-_NAME = re.compile(r"worker(\d+)_step(\d+)\.trace\.json$")
+_NAME = re.compile(r"worker(\d+)(_graph\d+)?_step(\d+)\.trace\.json$")
 
 
 class Trace(object):
@@ -99,6 +99,7 @@ class Trace(object):
         self.meta = doc.get("otherData", {})
         self.worker = int(self.meta.get("worker", 0))
         self.step = int(self.meta.get("step", 0))
+        self.graph = int(self.meta.get("graph", 1))
         self.host = self.meta.get("host", "")
         names = {}
         for e in doc["traceEvents"]:
@@ -127,12 +128,13 @@ class Trace(object):
 
 
 def load(folder):
-    """{step: [Trace per worker]} of the traces in ``folder``, on one clock."""
+    """{(graph, step): [Trace per worker]} of the traces in ``folder``, on one clock
+    (graph 1 is the first graph a process traced, see ``record``)."""
     steps = collections.defaultdict(list)
     for path in sorted(glob.glob(os.path.join(folder, "worker*_step*.trace.json"))):
         if _NAME.search(os.path.basename(path)):
             t = Trace(path)
-            steps[t.step].append(t)
+            steps[(t.graph, t.step)].append(t)
     if not steps:
         raise ValueError("no EPL traces (worker<k>_step<n>.trace.json) in %r: set "
                          "profile.dir and profile.steps for the run (docs/profiling.md)"
@@ -295,6 +297,12 @@ def collectives(traces):
     return out
 
 
+def label(key):
+    """'step 3', or 'graph 2 step 3' for a process's second traced graph."""
+    graph, step = key
+    return ("graph %d step %d" % key) if graph > 1 else "step %d" % step
+
+
 # -- the printed report ------------------------------------------------------------------
 
 def _ms(us):
@@ -309,11 +317,11 @@ def report(folder):
     """The report's text for every traced step in ``folder``."""
     steps = load(folder)
     lines = []
-    for step, traces in sorted(steps.items()):
+    for key, traces in sorted(steps.items()):
         lanes = breakdown(traces)
         window = lanes[0].window_us if lanes else 0
-        lines.append("step %d: %d worker(s), %s ms from the first op to the last"
-                     % (step, len(traces), _ms(window)))
+        lines.append("%s: %d worker(s), %s ms from the first op to the last"
+                     % (label(key), len(traces), _ms(window)))
         offsets = {t.worker: t.offset_us for t in traces if t.host != traces[0].host}
         if offsets:
             lines.append("  clocks of workers on other hosts shifted by (us): %s"

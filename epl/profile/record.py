@@ -15,7 +15,9 @@ ops on, with three lanes:
   each replica's forward / backward, from the rewrite's own record of which op belongs
   to which clone, stage and phase (not from names).
 
-The rewrite's passes go once per worker into ``worker<k>_rewrite.trace.json``.  Times are
+The rewrite's passes go once per worker into ``worker<k>_rewrite.trace.json``.  Runs
+are counted per graph; the traces of the second graph a process traces into a folder are
+``worker<k>_graph2_step<n>...`` (an Estimator builds a graph per ``train`` call).  Times are
 microseconds of the wall clock (TensorFlow's step-stats clock): the workers of one host
 share it; ``epl.profile.analysis`` estimates the offsets of workers on other hosts from
 the collectives they ran together.
@@ -38,7 +40,8 @@ from epl.tf_adapter import trace as tftrace
 FORMAT = "epl-trace-1"
 _runs = weakref.WeakKeyDictionary()      # tf.Graph -> its runs so far
 _tasks = weakref.WeakKeyDictionary()     # tf.Graph -> (last op id, {node: task})
-_rewrite_written = []
+_graph_ids = weakref.WeakKeyDictionary()  # tf.Graph -> (profile.dir, its number there)
+_graphs_in = {}                           # profile.dir -> graphs traced into it
 
 
 def _steps(text, cache={}):   # pylint: disable=dangerous-default-value
@@ -89,13 +92,21 @@ def finish(traced, ok=True):
     folder = env.config.get("profile.dir")
     os.makedirs(folder, exist_ok=True)
     worker = max(env.cluster.worker_index, 0)
+    known = _graph_ids.get(traced.graph)
+    first = known is None or known[0] != folder
+    if first:
+        _graphs_in[folder] = _graphs_in.get(folder, 0) + 1
+        _graph_ids[traced.graph] = (folder, _graphs_in[folder])
+    graph = _graph_ids[traced.graph][1]
+    # The first graph this process traced into the folder: worker<k>_...; a later one (an
+    # Estimator builds a graph per train call, counted from 1 again): worker<k>_graph<g>_...
+    prefix = "worker%d" % worker + ("_graph%d" % graph if graph > 1 else "")
     doc = trace_document(traced, records, worker)
-    path = os.path.join(folder, "worker%d_step%d.trace.json" % (worker, traced.step))
+    doc["otherData"]["graph"] = graph
+    path = os.path.join(folder, "%s_step%d.trace.json" % (prefix, traced.step))
     _write(path, doc)
-    if not _rewrite_written:
-        _rewrite_written.append(True)
-        _write(os.path.join(folder, "worker%d_rewrite.trace.json" % worker),
-               rewrite_document(worker))
+    if first:
+        _write(os.path.join(folder, "%s_rewrite.trace.json" % prefix), rewrite_document(worker))
     return path
 
 

@@ -6,6 +6,8 @@ exposed waiting, idle as shares of the step).
 The image is ``image_size(number of devices)`` pixels: WIDTH wide, a fixed head and
 foot plus LANE_H + BAR_H rows per device.
 """
+import os
+
 from epl.profile import analysis
 from epl.profile.png import Canvas
 
@@ -37,7 +39,7 @@ def _lanes(traces):
     return out
 
 
-def render(traces, step):
+def render(traces, title):
     """A Canvas of one step (``traces``: every worker's trace of it)."""
     lanes = _lanes(traces)
     rows = analysis.breakdown(traces)
@@ -50,7 +52,7 @@ def render(traces, step):
     def x(t):
         return x0 + (t - lo) / span * (x1 - x0)
 
-    c.text(10, 12, "EPL step %d: %d worker(s), %.2f ms" % (step, len(traces), span / 1e3),
+    c.text(10, 12, "EPL %s: %d worker(s), %.2f ms" % (title, len(traces), span / 1e3),
            INK, 2)
     y = HEAD
     for name, lane in lanes:
@@ -97,11 +99,14 @@ def render(traces, step):
     return c
 
 
-def render_folder(folder, step=None, path=None):
-    """Render ``step`` (default: the last traced) of ``folder``'s traces to ``path``
-    (default ``folder/profile.png``); returns the path."""
+def render_folder(folder, step=None, path=None, graph=1):
+    """Render ``step`` of ``graph`` (default: the last traced) of ``folder``'s traces to
+    ``path`` (default ``folder/profile.png``); returns the path."""
     steps = analysis.load(folder)
-    step = max(steps) if step is None else step
-    path = path or "%s/profile.png" % folder.rstrip("/")
-    render(steps[step], step).save(path)
+    key = max(steps) if step is None else (graph, step)
+    if key not in steps:
+        raise ValueError("no trace of %s in %r (traced: %s)" % (
+            analysis.label(key), folder, ", ".join(analysis.label(k) for k in sorted(steps))))
+    path = path or os.path.join(folder, "profile.png")
+    render(steps[key], analysis.label(key)).save(path)
     return path
