@@ -111,6 +111,16 @@ class ProgressDisplay(object):
         else:
             self.out = stream
 
+    def follow(self, launch_dir, workers=None):
+        """Read a new attempt's folder from its start (epl-launch --max_restarts starts
+        the workers again with a new one); the last samples shown stay until theirs come."""
+        self.poll()
+        self.launch_dir = launch_dir
+        if workers is not None:
+            self.workers = list(workers)
+        self._offsets.clear()
+        self._partial.clear()
+
     def _read(self, worker):
         path = os.path.join(self.launch_dir, FILE_PATTERN % worker)
         try:

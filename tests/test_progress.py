@@ -212,3 +212,18 @@ def test_keras_fit_steps_and_loss(tmp_path, monkeypatch):
     assert last["final"] and last["runs"] == last["step"] == 16 and last["loss"] == seen[-1]
     assert all(r["global_batch"] == 8 and r["gradient_bytes_per_step"] == GRADIENT_BYTES
                for r in records)
+
+
+def test_display_follows_a_restarted_attempt(tmp_path):
+    first, second = tmp_path / "a0", tmp_path / "a1"
+    first.mkdir()
+    second.mkdir()
+    out = io.StringIO()
+    display = ProgressDisplay(str(first), [0], stream=out, interval=0)
+    _write(first, 0, runs=5, step=5)
+    display.poll()
+    display.follow(str(second))
+    _write(second, 0, runs=2, step=7, final=True)   # resumed from the step-5 checkpoint
+    display.poll(final=True)
+    assert display.latest[0]["step"] == 7
+    assert display.summary({0: 0})[0]["steps"] == 2
