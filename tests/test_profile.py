@@ -321,3 +321,34 @@ def test_runs_counted_per_graph_and_user_metadata_filled(tmp_path, monkeypatch):
     steps = analysis.load(folder)
     assert sorted(steps) == [(1, 2), (2, 2)]
     assert "graph 2 step 2" in analysis.report(folder)
+
+
+def _fake_trace(folder, worker, host, shift_us):
+    """A worker's trace of step 1 with one op and two cross-worker collective runs whose
+    peers met at 1000 us and 5000 us of worker 0's clock; this worker's clock is
+    ``shift_us`` ahead."""
+    lane = "worker %d device:CPU:0" % worker
+    events = [dict(ph="M", name="process_name", pid=1, args=dict(name=lane)),
+              dict(ph="X", cat="op", name="MatMul", pid=1, tid=1, ts=100 + shift_us, dur=800,
+                   args=dict(name="m", op="MatMul"))]
+    for group, ready in (("job/a", 1000), ("job/b", 5000)):
+        events.append(dict(ph="X", cat="epl.collective", name="all_reduce", pid=1, tid=2,
+                           ts=ready - 50 * (worker + 1) + shift_us, dur=50 * (worker + 1) + 100,
+                           args=dict(node="c" + group[-1], op="all_reduce(sum, float)",
+                                     group=group, transport="tcp", rank=worker, peers=2,
+                                     bytes=64, wait_us=50 * (worker + 1), move_us=100)))
+    doc = dict(traceEvents=events, otherData=dict(worker=worker, step=1, host=host))
+    with open(os.path.join(folder, "worker%d_step1.trace.json" % worker), "w") as f:
+        json.dump(doc, f)
+
+
+@pytest.mark.parametrize("hosts", [("a", "a"), ("a", "b")])
+def test_clocks_of_other_hosts_aligned_from_shared_collectives(tmp_path, hosts):
+    """Workers of one host keep their (shared) clock; a worker on another host is moved by
+    the median offset at which the shared collective runs found their peers."""
+    _fake_trace(str(tmp_path), 0, hosts[0], 0)
+    _fake_trace(str(tmp_path), 1, hosts[1], 7000)
+    traces = analysis.load(str(tmp_path))[(1, 1)]
+    w1 = traces[1].lanes["worker 1 device:CPU:0"]
+    assert traces[1].offset_us == 7000
+    assert w1["ops"][0]["ts"] == (100 if hosts[0] != hosts[1] else 7100)

@@ -172,8 +172,6 @@ def align(traces):
         t.offset_us = offsets.get(t.worker, 0)
         if t.host != traces[0].host and t.offset_us:
             t.shift(t.offset_us)
-        else:
-            t.offset_us_applied = 0
     return offsets
 
 
