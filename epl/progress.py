@@ -221,9 +221,11 @@ def _factory_rows(iterator):
 
 
 def gradient_bytes(state):
-    """(bytes of the gradients one rank reduces per step, ranks in the reduction)."""
+    """(bytes of the gradients one rank reduces per step, ranks in the reduction: the
+    devices that hold a replica, on every worker; a replica's micro-batches on one device
+    are summed there)."""
     updates = state.selection.updates
-    ranks = state.num_clones * (1 if state.in_graph else max(1, state.cluster.worker_num))
+    ranks = len(set(state.devices)) * (1 if state.in_graph else max(1, state.cluster.worker_num))
     if updates is None or ranks <= 1:
         return 0, ranks
     fp16 = state.config.get("communication.fp16")

@@ -227,3 +227,32 @@ def test_display_follows_a_restarted_attempt(tmp_path):
     display.poll(final=True)
     assert display.latest[0]["step"] == 7
     assert display.summary({0: 0})[0]["steps"] == 2
+
+
+def test_pipeline_global_batch_and_ranks(tmp_path, monkeypatch):
+    """2 stages x 2 replicas, 2 micro-batches of 3 rows: a step takes 3 x 2 x 2 rows; the
+    gradients are reduced over the 2 replicas' devices (a replica's micro-batches are
+    summed on its own devices)."""
+    from tests.test_pipeline import _staged_forward
+    monkeypatch.setenv("EPL_LAUNCH_DIR", str(tmp_path))
+    monkeypatch.setenv("EPL_WORKER_INDEX", "0")
+    monkeypatch.setattr(progress, "_TRACKER", [])
+    import epl
+    epl.init(epl.Config({"cluster.devices_per_worker": 4, "pipeline.num_micro_batch": 2}))
+    x, y = models.data(3 * 2 * 2 * 3)
+    bx, by = models.input_batch(x, y, 3)
+    loss = _staged_forward(bx, by, 2)
+    train = models.train_op(loss, "sgd")
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
+        for _ in range(3):
+            sess.run([loss, train])
+        progress.tracker().finish()
+    progress.tracker().path = None
+    records = [json.loads(line) for line in
+               (tmp_path / "worker_0.progress.jsonl").read_text().splitlines()]
+    assert records[-1]["runs"] == records[-1]["step"] == 3   # no global_step: the runs
+    for r in records:
+        assert r["global_batch"] == 12
+        assert r["gradient_bytes_per_step"] == GRADIENT_BYTES
+        assert r["comm_bytes_per_step"] == GRADIENT_BYTES * 2.0 * (2 - 1) / 2
