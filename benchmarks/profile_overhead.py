@@ -110,6 +110,8 @@ def main():
                     config.set("profile.dir", where)
                     config.set("profile.steps", steps)
                     gc.collect()   # (the traced arm's garbage is not the next arm's cost)
+                    for _ in range(3):   # (warm again after the switch)
+                        step()
                     block = []
                     for _ in range(max(1, a.steps // 10)):
                         t0 = time.perf_counter()

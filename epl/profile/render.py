@@ -42,6 +42,7 @@ def _lanes(traces):
 def render(traces, title):
     """A Canvas of one step (``traces``: every worker's trace of it)."""
     lanes = _lanes(traces)
+    micro = max(int(t.meta.get("num_micro_batch", 1)) for t in traces)
     rows = analysis.breakdown(traces)
     width, height = image_size(len(lanes))
     c = Canvas(width, height)
@@ -67,7 +68,7 @@ def render(traces, title):
             color = FORWARD if e["args"]["phase"] == "forward" else BACKWARD
             c.rect(a, y + 22, max(b, a + 1), y + 32, color)
             label = str(e["args"]["micro_batch"])
-            if b - a > 8 * len(label):
+            if micro > 1 and b - a > 8 * len(label):   # (the micro-batch, in a pipeline)
                 c.text(a + 2, y + 23, label, (255, 255, 255))
         y += LANE_H
     for k in range(5):   # time axis
