@@ -15,6 +15,7 @@ BENCHES = [
     ["dp_overhead.py"],
     ["fusion.py"],
     ["pipeline_bubble.py"],
+    ["profile_overhead.py"],
     ["split_memory.py"],
     ["collectives.py", "--sizes-mib", "1,16,64,256", "--runs", "5"],
     ["e2e_dp.py", "--runs", "3", "--steps", "30"],
