@@ -27,7 +27,7 @@ collectives authenticate each other with the job's secret (EPL_JOB_SECRET): a ra
 one per launch on one machine; with --machine_list, export the same random value on
 every machine before launching.
 
-Restarts (--max_restarts N, one machine): a failed attempt -- a worker exits non-zero
+Restarts (--max_restarts N): a failed attempt -- a worker exits non-zero
 or dies, or leaves before joining -- is stopped as above and logged with its root cause,
 and every worker starts again as a new run (new EPL_RUN_ID, new free ports, the old run's
 shared memory removed, the old logs kept as worker_<i>.attempt<k>.log; EPL_RESTART_COUNT
@@ -36,12 +36,17 @@ is the attempt).  The program resumes from its newest checkpoint.  An attempt th
 --min_workers M, a worker that was the root cause and then fails again at start-up
 (before it joined) is dropped while more than M remain: the others go on with a smaller
 TF_CONFIG (see docs/cluster.md, "Restarts", for the batch and learning-rate rule).
+With --machine_list, machine 0's launcher coordinates the restarts of every machine's
+launcher (see "restarts across machines" below); a machine whose launcher stays away
+longer than --host_timeout is dropped the same way.
 """
 import argparse
 import glob
 import hashlib
+import hmac
 import json
 import os
+import queue
 import re
 import secrets
 import shutil
@@ -58,6 +63,7 @@ from epl.processes import dies_with_parent
 GRACE_SECONDS = 10
 # --restart_window's default: an hour of running before a failure resets the restart count.
 DEFAULT_RESTART_WINDOW = 3600
+DEFAULT_HOST_TIMEOUT = 120
 # The folder through which the workers tell the launcher that they joined the job.
 LAUNCH_DIR_ENV = "EPL_LAUNCH_DIR"
 # How many times epl-launch started the job's workers again before this attempt (0 first).
@@ -89,6 +95,11 @@ def parse_args(argv=None):
                    help="a worker that fails again at start-up after a restart is dropped and "
                         "the job goes on with the others, as long as at least M remain "
                         "(default: --num_workers, never drop)")
+    p.add_argument("--host_timeout", type=float, default=DEFAULT_HOST_TIMEOUT,
+                   help="--machine_list with --max_restarts: how long machine 0's launcher "
+                        "waits for another machine's launcher to connect, at the start and "
+                        "after it went away (default %d s); one that stays away is dropped "
+                        "(--min_workers) or ends the job" % DEFAULT_HOST_TIMEOUT)
     p.add_argument("script", help="the local training script (.sh or .py)")
     p.add_argument("args", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
@@ -111,10 +122,8 @@ def parse_args(argv=None):
         p.error("--min_workers %d: dropping a worker restarts the job on the others; give "
                 "--max_restarts N (N >= 2: one restart after the failure, one after the "
                 "worker fails again at start-up)" % a.min_workers)
-    if a.machine_list and (a.max_restarts or a.min_workers < a.num_workers):
-        p.error("--max_restarts / --min_workers work on one machine only for now (the "
-                "launchers of several machines do not agree on restarts yet): restart a "
-                "--machine_list job from its newest checkpoint by launching it again")
+    if a.host_timeout <= 0:
+        p.error("--host_timeout must be > 0 seconds, got %g" % a.host_timeout)
     return a
 
 
@@ -151,13 +160,8 @@ def free_port_block(n, host="127.0.0.1", tries=200):
     raise RuntimeError("no %d consecutive free ports on %s" % (n, host))
 
 
-def worker_addresses(a):
-    """(TF addresses of all workers, EPL communication addresses, indices of the workers
-    this machine starts)."""
-    if not a.machine_list:
-        ports = free_ports(2 * a.num_workers)
-        return (["127.0.0.1:%d" % p for p in ports[:a.num_workers]],
-                ["127.0.0.1:%d" % p for p in ports[a.num_workers:]], list(range(a.num_workers)))
+def machine_table(a):
+    """(host, first port) of every machine of --machine_list, and workers per machine."""
     machines = [m.strip() for m in a.machine_list.split(",") if m.strip()]
     if a.num_workers % len(machines):
         raise SystemExit("epl-launch: --num_workers %d cannot be divided over %d machines"
@@ -165,17 +169,33 @@ def worker_addresses(a):
     if not 0 <= a.machine_rank < len(machines):
         raise SystemExit("epl-launch: --machine_rank %d is outside the %d machines of "
                          "--machine_list" % (a.machine_rank, len(machines)))
-    per = a.num_workers // len(machines)
-    addrs, comm = [], []
+    table = []
     for m in machines:
         host, _, port = m.rpartition(":")
         if not host or not port.isdigit():
             raise SystemExit("epl-launch: --machine_list entry %r is not host:port" % m)
+        table.append((host, int(port)))
+    return table, a.num_workers // len(machines)
+
+
+def worker_addresses(a, taking_part=None):
+    """(TF addresses of all workers, EPL communication addresses, ranks of the workers
+    this machine starts).  ``taking_part``: the machines of this attempt (all of them
+    unless some were dropped)."""
+    if not a.machine_list:
+        ports = free_ports(2 * a.num_workers)
+        return (["127.0.0.1:%d" % p for p in ports[:a.num_workers]],
+                ["127.0.0.1:%d" % p for p in ports[a.num_workers:]], list(range(a.num_workers)))
+    table, per = machine_table(a)
+    taking_part = list(range(len(table))) if taking_part is None else list(taking_part)
+    addrs, comm = [], []
+    for m in taking_part:
+        host, port = table[m]
         # worker i of a machine: TF on port + i, EPL's collectives on port + per + i
-        addrs += ["%s:%d" % (host, int(port) + i) for i in range(per)]
-        comm += ["%s:%d" % (host, int(port) + per + i) for i in range(per)]
-    mine = list(range(a.machine_rank * per, (a.machine_rank + 1) * per))
-    return addrs, comm, mine
+        addrs += ["%s:%d" % (host, port + i) for i in range(per)]
+        comm += ["%s:%d" % (host, port + per + i) for i in range(per)]
+    first = taking_part.index(a.machine_rank) * per if a.machine_rank in taking_part else 0
+    return addrs, comm, list(range(first, first + per))
 
 
 def _have_gpus():
@@ -399,13 +419,12 @@ class Attempt(object):
         return time.time() - self.start
 
 
-def start_attempt(a, attempt, slots, job_id, secret, gpus):
+def start_attempt(a, attempt, slots, job_id, secret, gpus, machines=None):
     """Start the workers ``slots`` (their launch indices, in rank order) of ``attempt``.
     On one machine every attempt gets new free ports; with --machine_list the ports are
-    the list's (and every worker of this machine takes part)."""
+    the list's, over the ``machines`` that take part (every worker of this machine does)."""
     if a.machine_list:
-        addrs, comm, mine = worker_addresses(a)
-        ranks = list(mine)
+        addrs, comm, ranks = worker_addresses(a, machines)
     else:
         ports = free_ports(2 * len(slots))
         addrs = ["127.0.0.1:%d" % p for p in ports[:len(slots)]]
@@ -429,30 +448,38 @@ def start_attempt(a, attempt, slots, job_id, secret, gpus):
 def watch(a, attempt, job_start):
     """Wait for the attempt's end: (root-cause worker or None, reason or None when every
     worker succeeded, whether a restart cannot help: --timeout)."""
-    workers = attempt.workers
     while True:
-        codes = [w.proc.poll() for w in workers]
-        bad = [w for w, c in zip(workers, codes) if c not in (None, 0)]
-        if bad:
-            time.sleep(0.3)   # the peers of a failed worker fail within moments:
-            bad = [w for w in workers if w.proc.poll() not in (None, 0)]   # see them all
-            failed = root_cause(bad)
-            return failed, describe_exit(failed.proc.returncode), False
-        if all(c == 0 for c in codes):
-            return None, None, False
-        early = left_before_joining(workers, attempt.launch_dir)
-        if early:
-            return early[0], (
-                "exited with status 0 before it joined the job's collectives (it never ran "
-                "the job's graph), while worker%s %s joined and would wait for it in them "
-                "(every worker of a job runs its steps: look for what ended worker %d's "
-                "script early)" % ("s" if len(early[1]) > 1 else "",
-                                   ", ".join(str(w.index) for w in early[1]), early[0].index)
-            ), False
-        if a.timeout and time.time() - job_start > a.timeout:
-            failed = next(w for w, c in zip(workers, codes) if c is None)
-            return failed, "still running after --timeout %gs" % a.timeout, True
+        ended = poll_attempt(a, attempt, job_start)
+        if ended is not None:
+            return ended
         time.sleep(0.1)
+
+
+def poll_attempt(a, attempt, job_start):
+    """``watch``'s answer if the attempt has ended, else None."""
+    workers = attempt.workers
+    codes = [w.proc.poll() for w in workers]
+    bad = [w for w, c in zip(workers, codes) if c not in (None, 0)]
+    if bad:
+        time.sleep(0.3)   # the peers of a failed worker fail within moments:
+        bad = [w for w in workers if w.proc.poll() not in (None, 0)]   # see them all
+        failed = root_cause(bad)
+        return failed, describe_exit(failed.proc.returncode), False
+    if all(c == 0 for c in codes):
+        return None, None, False
+    early = left_before_joining(workers, attempt.launch_dir)
+    if early:
+        return early[0], (
+            "exited with status 0 before it joined the job's collectives (it never ran "
+            "the job's graph), while worker%s %s joined and would wait for it in them "
+            "(every worker of a job runs its steps: look for what ended worker %d's "
+            "script early)" % ("s" if len(early[1]) > 1 else "",
+                               ", ".join(str(w.index) for w in early[1]), early[0].index)
+        ), False
+    if a.timeout and time.time() - job_start > a.timeout:
+        failed = next(w for w, c in zip(workers, codes) if c is None)
+        return failed, "still running after --timeout %gs" % a.timeout, True
+    return None
 
 
 def end_attempt(attempt, failed, reason):
@@ -485,6 +512,392 @@ def keep_log(a, w, number):
     return kept
 
 
+# -- restarts across machines ------------------------------------------------------------
+#
+# With --machine_list every machine runs its own epl-launch.  Under --max_restarts they
+# must agree on every restart, so one of them decides: machine 0's launcher also runs a
+# coordinator on machine 0's host, port + 2 * workers per machine.  Every launcher (machine
+# 0's too) connects to it and proves the job's secret (HMAC-SHA256 over both sides'
+# nonces, as the workers' TCP collectives do); then the coordinator says when an attempt
+# starts and on which machines, and when to stop it; each launcher runs its own workers
+# and reports how they ended.  A launcher whose connection drops (its host died, it was
+# killed) is a failed machine: the coordinator waits --host_timeout for it to come back,
+# then drops it (--min_workers) or ends the job.
+
+HANDSHAKE_SECONDS = 5
+
+
+def control_address(a):
+    """(host, port) of the coordinator: machine 0's host, after its workers' ports."""
+    table, per = machine_table(a)
+    return table[0][0], table[0][1] + 2 * per
+
+
+def _mac(secret, *parts):
+    return hmac.new(secret.encode(), "|".join(str(p) for p in parts).encode(),
+                    hashlib.sha256).hexdigest()
+
+
+class Channel(object):
+    """JSON messages, one a line, over a TCP connection.  After the handshake a thread
+    reads them into ``events`` as (tag, channel, message); message None: closed."""
+
+    def __init__(self, sock):
+        self.sock = sock
+        self.reader = sock.makefile("rb")
+        self.lock = threading.Lock()
+
+    def send(self, message):
+        data = (json.dumps(message) + "\n").encode()
+        with self.lock:
+            try:
+                self.sock.sendall(data)
+                return True
+            except OSError:
+                return False
+
+    def receive(self, timeout):
+        """One message, read now (the handshake)."""
+        self.sock.settimeout(timeout)
+        try:
+            line = self.reader.readline()
+        finally:
+            self.sock.settimeout(None)
+        if not line:
+            raise OSError("the connection closed")
+        message = json.loads(line.decode())
+        if not isinstance(message, dict):
+            raise ValueError("not a message")
+        return message
+
+    def read_into(self, events, tag):
+        def read():
+            try:
+                for line in self.reader:
+                    events.put((tag, self, json.loads(line.decode())))
+            except (OSError, ValueError):
+                pass
+            events.put((tag, self, None))
+        threading.Thread(target=read, daemon=True).start()
+
+    def close(self):
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def connect_to_coordinator(a, job_id, secret, timeout):
+    """This machine's authenticated channel to the coordinator (retried until
+    ``timeout``: machine 0's launcher may start later)."""
+    address = control_address(a)
+    deadline = time.time() + timeout
+    refused = False   # (a connection closed on this machine's proof: another secret)
+    while True:
+        answered = False
+        try:
+            ch = Channel(socket.create_connection(address, timeout=HANDSHAKE_SECONDS))
+            ch.sock.settimeout(None)
+            hello = ch.receive(HANDSHAKE_SECONDS)
+            mine = secrets.token_hex(16)
+            ch.send({"machine": a.machine_rank, "nonce": mine,
+                     "mac": _mac(secret, "launcher", job_id, a.machine_rank, hello["nonce"],
+                                 mine)})
+            answered = True
+            proof = ch.receive(HANDSHAKE_SECONDS)
+            if not hmac.compare_digest(str(proof.get("mac")), _mac(
+                    secret, "coordinator", job_id, a.machine_rank, hello["nonce"], mine)):
+                raise SystemExit("epl-launch: the coordinator at %s:%d does not prove the "
+                                 "job's secret (EPL_JOB_SECRET differs between the machines?)"
+                                 % address)
+            return ch
+        except (OSError, ValueError, KeyError) as e:
+            refused = refused or answered
+            if time.time() > deadline:
+                raise SystemExit(
+                    "epl-launch: machine %d cannot reach machine 0's launcher at %s:%d "
+                    "within --host_timeout %gs: %s" % ((a.machine_rank,) + address + (
+                        timeout, "it closed the connection when it got this machine's proof "
+                        "of the job's secret (is EPL_JOB_SECRET the same on every machine?)"
+                        if refused else e)))
+            time.sleep(0.5)
+
+
+class _Abort(Exception):
+    """A launcher was stopped by its user: the job ends."""
+
+
+class Coordinator(object):
+    """Machine 0's decisions for a --machine_list job with --max_restarts (see above)."""
+
+    def __init__(self, a, job_id, secret):
+        self.a, self.job_id, self.secret = a, job_id, secret
+        table, self.per = machine_table(a)
+        self.hosts = [h for h, _ in table]
+        self.events = queue.Queue()
+        self.channels = {}
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(control_address(a))
+        self.listener.listen(16)
+        threading.Thread(target=self._accept, daemon=True).start()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _accept(self):
+        while True:
+            try:
+                sock, peer = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handshake, args=(sock, peer), daemon=True).start()
+
+    def _handshake(self, sock, peer):
+        ch = Channel(sock)
+        try:
+            nonce = secrets.token_hex(16)
+            ch.send({"nonce": nonce})
+            hello = ch.receive(HANDSHAKE_SECONDS)
+            k = int(hello["machine"])
+            if not 0 <= k < len(self.hosts) or not hmac.compare_digest(
+                    str(hello["mac"]), _mac(self.secret, "launcher", self.job_id, k, nonce,
+                                            hello["nonce"])):
+                raise ValueError("it does not prove the job's secret")
+            ch.send({"mac": _mac(self.secret, "coordinator", self.job_id, k, nonce,
+                                 hello["nonce"])})
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print("epl-launch: the coordinator refused a connection from %s: %s"
+                  % (peer[0], e), file=sys.stderr, flush=True)
+            ch.close()
+            return
+        self.events.put((k, ch, {"type": "connected"}))
+        ch.read_into(self.events, k)
+
+    def _next(self, deadline):
+        """The next message of a machine's current channel: (machine, message); a closed
+        channel gives {"type": "gone"}; None at the deadline."""
+        while True:
+            try:
+                k, ch, msg = self.events.get(timeout=max(0.01, deadline - time.time()))
+            except queue.Empty:
+                return None
+            if msg is not None and msg.get("type") == "connected":
+                old, self.channels[k] = self.channels.get(k), ch
+                if old is not None:
+                    old.close()
+                return k, msg
+            if self.channels.get(k) is not ch:
+                continue   # (a channel this machine replaced)
+            if msg is None:
+                del self.channels[k]
+                return k, {"type": "gone"}
+            if msg.get("type") == "abort":
+                raise _Abort("machine %d's launcher was %s" % (k, msg.get("reason")))
+            return k, msg
+
+    def _wait_for(self, machines, timeout):
+        """Wait until every machine of ``machines`` is connected; the missing ones."""
+        deadline = time.time() + timeout
+        while not set(machines) <= set(self.channels):
+            if self._next(deadline) is None:
+                break
+        return sorted(set(machines) - set(self.channels))
+
+    def _send_all(self, machines, message):
+        for k in machines:
+            if k in self.channels:
+                self.channels[k].send(message)
+
+    def describe(self, k, report):
+        where = "machine %d (%s)" % (k, self.hosts[k])
+        if report.get("type") == "gone":
+            return where + ": its launcher went away (the host, or its epl-launch, is gone)"
+        return "%s: worker %d %s%s" % (where, report["worker"], report["reason"],
+                                      "\n  " + report["cause"] if report.get("cause") else "")
+
+    def root_cause(self, reports):
+        """The failure that came first, as the one-machine rule says: a killed worker, a
+        machine gone, a worker's own error, else the first report."""
+        for pick in (lambda r: r.get("killed"), lambda r: r.get("type") == "gone",
+                     lambda r: r.get("own")):
+            chosen = [(k, r) for k, r in reports if pick(r)]
+            if chosen:
+                return chosen[0]
+        return reports[0]
+
+    def _run(self):
+        try:
+            code, message = self._drive()
+        except _Abort as e:
+            code, message = 1, "epl-launch: %s; stopped all workers." % e
+        except Exception as e:  # pylint: disable=broad-except
+            code, message = 1, "epl-launch: the coordinator failed: %r" % e
+        machines = sorted(self.channels, key=lambda k: k == 0)   # (machine 0's last)
+        self._send_all(machines, {"type": "finish", "code": code, "message": message})
+        self.listener.close()
+
+    def _drive(self):
+        a, alive = self.a, list(range(len(self.hosts)))
+        missing = self._wait_for(alive, a.host_timeout)
+        if missing:
+            return 1, ("epl-launch: the launcher of machine(s) %s did not connect to machine "
+                       "0's within --host_timeout %gs" % (missing, a.host_timeout))
+        number, used, note = 0, 0, ""
+        while True:
+            start = time.time()
+            run_id = hashlib.sha256(("%s%s%d" % (self.job_id, self.secret, number)).encode()
+                                    ).hexdigest()[:12]
+            self._send_all(alive, {"type": "start", "attempt": number, "machines": alive,
+                                   "run_id": run_id, "note": note})
+            reports, done = [], set()
+            while not reports:   # the attempt runs
+                event = self._next(time.time() + 3600)
+                if event is None:
+                    continue
+                k, msg = event
+                if msg["type"] == "connected" and k not in alive:
+                    self.channels[k].send({"type": "finish", "code": 1, "message":
+                                           "epl-launch: machine %d was dropped from the job"
+                                           % k})
+                elif msg["type"] == "done" and msg["attempt"] == number:
+                    done.add(k)
+                    if done >= set(alive):
+                        return 0, ""
+                elif msg["type"] == "failed" and msg["attempt"] == number:
+                    reports.append((k, msg))
+                elif msg["type"] == "gone" and k in alive:
+                    reports.append((k, msg))
+            ran = time.time() - start
+            self._send_all(alive, {"type": "stop", "attempt": number})
+            pending = set(k for k in alive if k in self.channels)
+            deadline = time.time() + GRACE_SECONDS + 15
+            while pending:   # every launcher stops its workers
+                event = self._next(deadline)
+                if event is None:
+                    break
+                k, msg = event
+                if msg["type"] == "failed" and msg["attempt"] == number:
+                    reports.append((k, msg))
+                elif msg["type"] == "stopped" and msg["attempt"] == number:
+                    pending.discard(k)
+                elif msg["type"] == "gone" and k in alive:
+                    pending.discard(k)
+                    if all(r[0] != k for r in reports):
+                        reports.append((k, msg))
+            k, cause = self.root_cause(reports)
+            what = "epl-launch: attempt %d failed after %.1f s: %s" % (
+                number, ran, self.describe(k, cause))
+            if cause.get("final"):
+                return 1, what
+            if ran >= a.restart_window:
+                used = 0
+            if used >= a.max_restarts:
+                return 1, ("%s\nepl-launch: the job failed after %d restart(s): --max_restarts "
+                           "%d (the count resets after %g s of running)"
+                           % (what, number, a.max_restarts, a.restart_window))
+            used += 1
+            note = what
+            gone = [k for k, r in reports if r.get("type") == "gone" and k in alive]
+            for k in self._wait_for(gone, a.host_timeout):
+                if (len(alive) - 1) * self.per < a.min_workers:
+                    return 1, ("%s\nepl-launch: machine %d's launcher did not come back within "
+                               "--host_timeout %gs, and without it fewer than --min_workers "
+                               "%d workers remain" % (what, k, a.host_timeout, a.min_workers))
+                alive.remove(k)
+                note += ("\nepl-launch: machine %d (%s) did not come back within --host_timeout "
+                         "%gs: dropped for good; the job goes on with %d worker(s) on machine(s) "
+                         "%s (--min_workers %d). Every worker keeps its batch, so the global "
+                         "batch is now %d of the %d workers' batches; input sliced by io.slicing "
+                         "is re-sharded over the remaining workers."
+                         % (k, self.hosts[k], a.host_timeout, len(alive) * self.per, alive,
+                            a.min_workers, len(alive) * self.per, a.num_workers))
+            number += 1
+            note += ("\nepl-launch: restart %d of %d (EPL_RESTART_COUNT=%d): starting %d "
+                     "worker(s) again; training resumes from the job's newest checkpoint"
+                     % (used, a.max_restarts, number, len(alive) * self.per))
+
+
+def report_of(a, attempt, failed, reason, final):
+    """What this machine tells the coordinator about its attempt's end."""
+    if reason is None:
+        return {"type": "done", "attempt": attempt.number}
+    line = exception_line(failed.log_path) if failed is not None else ""
+    code = failed.proc.returncode if failed is not None else None
+    return {"type": "failed", "attempt": attempt.number, "machine": a.machine_rank,
+            "worker": failed.index if failed is not None else -1, "reason": reason,
+            "cause": line, "killed": code is not None and code < 0,
+            "own": bool(line) and not any(c in line for c in _CASCADE), "final": final}
+
+
+def run_coordinated(a, job_id, secret, gpus, mine):
+    """One machine's launcher of a --machine_list job with --max_restarts: attempts as
+    the coordinator (machine 0's launcher) says."""
+    coordinator = Coordinator(a, job_id, secret) if a.machine_rank == 0 else None
+    ch = connect_to_coordinator(a, job_id, secret, a.host_timeout)
+    events = queue.Queue()
+    ch.read_into(events, None)
+    attempt, reported, code, message = None, True, 1, ""
+    job_start = time.time()
+    previous = (signal.signal(signal.SIGTERM, _on_sigterm)
+                if threading.current_thread() is threading.main_thread() else None)
+    try:
+        while True:
+            try:
+                msg = events.get(timeout=0.1)[2]
+            except queue.Empty:
+                if attempt is not None and not reported:
+                    ended = poll_attempt(a, attempt, job_start)
+                    if ended is not None:
+                        end_attempt(attempt, ended[0], ended[1])
+                        ch.send(report_of(a, attempt, *ended))
+                        reported = True
+                continue
+            if msg is None:
+                message = ("epl-launch: machine 0's launcher (the coordinator, %s:%d) went "
+                           "away; stopped this machine's workers." % control_address(a))
+                break
+            if msg["type"] == "start":
+                if msg.get("note"):
+                    print("\n" + msg["note"], flush=True)
+                if attempt is not None:
+                    for w in attempt.workers:
+                        keep_log(a, w, attempt.number)
+                attempt = Attempt(msg["attempt"], msg["run_id"],
+                                  tempfile.mkdtemp(prefix="epl-launch-%s-" % msg["run_id"]))
+                start_attempt(a, attempt, mine, job_id, secret, gpus, msg["machines"])
+                reported = False
+            elif msg["type"] == "stop":
+                end_attempt(attempt, None, "stopped by the coordinator")
+                if not reported:
+                    ch.send(report_of(a, attempt, None, "stopped", False))
+                    reported = True
+                ch.send({"type": "stopped", "attempt": msg["attempt"]})
+            elif msg["type"] == "finish":
+                code, message = msg["code"], msg["message"]
+                break
+    except (KeyboardInterrupt, _Terminated) as e:
+        reason = "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else \
+            "terminated (SIGTERM)"
+        ch.send({"type": "abort", "reason": reason})
+        message = "epl-launch: %s; stopped all workers." % reason
+    finally:
+        try:
+            end_attempt(attempt, None, "stopped")
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+            if coordinator is not None:
+                coordinator.thread.join(GRACE_SECONDS + 20)
+            ch.close()
+    print("\nepl-launch summary (machine %d):" % a.machine_rank)
+    for w in attempt.workers if attempt else []:
+        print("  worker %d: %s  log %s" % (w.index, "exit %s" % w.proc.returncode, w.log_path))
+    if message:
+        print("\n" + message, flush=True)
+    return code
+
+
 def main(argv=None):
     a = parse_args(argv)
     addrs, comm, mine = worker_addresses(a)
@@ -501,6 +914,8 @@ def main(argv=None):
               % (a.max_restarts, a.restart_window,
                  ", down to %d worker(s)" % a.min_workers if a.min_workers < a.num_workers
                  else ""), flush=True)
+    if a.machine_list and a.max_restarts:
+        return run_coordinated(a, job_id, secret, gpus, mine)
     slots = list(mine)        # the launch indices of the workers that take part
     used = 0                  # restarts counted against --max_restarts (the window resets it)
     last_cause = None         # the launch index of the previous attempt's root cause

@@ -13,7 +13,9 @@ Faults, from the environment (the tests set them):
 * RESTART_KILL=w:s -- in the first attempt (EPL_RESTART_COUNT=0) worker w kills itself
   with SIGKILL right after global step s;
 * RESTART_DOWN=w -- in every restarted attempt worker w exits with status 3 at start-up,
-  before it joins the job (its "host" stays down).
+  before it joins the job (its "host" stays down);
+* RESTART_PAUSE=w:s -- in the first attempt worker w waits after global step s (the test
+  then kills its machine's launcher).
 
 Each worker writes OUT_DIR/pid_<launch attempt>_<rank> (to check that nothing is left
 running) and, at the last step, OUT_DIR/worker_<rank>.npz with its weights.
@@ -21,6 +23,7 @@ running) and, at the last step, OUT_DIR/worker_<rank>.npz with its weights.
 import os
 import signal
 import sys
+import time
 
 import numpy as np
 import tensorflow.compat.v1 as tf
@@ -78,7 +81,7 @@ def main():
     if down and attempt > 0 and rank == down[0]:
         print("worker %d: its host is down" % rank, flush=True)
         sys.exit(3)
-    kill = _fault("RESTART_KILL")
+    kill, pause = _fault("RESTART_KILL"), _fault("RESTART_PAUSE")
     tf.logging.set_verbosity(tf.logging.ERROR)
     epl.init(epl.Config({"io.slicing": True}))
     epl.set_default_strategy(epl.replicate(1))
@@ -113,6 +116,9 @@ def main():
             print("step %d" % step, flush=True)
             if kill and attempt == 0 and rank == kill[0] and step == kill[1]:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if pause and attempt == 0 and rank == pause[0] and step == pause[1]:
+                print("worker %d paused at step %d" % (rank, step), flush=True)
+                time.sleep(300)
         np.savez(os.path.join(out_dir, "worker_%d.npz" % rank), **models.weights(sess))
     print("worker %d done at global step %d" % (rank, step), flush=True)
 

@@ -277,3 +277,149 @@ def test_epl_state_starts_again_when_a_checkpoint_is_restored(tmp_path, feature)
         reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(ckpt))
         models.assert_weights_close({k: reader.get_tensor(k) for k in weights}, weights,
                                     rtol=0, atol=0)
+
+
+# -- several machines: one launcher each, machine 0's coordinates ------------------------
+
+def _machines(count):
+    """A --machine_list of ``count`` 'hosts' on 127.0.0.2, 127.0.0.3, ... with 3 free
+    ports each (1 worker: TensorFlow's port, EPL's, and on machine 0 the coordinator's)."""
+    from epl.launcher import free_port_block
+    return ",".join("127.0.0.%d:%d" % (2 + m, free_port_block(3, "127.0.0.%d" % (2 + m)))
+                    for m in range(count))
+
+
+class _Launchers(object):
+    """One epl-launch per machine of a 2-machine job of restart_train.py; their output is
+    read on threads (so a test can wait for a line, and kill a launcher)."""
+
+    def __init__(self, tmp_path, args, env_extra):
+        import threading
+        data = tmp_path / "data"
+        data.mkdir()
+        self.x, self.y = rt.write_files(str(data))
+        env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2",
+                   EPL_JOB_SECRET="a-secret-both-machines-share", **env_extra)
+        env.pop("EPL_JOB_ID", None)
+        machines = _machines(2)
+        self.procs, self.outs = [], [[], []]
+        for r in (0, 1):
+            p = subprocess.Popen(
+                [sys.executable, "-m", "epl.launcher", "--num_workers", "2", "--machine_list",
+                 machines, "--machine_rank", str(r), "--log_dir", str(tmp_path / ("logs%d" % r))]
+                + args + [os.path.join(HERE, "restart_train.py"), str(tmp_path), str(data)],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            self.procs.append(p)
+            threading.Thread(target=self._pump, args=(p, self.outs[r]), daemon=True).start()
+
+    @staticmethod
+    def _pump(proc, lines):
+        for raw in iter(proc.stdout.readline, b""):
+            lines.append(raw.decode("utf-8", "replace"))
+
+    def out(self, r):
+        return "".join(self.outs[r])
+
+    def wait_for(self, r, text, timeout=120):
+        deadline = time.time() + timeout
+        while text not in self.out(r):
+            if time.time() > deadline or self.procs[r].poll() is not None:
+                self.kill()
+                pytest.fail("no %r from machine %d:\n%s" % (text, r, self.out(r)[-5000:]))
+            time.sleep(0.05)
+
+    def finish(self, timeout=150):
+        deadline = time.time() + timeout
+        for p in self.procs:
+            try:
+                p.wait(max(1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                self.kill()
+                pytest.fail("a launcher hung:\n%s\n%s" % (self.out(0)[-4000:],
+                                                            self.out(1)[-4000:]))
+        time.sleep(0.2)   # (the last lines)
+        return [p.returncode for p in self.procs]
+
+    def kill(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_two_machines_restart_together(tmp_path):
+    """Worker 1 (machine 1) is killed after step 5: machine 0's launcher, which
+    coordinates, names it and both machines start their workers again; the final
+    weights equal the uninterrupted run's."""
+    before = _segments()
+    job = _Launchers(tmp_path, ["--max_restarts", "1", "--host_timeout", "60"],
+                     {"RESTART_KILL": "1:5"})
+    codes = job.finish()
+    out0, out1 = job.out(0), job.out(1)
+    assert codes == [0, 0], out0[-5000:] + out1[-5000:]
+    for out in (out0, out1):
+        assert "attempt 0 failed after" in out and \
+            "machine 1 (127.0.0.3): worker 1 was killed by SIGKILL" in out, out[-5000:]
+        assert "restart 1 of 1 (EPL_RESTART_COUNT=1): starting 2 worker(s) again" in out
+    want = _local([rt.global_batch(job.x, job.y, 2, s) for s in range(rt.STEPS)])
+    for w in range(2):
+        models.assert_weights_close(dict(np.load(str(tmp_path / ("worker_%d.npz" % w)))),
+                                    want)
+    _nothing_left(tmp_path, before)
+
+
+def test_a_machine_that_stays_away_is_dropped(tmp_path):
+    """Machine 1's launcher is killed (SIGKILL, its worker goes with it) while its worker
+    waits after step 5, and does not come back within --host_timeout 3: under
+    --min_workers 1 machine 0 goes on alone from the newest checkpoint (step 5), and the
+    numbers follow the documented rule, as on one machine."""
+    import signal
+    before = _segments()
+    job = _Launchers(tmp_path, ["--max_restarts", "1", "--min_workers", "1",
+                                "--host_timeout", "3"], {"RESTART_PAUSE": "1:5"})
+    job.wait_for(1, "worker 1 paused at step 5")
+    job.procs[1].send_signal(signal.SIGKILL)
+    codes = job.finish()
+    out = job.out(0)
+    assert codes == [0, -signal.SIGKILL], out[-6000:]
+    assert "machine 1 (127.0.0.3): its launcher went away" in out, out[-6000:]
+    assert "machine 1 (127.0.0.3) did not come back within --host_timeout 3s: dropped for " \
+           "good; the job goes on with 1 worker(s) on machine(s) [0]" in out, out[-6000:]
+    assert "attempt 1: worker 0 of 1 starts at global step 5" in out, out[-6000:]
+    want = _local([rt.global_batch(job.x, job.y, 2, s) for s in range(5)] +
+                  [rt.global_batch(job.x, job.y, 1, s) for s in range(5, rt.STEPS)])
+    models.assert_weights_close(dict(np.load(str(tmp_path / "worker_0.npz"))), want)
+    _nothing_left(tmp_path, before)
+
+
+def test_a_launcher_with_another_secret_is_refused(tmp_path):
+    """The coordinator obeys only launchers that prove the job's secret: machine 1's
+    launcher with another EPL_JOB_SECRET is refused (and logged); it gives up, and machine
+    0's ends the job naming the machine that never connected, both within the
+    --host_timeout (no worker ever starts)."""
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit('a worker started')\n")
+    machines = _machines(2)
+    procs = []
+    for r, secret in ((0, "the-job-secret"), (1, "another-secret")):
+        env = dict(os.environ, PYTHONPATH=ROOT, EPL_JOB_SECRET=secret)
+        env.pop("EPL_JOB_ID", None)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "epl.launcher", "--num_workers", "2", "--machine_list",
+             machines, "--machine_rank", str(r), "--max_restarts", "1", "--host_timeout", "4",
+             "--log_dir", str(tmp_path / ("logs%d" % r)), str(script)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=90)[0].decode())
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("a launcher hung")
+    assert procs[0].returncode == 1 and procs[1].returncode == 1, outs
+    assert "refused a connection from" in outs[0] and \
+        "does not prove the job's secret" in outs[0], outs[0]
+    assert "launcher of machine(s) [1] did not connect" in outs[0], outs[0]
+    assert "is EPL_JOB_SECRET the same on every machine?" in outs[1], outs[1]
+    assert "a worker started" not in "".join(outs)
