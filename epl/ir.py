@@ -123,9 +123,10 @@ def separators(ops):
 class TaskGraph(object):
     """The ops of one strategy annotation (seed 001 §4)."""
 
-    def __init__(self, index, strategy):
+    def __init__(self, index, strategy, graph=None):
         self.index = index
         self.strategy = strategy
+        self.graph = graph     # the tf.Graph whose ops these are
         self.ops = []          # in creation order
 
     @property
@@ -255,7 +256,7 @@ class Graph(object):
     def taskgraph_for(self, strategy):
         tg = self._tg_of_strategy.get(id(strategy))
         if tg is None:
-            tg = TaskGraph(len(self.taskgraphs), strategy)
+            tg = TaskGraph(len(self.taskgraphs), strategy, self.tf_graph)
             self.taskgraphs.append(tg)
             # Keep the strategy alive so its id() is not reused.
             self._tg_of_strategy[id(strategy)] = tg
@@ -266,7 +267,12 @@ class Graph(object):
         self.op_phase[op.name] = phase
         if shard is not None:
             self.op_shard[op.name] = shard
-        if taskgraph is not None:
+        # Only the graph's own ops join its TaskGraphs: an op of a v2 body (a FuncGraph)
+        # made while a gradient of this graph was built (TF 1.15 rebuilds a loop's bodies
+        # from their FunctionDefs inside tf.gradients) is classified with the gradient's
+        # TaskGraph, but its tensors exist only inside the body: no pass may copy it.
+        if taskgraph is not None and (taskgraph.graph is None
+                                      or taskgraph.graph is self.tf_graph):
             taskgraph.ops.append(op)
 
     def stage_order(self, taskgraphs=None):

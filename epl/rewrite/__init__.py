@@ -235,6 +235,8 @@ def _extend(epl_graph, env, state):
     gradient accumulation the added ops' micro-batches are not scheduled: they run in
     whatever order TensorFlow picks, which changes no number.)"""
     since = state.last_id
+    # v2 loops built since: their gradient's accumulators are the forward loop's.
+    control_flow.adopt_accumulators(epl_graph, state.taskgraphs)
     new = [op for op in tfg.ops_between(state.graph, since + 1)
            if epl_graph.phase_of(op) not in (ir.REWRITE, ir.SAVE)]
     model = [op for op in new if epl_graph.taskgraph_of(op) is not None]

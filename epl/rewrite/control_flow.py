@@ -71,9 +71,10 @@ def check_stages(ir_graph, taskgraphs, num_stages):
     built.)  Checked before the stages are ordered: a loop across stages reads in
     both directions.
 
-    Runs before the selection, for every layout, so the v2 corrections of what
-    capture recorded come first: ``drop_body_ops`` and ``adopt_accumulators``."""
-    drop_body_ops(ir_graph, taskgraphs)
+    Runs before the selection, for every layout, so the v2 correction of what capture
+    recorded comes first (``adopt_accumulators``; a later rewrite applies it to the ops
+    it adds).  (Ops of v2 bodies never join the graph's TaskGraphs: ``ir.Graph.record``
+    keeps them out where capture records them.)"""
     adopt_accumulators(ir_graph, taskgraphs)
     if num_stages <= 1:
         return
@@ -97,18 +98,6 @@ def check_stages(ir_graph, taskgraphs, num_stages):
                 % (describe(root), examples, what))
 
 
-def drop_body_ops(ir_graph, taskgraphs):
-    """Only ops of the graph itself belong to its TaskGraphs.  Ops of a v2 body (a
-    ``FuncGraph``) made while a gradient of the graph was built -- TF 1.15 rebuilds a
-    loop's bodies from their FunctionDefs inside tf.gradients -- are recorded with the
-    gradient's TaskGraph; they are not the graph's ops, and the cloner must not copy
-    them (their tensors exist only inside the body)."""
-    graph = ir_graph.tf_graph
-    for tg in taskgraphs:
-        if any(op.graph is not graph for op in tg.ops):
-            tg.ops[:] = [op for op in tg.ops if op.graph is graph]
-
-
 def adopt_accumulators(ir_graph, taskgraphs):
     """The ops a v2 loop's gradient made for the forward loop (the accumulators its
     forward ``While`` takes as extra inputs, their shapes) belong to the forward pass of
@@ -118,7 +107,10 @@ def adopt_accumulators(ir_graph, taskgraphs):
     backward after the forwards of the micro-batches) would make the forward loop wait
     for its own backward: a cycle.  Only ops that feed nothing but forward loops and
     conditions (and each other) are taken: a gradient a forward condition reads (a
-    gradient penalty) stays the backward op it is.  Runs before the selection."""
+    gradient penalty) stays the backward op it is.  Runs before the selection (of the
+    first rewrite and of a later one).  At rewrite time, not in capture where the
+    phase is recorded: which ops feed nothing but forward loops is known only once
+    every gradient of the graph is built.  Idempotent."""
     ours = set(id(tg) for tg in ir_graph.taskgraphs)
 
     def forward_call(op):
