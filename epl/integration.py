@@ -142,9 +142,11 @@ def _make_callable(self, fetches, feed_list=None, accept_options=False):
 def _make_callable_from_options(self, callable_options):
     """tf.keras runs its train, test and predict functions through callables."""
     runtime.before_run(self)
-    return progress.watch_callable(self, callable_options, original(
-        "session.make_callable_from_options")(self, runtime.map_callable(self.graph,
-                                                                         callable_options)))
+
+    def make(options):
+        return original("session.make_callable_from_options")(self, options)
+    return progress.watch_callable(self, callable_options, profile_record.watch_callable(
+        self.graph, runtime.map_callable(self.graph, callable_options), make))
 
 
 # point (epl.tf_adapter.patching) -> the hook that replaces it.

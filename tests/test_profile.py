@@ -352,3 +352,35 @@ def test_clocks_of_other_hosts_aligned_from_shared_collectives(tmp_path, hosts):
     w1 = traces[1].lanes["worker 1 device:CPU:0"]
     assert traces[1].offset_us == 7000
     assert w1["ops"][0]["ts"] == (100 if hosts[0] != hosts[1] else 7100)
+
+
+def test_keras_fit_steps_are_traced(tmp_path, monkeypatch):
+    """tf.keras trains through callables: their calls count as runs and are traced, the
+    replicas' forward and backward on both devices."""
+    import numpy as np
+    import tensorflow.compat.v1 as tf
+    folder = str(tmp_path / "t")
+    monkeypatch.setenv("EPL_PROFILE_DIR", folder)
+    monkeypatch.setenv("EPL_PROFILE_STEPS", "1-40")
+    models.reset()
+    try:
+        models.init_data_parallel(2)
+        x, y = models.data(64)
+        model = tf.keras.Sequential([
+            tf.keras.layers.Dense(models.HIDDEN, activation="tanh", input_shape=(models.IN,)),
+            tf.keras.layers.Dense(models.CLASSES)])
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.1),
+                      loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    finally:
+        models.reset()
+    steps = analysis.load(folder)
+    trained = [traces for traces in steps.values()
+               if any(e["args"]["phase"] == "backward" for t in traces
+                      for lane in t.lanes.values() for e in lane["stages"])]
+    assert len(trained) >= 3, sorted(steps)
+    (trace,) = trained[-1]
+    assert sorted(trace.lanes) == ["worker 0 device:CPU:0", "worker 0 device:CPU:1"]
+    for name, lane in trace.lanes.items():
+        assert set(e["args"]["phase"] for e in lane["stages"]) == {"forward", "backward"}, name
+        assert lane["collectives"], name

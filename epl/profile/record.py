@@ -1,6 +1,7 @@
 """Tracing the runs ``profile.steps`` names into ``profile.dir`` (Chrome trace JSON).
 
-``start`` is asked before every ``Session.run`` of a graph (``epl.integration``); it
+``start`` is asked before every ``Session.run`` of a graph (``epl.integration``), and
+every call of a callable made from options (tf.keras, ``watch_callable``); it
 counts the graph's runs (from 1, initialization runs included) and, for a run to trace,
 returns the run options with a full trace (the user's own options and RunMetadata kept:
 the user's RunMetadata is filled as usual) and turns on the C++ collectives' records.
@@ -78,6 +79,36 @@ def start(graph, options, run_metadata):
     collectives.take()   # (records of an earlier, failed traced run)
     collectives.enable(True)
     return Traced(graph, n, tftrace.full_trace_options(options), metadata)
+
+
+def watch_callable(graph, callable_options, make):
+    """A callable of ``callable_options`` (how tf.keras runs its train, test and predict
+    functions; ``make(options)`` makes one) whose calls count as runs of ``graph``: the
+    calls profile.steps names run through a second callable made with a full trace.
+    Without profile.dir when it is made, the plain callable itself."""
+    fn = make(callable_options)
+    if not Env.initialized() or not Env.get().config.get("profile.dir"):
+        return fn
+    traced_fn = []
+
+    def call(*args, **kwargs):
+        traced = start(graph, callable_options.run_options, kwargs.get("run_metadata"))
+        if traced is None:
+            return fn(*args, **kwargs)
+        if not traced_fn:
+            options = type(callable_options)()
+            options.CopyFrom(callable_options)
+            options.run_options.CopyFrom(traced.options)
+            traced_fn.append(make(options))
+        ok = False
+        try:
+            kwargs["run_metadata"] = traced.metadata
+            out = traced_fn[0](*args, **kwargs)
+            ok = True
+            return out
+        finally:
+            finish(traced, ok)
+    return call
 
 
 def finish(traced, ok=True):
