@@ -865,6 +865,8 @@ def run_coordinated(a, job_id, secret, gpus, mine):
                         keep_log(a, w, attempt.number)
                 attempt = Attempt(msg["attempt"], msg["run_id"],
                                   tempfile.mkdtemp(prefix="epl-launch-%s-" % msg["run_id"]))
+                print("epl-launch: attempt %d: run %s" % (attempt.number, attempt.run_id),
+                      flush=True)
                 start_attempt(a, attempt, mine, job_id, secret, gpus, msg["machines"])
                 reported = False
             elif msg["type"] == "stop":
@@ -935,6 +937,8 @@ def main(argv=None):
                       if a.machine_list else secrets.token_hex(6))
             attempt = Attempt(number, run_id,
                               tempfile.mkdtemp(prefix="epl-launch-%s-" % run_id))
+            if a.max_restarts:
+                print("epl-launch: attempt %d: run %s" % (number, run_id), flush=True)
             start_attempt(a, attempt, slots, job_id, secret, gpus)
             failed, reason, final = watch(a, attempt, job_start)
             end_attempt(attempt, failed, reason)

@@ -19,8 +19,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def _segments():
-    return set(glob.glob("/dev/shm/epl-*"))
+def _segments(out):
+    """The shared-memory segments left of the runs ``out`` (epl-launch's output) names
+    (other jobs of this machine may hold segments of their own meanwhile)."""
+    runs = set(re.findall(r"epl-launch: attempt \d+: run ([0-9a-f]+)", out))
+    assert runs, out[-3000:]
+    return [p for r in sorted(runs) for p in glob.glob("/dev/shm/epl-%s-*" % r)]
 
 
 def _running(pid):
@@ -45,15 +49,16 @@ def _launch(args, env_extra=None, timeout=150):
     return out.returncode, out.stdout.decode("utf-8", "replace")
 
 
-def _nothing_left(tmp_path, before):
-    """No worker of any attempt still runs (each wrote its pid), no segment is left."""
+def _nothing_left(tmp_path, out):
+    """No worker of any attempt still runs (each wrote its pid), no segment of the job's
+    runs is left."""
     pids = [int(p.read_text()) for p in tmp_path.glob("pid_*")]
     assert pids
     deadline = time.time() + 10
     while any(_running(p) for p in pids) and time.time() < deadline:
         time.sleep(0.05)
     assert not [p for p in pids if _running(p)], "workers outlived epl-launch"
-    assert _segments() - before == set()
+    assert _segments(out) == []
 
 
 # -- the launcher's rules, with workers that need no TensorFlow ------------------------
@@ -86,7 +91,6 @@ def _flaky(tmp_path, restarts, window, slow_attempts, seconds):
 def test_after_n_restarts_the_job_fails_naming_the_root_cause(tmp_path):
     """Worker 1 fails in every attempt: 2 restarts, then the job fails with worker 1's
     exception (not worker 0, which the launcher stopped), each restart logged with it."""
-    before = _segments()
     code, out = _flaky(tmp_path, 2, 0, 0, 0)
     assert code == 1, out
     for k in range(3):
@@ -102,7 +106,7 @@ def test_after_n_restarts_the_job_fails_naming_the_root_cause(tmp_path):
     for k in (0, 1):   # the earlier attempts' logs are kept
         assert "broke in attempt %d" % k in (
             tmp_path / "logs" / ("worker_1.attempt%d.log" % k)).read_text()
-    _nothing_left(tmp_path, before)
+    _nothing_left(tmp_path, out)
 
 
 def test_the_restart_window_resets_the_count(tmp_path):
@@ -146,16 +150,15 @@ def _local(batches, optimizer="adam"):
             return models.weights(sess)
 
 
-def _train_job(tmp_path, extra_args, env_extra):
+def _train_job(tmp_path, extra_args, env_extra, script_args=()):
     data = tmp_path / "data"
     data.mkdir()
     x, y = rt.write_files(str(data))
-    before = _segments()
     code, out = _launch(["--num_workers", "2", "--gpu_per_worker", "1", "--log_dir",
                          str(tmp_path / "logs")] + extra_args +
-                        [os.path.join(HERE, "restart_train.py"), str(tmp_path), str(data)],
-                        env_extra)
-    return code, out, (x, y), before
+                        [os.path.join(HERE, "restart_train.py"), str(tmp_path), str(data)] +
+                        list(script_args), env_extra)
+    return code, out, (x, y)
 
 
 def _restored_step(out, attempt):
@@ -177,7 +180,7 @@ def test_kill_9_at_step_5_restarts_and_equals_an_uninterrupted_run(tmp_path):
     launcher names it, starts both workers again, they restore the newest checkpoint
     (global_step, Adam's slots) and read on from the restored step; the final weights
     of both workers and of the last checkpoint equal the uninterrupted run's."""
-    code, out, (x, y), before = _train_job(tmp_path, ["--max_restarts", "1"],
+    code, out, (x, y) = _train_job(tmp_path, ["--max_restarts", "1"],
                                            {"RESTART_KILL": "1:5"})
     assert code == 0, out[-6000:]
     assert "attempt 0: worker 1 was killed by SIGKILL" in out, out[-6000:]
@@ -192,7 +195,25 @@ def test_kill_9_at_step_5_restarts_and_equals_an_uninterrupted_run(tmp_path):
     step, weights = _final_checkpoint(tmp_path)
     assert step == rt.STEPS
     models.assert_weights_close(weights, want)
-    _nothing_left(tmp_path, before)
+    _nothing_left(tmp_path, out)
+
+
+@pytest.mark.estimator
+def test_an_estimator_job_restarts_from_its_model_dir(tmp_path):
+    """The same kill -9 with the job as an Estimator (model_dir = the checkpoint folder,
+    a checkpoint every step): the restarted Estimator restores its newest checkpoint and
+    its last one equals the uninterrupted run."""
+    code, out, (x, y) = _train_job(tmp_path, ["--max_restarts", "1"],
+                                           {"RESTART_KILL": "1:5"}, ["estimator"])
+    assert code == 0, out[-6000:]
+    assert "attempt 0: worker 1 was killed by SIGKILL" in out, out[-6000:]
+    start = _restored_step(out, 1)
+    assert 1 <= start <= 5, start
+    step, weights = _final_checkpoint(tmp_path)
+    assert step == rt.STEPS
+    models.assert_weights_close(
+        weights, _local([rt.global_batch(x, y, 2, s) for s in range(rt.STEPS)]))
+    _nothing_left(tmp_path, out)
 
 
 def test_a_worker_that_stays_down_is_dropped(tmp_path):
@@ -203,7 +224,7 @@ def test_a_worker_that_stays_down_is_dropped(tmp_path):
     io.slicing gives the remaining worker every file; the input position is the global
     step.  So the weights are the local model's on the 2-worker global batches up to the
     restored step, then on worker 0's batches of all the files."""
-    code, out, (x, y), before = _train_job(
+    code, out, (x, y) = _train_job(
         tmp_path, ["--max_restarts", "2", "--min_workers", "1"],
         {"RESTART_KILL": "1:5", "RESTART_DOWN": "1"})
     assert code == 0, out[-6000:]
@@ -222,7 +243,7 @@ def test_a_worker_that_stays_down_is_dropped(tmp_path):
     step, weights = _final_checkpoint(tmp_path)
     assert step == rt.STEPS
     models.assert_weights_close(weights, want)
-    _nothing_left(tmp_path, before)
+    _nothing_left(tmp_path, out)
 
 
 # -- EPL's own state across a restore ----------------------------------------------------
@@ -351,7 +372,6 @@ def test_two_machines_restart_together(tmp_path):
     """Worker 1 (machine 1) is killed after step 5: machine 0's launcher, which
     coordinates, names it and both machines start their workers again; the final
     weights equal the uninterrupted run's."""
-    before = _segments()
     job = _Launchers(tmp_path, ["--max_restarts", "1", "--host_timeout", "60"],
                      {"RESTART_KILL": "1:5"})
     codes = job.finish()
@@ -365,7 +385,7 @@ def test_two_machines_restart_together(tmp_path):
     for w in range(2):
         models.assert_weights_close(dict(np.load(str(tmp_path / ("worker_%d.npz" % w)))),
                                     want)
-    _nothing_left(tmp_path, before)
+    _nothing_left(tmp_path, out0 + out1)
 
 
 def test_a_machine_that_stays_away_is_dropped(tmp_path):
@@ -374,7 +394,6 @@ def test_a_machine_that_stays_away_is_dropped(tmp_path):
     --min_workers 1 machine 0 goes on alone from the newest checkpoint (step 5), and the
     numbers follow the documented rule, as on one machine."""
     import signal
-    before = _segments()
     job = _Launchers(tmp_path, ["--max_restarts", "1", "--min_workers", "1",
                                 "--host_timeout", "3"], {"RESTART_PAUSE": "1:5"})
     job.wait_for(1, "worker 1 paused at step 5")
@@ -389,7 +408,7 @@ def test_a_machine_that_stays_away_is_dropped(tmp_path):
     want = _local([rt.global_batch(job.x, job.y, 2, s) for s in range(5)] +
                   [rt.global_batch(job.x, job.y, 1, s) for s in range(5, rt.STEPS)])
     models.assert_weights_close(dict(np.load(str(tmp_path / "worker_0.npz"))), want)
-    _nothing_left(tmp_path, before)
+    _nothing_left(tmp_path, out)
 
 
 def test_a_launcher_with_another_secret_is_refused(tmp_path):
