@@ -639,7 +639,12 @@ class Coordinator(object):
         self.channels = {}
         self.listener = socket.socket()
         self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.listener.bind(control_address(a))
+        try:
+            self.listener.bind(control_address(a))
+        except OSError as e:
+            raise SystemExit("epl-launch: machine 0 coordinates the restarts of a "
+                             "--machine_list job on its port + 2 x workers per machine, "
+                             "%s:%d, and cannot listen there: %s" % (control_address(a) + (e,)))
         self.listener.listen(16)
         threading.Thread(target=self._accept, daemon=True).start()
         self.thread = threading.Thread(target=self._run, daemon=True)
