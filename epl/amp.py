@@ -31,7 +31,10 @@ import logging
 import tensorflow as tf
 
 from epl import apply_gate, backward_hooks, capture_context, ir
+from epl.env import Env
+from epl.internal_state import variable
 from epl.tf_adapter import graph as tfg, op_types
+from epl.variable_writes import hand_written_update, written_variable
 
 log = logging.getLogger("epl")
 
@@ -64,7 +67,6 @@ def enabled(config):
 def half_dtype():
     """``amp.dtype``: float16, or bfloat16 (TF 1.15's CPU kernels of MatMul,
     BatchMatMul(V2) and Conv2D and their gradients take it)."""
-    from epl.env import Env
     return tf.bfloat16 if Env.get().config.get("amp.dtype") == "bfloat16" else tf.float16
 
 
@@ -167,7 +169,6 @@ def loss_scale(graph, config):
     value = config.get("amp.loss_scale")
     if value != "dynamic":
         return tf.constant(float(value), tf.float32, name="EPL_AMP/loss_scale"), None
-    from epl.internal_state import variable
     amp = state_of(ir.Graph.get(graph))
     if amp.dynamic is None:
         with graph.name_scope("EPL_AMP/"):
@@ -255,7 +256,6 @@ def guard_updates(epl_graph, config):
     if not enabled(config) or config.get("amp.loss_scale") != "dynamic" \
             or amp.dynamic is None:
         return
-    from epl.variable_writes import hand_written_update, written_variable
     handled = set()
     for rec in epl_graph.apply_records:
         handled.update(rec.op_ids)

@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from epl import capture_context, ir
 from epl.tf_adapter import graph as tfg
+from epl.variable_writes import advances, written_variable
 
 log = logging.getLogger("epl")
 
@@ -61,7 +62,6 @@ def guard_step(epl_graph):
     ``apply_gradients`` run only when every registered predicate holds: the increment
     becomes ``where(pred, step + 1, step)`` (``where(pred, 1, 0)`` for an
     ``assign_add``).  Initializers and restores set the step: left alone."""
-    from epl.variable_writes import advances, written_variable
     graph = epl_graph.tf_graph
     gates = epl_graph.feature(Gates)
     since = gates.step_guarded_id

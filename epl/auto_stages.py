@@ -19,6 +19,7 @@ same for every layer.
 import logging
 
 from epl import backward_hooks, ir
+from epl.strategies import replicate
 from epl.tf_adapter import graph as tfg
 
 log = logging.getLogger("epl")
@@ -48,7 +49,6 @@ def check_config(config):
 def partition(graph, ys, num_stages):
     """Cut the forward ops of ``ys`` into ``num_stages`` TaskGraphs; returns the stages'
     op lists."""
-    from epl.strategies import replicate
     epl_graph = ir.Graph.get(graph)
     ops = _forward(epl_graph, ys)
     cuts = _cuts(ops)          # positions p: a stage may end after ops[p]

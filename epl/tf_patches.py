@@ -85,14 +85,20 @@ Everything else reads and edits graphs through :mod:`epl.ir` and the rewriter.
 """
 import contextlib
 import inspect
+import types
 
 import tensorflow as tf
-from tensorflow.python.util import nest
+from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
+from tensorflow.python.util import nest, object_identity
 
-from epl import accumulate, amp, backward_hooks, ir
-from epl.env import Env
+from epl import (accumulate, amp, backward_hooks, grouped_apply, internal_state, ir, keras_reports,
+                 rebatch)
 from epl.capture_context import creating_for, observing_dense, rewriting  # noqa: F401
 from epl.capture_context import state as _c
+from epl.env import Env
+from epl.io_slicing import sliced_filenames
+from epl.strategies import current_strategy
+from epl.tensor_parallel import einsum, layers, losses, sharding, variables
 from epl.tf_adapter import deferred, objects, patching
 from epl.tf_adapter import graph as tfg
 
@@ -108,7 +114,6 @@ _STATE_OPS = frozenset(["VariableV2", "Variable", "VarHandleOp", "Assign", "Assi
 
 def _classify(graph, op):
     """(TaskGraph, phase, shard) of a new op from the capture context."""
-    from epl.tensor_parallel.sharding import current_shard
     c = _c()
     epl_graph = ir.Graph.get(graph)
     if c.rewriting:
@@ -132,16 +137,14 @@ def _classify(graph, op):
         # State kept beside a variable (an ExponentialMovingAverage's shadow, its
         # initializer) belongs to the variable's scope when no scope is current, and
         # to its shard of a split scope, whatever scope is current.
-        from epl.strategies import current_strategy
         tg, shard = _colocated(epl_graph, op)
         if tg is not None and op.type in _STATE_OPS and (
                 (tg.kind == "split" and shard is not None) or current_strategy() is None):
             return tg, ir.FORWARD, shard
     tg = _forward_taskgraph(epl_graph, op.inputs)
     if tg is None:
-        from epl.tensor_parallel.sharding import shard_taskgraph
-        tg = shard_taskgraph()
-    shard = current_shard() if tg is not None and tg.kind == "split" else None
+        tg = sharding.shard_taskgraph()
+    shard = sharding.current_shard() if tg is not None and tg.kind == "split" else None
     if shard is None and tg is not None and tg.kind == "split":
         shard = _colocated(epl_graph, op)[1]   # a shard variable's initializer, slots
     return tg, ir.FORWARD, shard
@@ -149,7 +152,6 @@ def _classify(graph, op):
 
 def _forward_taskgraph(epl_graph, inputs):
     """The TaskGraph of a new forward op reading ``inputs``."""
-    from epl.strategies import current_strategy
     strategy = current_strategy()
     if strategy is not None:
         return epl_graph.taskgraph_for(strategy)
@@ -164,7 +166,6 @@ def _forward_taskgraph(epl_graph, inputs):
 def _create_op_internal(self, op_type, inputs, *args, **kwargs):
     c = _c()
     if inputs and Env.initialized() and not (c.rewriting or c.save or c.apply or c.forced):
-        from epl import rebatch
         epl_graph = ir.Graph.get(self)
         if c.grad_ops:
             fwd = c.grad_ops[-1]
@@ -294,8 +295,6 @@ def _needs_gradients_call(target):
 
 
 def _tape_gradient(self, target, sources, output_gradients=None, unconnected_gradients=None):
-    import tensorflow as tf
-    from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
     unconnected = UnconnectedGradients(unconnected_gradients or UnconnectedGradients.NONE)
     if tf.executing_eagerly():
         return original("tape.gradient")(self, target, sources, output_gradients, unconnected)
@@ -314,10 +313,6 @@ def _tape_as_gradients(tape, target, sources, output_gradients, unconnected):
     record (``_unrecorded``), a variable source the tape never watched gets no
     gradient (zeros with ``UnconnectedGradients.ZERO``), a non-persistent tape
     answers once."""
-    import tensorflow as tf
-    from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
-    from tensorflow.python.util import nest, object_identity
-
     objects.tape_stop_recording_now(tape)
     targets = [tf.convert_to_tensor(t) if isinstance(t, tf.Variable) else t
                for t in nest.flatten(target)]
@@ -341,7 +336,6 @@ def _unrecorded(tape, targets, sources):
     """The tensors between ``sources`` and ``targets`` made while ``tape`` was not
     recording (before it, after it, inside its ``stop_recording``): the tape's
     gradients do not flow through them, so tf.gradients must not either."""
-    import tensorflow as tf
     spans = tape.__dict__.get("_epl_spans", [])
 
     def recorded(op):
@@ -388,8 +382,6 @@ def _route_override(optimizer, patched):
     captures its own method the same way.  Its arguments are read by its own
     signature: an override need not order them as the base class does (a keras
     OptimizerV2's second parameter is ``name``)."""
-    import inspect
-    import types
     own = type(optimizer).apply_gradients
     if own is patched or "apply_gradients" in vars(optimizer):
         return
@@ -464,7 +456,6 @@ def _capture_apply(grads_and_vars, global_step, apply):
     c = _c()
     if not Env.initialized() or c.apply_depth:
         return apply(grads_and_vars)
-    import tensorflow as tf
     grads_and_vars = list(grads_and_vars)
     if Env.get().config.get("communication.sparse_as_dense"):
         grads_and_vars = [(tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g, v)
@@ -505,7 +496,6 @@ def _capture_apply(grads_and_vars, global_step, apply):
     record.across_runs = across
     groups = config.get("optimizer.num_apply_group")
     if groups > 1:
-        from epl import grouped_apply
         grouped_apply.apply(graph, grads_and_vars, first_id, groups)
     record.op_ids = range(first_id, tfg.last_op_id(graph) + 1)
     record.result = result
@@ -518,7 +508,6 @@ def _saver_build(self, *args, **kwargs):
     c.save += 1
     graph = None
     if objects.saver_default_var_list(self):
-        from epl import internal_state
         graph = tf.compat.v1.get_default_graph()
         if graph.get_collection(internal_state.COLLECTION):
             objects.set_saver_var_list(self, internal_state.saveable_default(graph))
@@ -533,47 +522,34 @@ def _saver_build(self, *args, **kwargs):
     return built
 
 
-def _reader_init(key):
-    def init(self, filenames, *args, **kwargs):
-        from epl.io_slicing import sliced_filenames
-        return _originals[key](self, sliced_filenames(filenames), *args, **kwargs)
-    return init
-
-
 def _keras_total_loss(self, *args, **kwargs):
-    from epl import keras_reports
     total_loss = original("keras.total_loss")(self, *args, **kwargs)
     keras_reports.loss_built(total_loss)
     return total_loss
 
 
 def _keras_metric_call(self, *args, **kwargs):
-    from epl import keras_reports
     result = original("keras.metric_call")(self, *args, **kwargs)
     keras_reports.metric_called(self, result)
     return result
 
 
 def _keras_predict_function(self, *args, **kwargs):
-    from epl import keras_reports
     out = original("keras.predict_function")(self, *args, **kwargs)
     keras_reports.predict_function_made(self)
     return out
 
 
 def _dense_build(self, input_shape):
-    from epl.tensor_parallel import sharding
     for observer in _c().dense:
         observer.building(self, input_shape)
     if sharding.routing() and sharding.active_split() is not None:
-        from epl.tensor_parallel import layers
         return layers.build(self, input_shape)
     return original("keras.dense_build")(self, input_shape)
 
 
 def _dense_call(self, inputs):
     if getattr(self, "_epl_split", None) is not None:
-        from epl.tensor_parallel import layers
         out = layers.call(self, inputs)
     else:
         out = original("keras.dense_call")(self, inputs)
@@ -585,22 +561,17 @@ def _dense_call(self, inputs):
 def _sparse_softmax_ce(*args, **kwargs):
     """TF 1.15's signature starts with ``_sentinel`` (keywords only), 2.x's compat.v1 one
     with ``labels``: bind to the installed one's."""
-    import inspect
     call = inspect.signature(original("nn.sparse_softmax_cross_entropy")).bind(*args, **kwargs)
     call.apply_defaults()
     labels, logits = call.arguments["labels"], call.arguments["logits"]
     name = call.arguments["name"]
-    from epl.tensor_parallel import sharding
     sharded = sharding.lookup(logits) if sharding.routing() else None
     if sharded is not None and sharding.last_axis(sharded, logits.shape.ndims):
-        from epl.tensor_parallel import losses
         return losses.sparse_softmax_cross_entropy(sharded, labels, name)
     return original("nn.sparse_softmax_cross_entropy")(*call.args, **call.kwargs)
 
 
 def _argmax(input, axis=None, name=None, dimension=None, output_type=None):  # pylint: disable=redefined-builtin
-    import tensorflow as tf
-    from epl.tensor_parallel import sharding
     output_type = tf.int64 if output_type is None else output_type
     sharded = sharding.lookup(input) if sharding.routing() else None
     if sharded is not None:
@@ -608,7 +579,6 @@ def _argmax(input, axis=None, name=None, dimension=None, output_type=None):  # p
         ax = axis if axis is not None else dimension
         ax = 0 if ax is None else ax
         if isinstance(ax, int) and ax % rank == sharded.axis % rank:
-            from epl.tensor_parallel import losses
             return losses.argmax(sharded, output_type, name)
     if dimension is not None:   # (passing dimension=None still warns it is deprecated)
         return original("math.argmax")(input, axis=axis, name=name, dimension=dimension,
@@ -617,18 +587,15 @@ def _argmax(input, axis=None, name=None, dimension=None, output_type=None):  # p
 
 
 def _einsum(equation, *inputs, **kwargs):
-    from epl.tensor_parallel import einsum
     return einsum.einsum(original("math.einsum"), equation, *inputs, **kwargs)
 
 
 def _scope_get_variable(self, var_store, name, *args, **kwargs):
-    from epl.tensor_parallel import variables
     return variables.get_variable(original("variable_scope.get_variable"), self, var_store, name,
                                   *args, **kwargs)
 
 
 def _embedding_lookup(params, ids, partition_strategy="mod", *args, **kwargs):
-    from epl.tensor_parallel import variables
     if variables.is_split_variable(params):
         partition_strategy = "div"   # EPL's contiguous shards hold the local model's rows
     return original("nn.embedding_lookup")(params, ids, partition_strategy, *args, **kwargs)
@@ -636,7 +603,6 @@ def _embedding_lookup(params, ids, partition_strategy="mod", *args, **kwargs):
 
 def _reader_init(point):
     def init(self, filenames, *args, **kwargs):
-        from epl.io_slicing import sliced_filenames
         return original(point)(self, sliced_filenames(filenames), *args, **kwargs)
     return init
 

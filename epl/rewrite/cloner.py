@@ -18,6 +18,7 @@ Two ways, one per need:
 import tensorflow as tf
 
 from epl import capture_context
+from epl.rewrite.control_flow import context_of
 from epl.tf_adapter import c_graph, deferred
 from epl.tf_adapter import graph as tfg
 
@@ -27,7 +28,6 @@ SEED_STEP = 7919     # clone c's seed2 = seed2 + c * SEED_STEP
 
 def clone_op(op, inputs, name, device, control_inputs=(), seed_offset=0, attr_overrides=None):
     """A copy of ``op`` named ``name`` on ``device`` reading ``inputs``."""
-    from epl.rewrite.control_flow import context_of
     if context_of(op) is not None:
         raise NotImplementedError(
             "EPL cannot copy op %r (%s) on its own: it is inside a TF1 control-flow construct "

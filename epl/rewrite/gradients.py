@@ -21,6 +21,7 @@ import tensorflow as tf
 from epl import ir
 from epl.rewrite import fusion
 from epl.rewrite.cloner import new_ops
+from epl.rewrite.updates import variable_behind
 from epl.tf_adapter import graph as tfg
 
 
@@ -115,7 +116,6 @@ def _owner_ranks(state, pairs):
     if not state.zero_owners or not state.share_variables \
             or state.config.get("communication.fp16"):
         return {}
-    from epl.rewrite.updates import variable_behind
     out = {}
     for g, x in pairs:
         if isinstance(g, tf.IndexedSlices):

@@ -21,6 +21,8 @@ import tensorflow as tf
 
 from epl import ir
 from epl.collections import GraphKeys, merge_kind
+from epl.communicators import native_ops
+from epl.communicators.hierarchical import host_device
 from epl.rewrite.cloner import clone_op, new_ops
 from epl.rewrite.updates import VARIABLE_OPS
 from epl.tf_adapter import graph as tfg
@@ -173,8 +175,6 @@ def _combined(state, read, var_name, aggregation, waits, across):
 
 
 def _across_workers(state, local, how, name):
-    from epl.communicators import native_ops
-    from epl.communicators.hierarchical import host_device
     cluster = state.cluster
     kw = dict(rank=cluster.worker_index, size=cluster.worker_num,
               timeout_seconds=state.config.get("communication.timeout_seconds"),

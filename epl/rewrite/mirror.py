@@ -5,8 +5,10 @@ live outside the replica and write replica 0's variable.  Each gets a twin per
 clone that writes the same value into that clone's copy, and the original waits
 for its twins: initializing or restoring replica 0 broadcasts to all replicas.
 """
-from epl import ir
-from epl.rewrite.cloner import clone_op
+import tensorflow as tf
+
+from epl import communicators, ir
+from epl.rewrite.cloner import clone_op, new_ops
 from epl.rewrite.selection import ASSIGN_OPS
 from epl.tf_adapter import graph as tfg
 
@@ -42,9 +44,6 @@ def broadcast_initial_values(state, since=-1):
     initial value."""
     if state.cluster.worker_num <= 1 or state.in_graph:
         return   # (in-graph: one session initializes every variable)
-    import tensorflow as tf
-    from epl import communicators
-    from epl.rewrite.cloner import new_ops
     timeout = state.config.get("communication.timeout_seconds")
     for v in state.graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES):
         # (init_from_checkpoint makes a ref variable's initializer its restore's Assign

@@ -28,8 +28,11 @@ import tensorflow as tf
 from tensorflow.python.ops import gen_array_ops
 
 from epl import ir
-from epl.tf_adapter import graph as tfg, op_types
 from epl.rewrite.cloner import clone_op, new_ops
+from epl.rewrite.selection import downstream_of_batch
+from epl.rewrite.updates import loss_of_split
+from epl.tensor_parallel import einsum
+from epl.tf_adapter import graph as tfg, op_types
 from epl.variable_writes import ASSIGN_OPS, VARIABLE_OPS
 
 log = logging.getLogger("epl")
@@ -125,7 +128,6 @@ def _initializes_only(state, op):
 def _batch_ops(state):
     """Ops computed from an input batch (computed once per rewrite)."""
     if state.batch_ops is None:
-        from epl.rewrite.selection import downstream_of_batch
         state.batch_ops = downstream_of_batch(state.graph)
     return state.batch_ops
 
@@ -235,7 +237,6 @@ def scale_split_gradients(state):
     so its gradients are the *sum* of the replicas' contributions.  With
     ``gradients_reduce_method = "mean"`` the replicated gradients are averaged;
     the split's are divided by the number of replicas to match."""
-    from epl.rewrite.updates import loss_of_split
     n = state.num_clones
     split_ops = _split_ops(state)
     if (n == 1 or not split_ops
@@ -326,7 +327,6 @@ class _Gather(object):
             if all(cp is t for cp in copies):
                 return t   # (one clone: nothing to gather)
             _check_batch_major(t, reader)
-            from epl.tensor_parallel import einsum
             einsum.check_not_gathered(t, copies)
             with new_ops(state.graph), tf.device(reader.device):
                 whole = tf.concat(copies, axis=0, name="EPL_SPLIT_GATHER/" + t.op.name)

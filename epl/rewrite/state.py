@@ -1,5 +1,7 @@
 """What the data-parallel passes share: the layout and the per-clone maps."""
+from epl import communicators
 from epl.rewrite.placement import place
+from epl.tf_adapter import deferred
 from epl.tf_adapter import graph as tfg
 
 
@@ -76,7 +78,6 @@ class ReplicaState(object):
         if x is None:
             return t
         if isinstance(x, str):
-            from epl.tf_adapter import deferred
             return deferred.Output(self.graph, x, t.value_index, t.dtype)
         return x.outputs[t.value_index]
 
@@ -87,7 +88,6 @@ class ReplicaState(object):
         if x is None:
             return op
         if isinstance(x, str):
-            from epl.tf_adapter import deferred
             x = deferred.get(self.graph, x)
             self.op_map[c][op] = x
         return x
@@ -157,7 +157,6 @@ class ReplicaState(object):
     def communicator(self, name, stage=0):
         """A communicator over this worker's clones (their devices of ``stage``) that also
         spans the other workers."""
-        from epl import communicators
         devices = [sd[stage] for sd in self.stage_devices]
         if self.in_graph:   # devices of several processes in one graph: TF moves the data
             return communicators.InGraphCommunicator(devices, name)

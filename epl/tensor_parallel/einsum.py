@@ -20,6 +20,7 @@ split operand runs unsplit (on the split's first device).
 import tensorflow as tf
 from tensorflow.python.ops import variables as tf_variables
 
+from epl import ir
 from epl.tensor_parallel import sharding
 
 
@@ -127,7 +128,6 @@ def _pieces(x, sub, letter, sizes):
 def _expert_axes(graph):
     """tensor -> (axis, letter, equation, variable, experts, shards) of the einsums that
     read ``tensor``'s ``axis`` as a split variable's expert dimension."""
-    from epl import ir
     return ir.Graph.get(graph).feature(_ExpertAxes)
 
 
