@@ -442,3 +442,56 @@ def test_a_launcher_with_another_secret_is_refused(tmp_path):
     assert "launcher of machine(s) [1] did not connect" in outs[0], outs[0]
     assert "is EPL_JOB_SECRET the same on every machine?" in outs[1], outs[1]
     assert "a worker started" not in "".join(outs)
+
+
+SLEEPER = """import os, sys, time
+attempt = int(os.environ["EPL_RESTART_COUNT"])
+rank = os.environ["EPL_WORKER_INDEX"]
+open(os.path.join(sys.argv[1], "pid_%d_%s" % (attempt, rank)), "w").write(str(os.getpid()))
+print("worker %s sleeps" % rank, flush=True)
+time.sleep(300)
+"""
+
+
+def test_sigterm_ends_a_restarting_job_on_every_machine(tmp_path):
+    """SIGTERM (a scheduler stopping the job) is never restarted: on one machine the
+    launcher stops its workers and ends; across machines, machine 1's launcher tells the
+    coordinator, and machine 0's ends too, naming it."""
+    import signal
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    env = dict(os.environ, PYTHONPATH=ROOT, EPL_JOB_SECRET="the-job-secret")
+    env.pop("EPL_JOB_ID", None)
+
+    def start(args, log):
+        return subprocess.Popen([sys.executable, "-m", "epl.launcher", "--num_workers", "2",
+                                 "--max_restarts", "3", "--log_dir", str(tmp_path / log)] +
+                                args + [str(script), str(tmp_path)],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def wait_for_pids(count):
+        deadline = time.time() + 90
+        while len(list(tmp_path.glob("pid_*"))) < count:
+            assert time.time() < deadline, "the workers did not start"
+            time.sleep(0.1)
+
+    one = start([], "logs")
+    wait_for_pids(2)
+    one.send_signal(signal.SIGTERM)
+    out = one.communicate(timeout=60)[0].decode()
+    assert one.returncode == 1 and "terminated (SIGTERM); stopped all workers." in out, out
+    assert "restart 1" not in out
+    _nothing_left(tmp_path, out)
+    for p in tmp_path.glob("pid_*"):
+        p.unlink()
+    machines = _machines(2)
+    two = [start(["--machine_list", machines, "--machine_rank", str(r)], "logs%d" % r)
+           for r in (0, 1)]
+    wait_for_pids(2)
+    two[1].send_signal(signal.SIGTERM)
+    outs = [p.communicate(timeout=60)[0].decode() for p in two]
+    assert [p.returncode for p in two] == [1, 1], outs
+    assert "machine 1's launcher was terminated (SIGTERM); stopped all workers." in outs[0], \
+        outs[0]
+    assert "restart 1" not in "".join(outs)
+    _nothing_left(tmp_path, "".join(outs))
