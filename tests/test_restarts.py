@@ -315,7 +315,6 @@ class _Launchers(object):
     read on threads (so a test can wait for a line, and kill a launcher)."""
 
     def __init__(self, tmp_path, args, env_extra):
-        import threading
         data = tmp_path / "data"
         data.mkdir()
         self.x, self.y = rt.write_files(str(data))
@@ -323,15 +322,22 @@ class _Launchers(object):
                    EPL_JOB_SECRET="a-secret-both-machines-share", **env_extra)
         env.pop("EPL_JOB_ID", None)
         machines = _machines(2)
-        self.procs, self.outs = [], [[], []]
+        self.env, self.procs, self.outs, self.cmds = env, [None, None], [[], []], []
         for r in (0, 1):
-            p = subprocess.Popen(
+            self.cmds.append(
                 [sys.executable, "-m", "epl.launcher", "--num_workers", "2", "--machine_list",
                  machines, "--machine_rank", str(r), "--log_dir", str(tmp_path / ("logs%d" % r))]
-                + args + [os.path.join(HERE, "restart_train.py"), str(tmp_path), str(data)],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            self.procs.append(p)
-            threading.Thread(target=self._pump, args=(p, self.outs[r]), daemon=True).start()
+                + args + [os.path.join(HERE, "restart_train.py"), str(tmp_path), str(data)])
+            self.start(r)
+
+    def start(self, r):
+        """(Re)start machine ``r``'s launcher; its output so far is dropped."""
+        import threading
+        self.outs[r] = []
+        self.procs[r] = subprocess.Popen(self.cmds[r], env=self.env, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT)
+        threading.Thread(target=self._pump, args=(self.procs[r], self.outs[r]),
+                         daemon=True).start()
 
     @staticmethod
     def _pump(proc, lines):
@@ -409,6 +415,31 @@ def test_a_machine_that_stays_away_is_dropped(tmp_path):
                   [rt.global_batch(job.x, job.y, 1, s) for s in range(5, rt.STEPS)])
     models.assert_weights_close(dict(np.load(str(tmp_path / "worker_0.npz"))), want)
     _nothing_left(tmp_path, out)
+
+
+def test_a_machine_whose_launcher_comes_back_rejoins(tmp_path):
+    """Machine 1's launcher is killed while its worker waits after step 5, and started
+    again (same command line) within --host_timeout: both machines restart from step 5,
+    and the weights equal the uninterrupted run's."""
+    import signal
+    job = _Launchers(tmp_path, ["--max_restarts", "1", "--min_workers", "1",
+                                "--host_timeout", "60"], {"RESTART_PAUSE": "1:5"})
+    job.wait_for(1, "worker 1 paused at step 5")
+    job.procs[1].send_signal(signal.SIGKILL)
+    job.procs[1].wait()
+    job.start(1)
+    codes = job.finish()
+    out0, out1 = job.out(0), job.out(1)
+    assert codes == [0, 0], out0[-5000:] + out1[-5000:]
+    assert "machine 1 (127.0.0.3): its launcher went away" in out0, out0[-5000:]
+    assert "dropped" not in out0
+    assert "restart 1 of 1 (EPL_RESTART_COUNT=1): starting 2 worker(s) again" in out1, out1
+    assert "attempt 1: worker 1 of 2 starts at global step 5" in out1, out1[-5000:]
+    want = _local([rt.global_batch(job.x, job.y, 2, s) for s in range(rt.STEPS)])
+    for w in range(2):
+        models.assert_weights_close(dict(np.load(str(tmp_path / ("worker_%d.npz" % w)))),
+                                    want)
+    _nothing_left(tmp_path, out0 + out1)
 
 
 def test_a_launcher_with_another_secret_is_refused(tmp_path):
