@@ -876,7 +876,7 @@ def run_coordinated(a, job_id, secret, gpus, mine):
                 reported = False
             elif msg["type"] == "stop":
                 end_attempt(attempt, None, "stopped by the coordinator")
-                if not reported:
+                if attempt is not None and not reported:
                     ch.send(report_of(a, attempt, None, "stopped", False))
                     reported = True
                 ch.send({"type": "stopped", "attempt": msg["attempt"]})
