@@ -86,7 +86,8 @@ class _Terminal(object):
 
 
 class ProgressDisplay(object):
-    """The status of the workers ``workers`` (indices) of the launch folder ``launch_dir``."""
+    """The status of the workers ``workers`` (their EPL_WORKER_INDEX) of the launch folder
+    ``launch_dir`` (None: none yet, see ``follow``)."""
 
     def __init__(self, launch_dir, workers, stream=None, log_json="", tty=None, interval=None):
         self.launch_dir = launch_dir
@@ -122,6 +123,8 @@ class ProgressDisplay(object):
         self._partial.clear()
 
     def _read(self, worker):
+        if not self.launch_dir:
+            return []
         path = os.path.join(self.launch_dir, FILE_PATTERN % worker)
         try:
             with open(path) as f:
