@@ -184,6 +184,45 @@ def test_partition_mid_step_names_the_unreachable_host(network, tmp_path):
 
 
 @needs_netns
+def test_partition_mid_transfer_of_a_large_all_reduce(network):
+    """The link goes down while 64 MiB all-reduces stream between the hosts: a send
+    blocked on a full socket buffer must not outlast the collective timeout (the kernel
+    would retry for about 15 minutes).  Both ranks fail within the bound, each naming
+    the other host; the sums before the cut were right."""
+    net = network(hosts=2)
+    job = uuid.uuid4().hex[:12]
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", EPL_JOB_SECRET=_secret(),
+               EPL_COMM_ADDRESSES=",".join("%s:%d" % (net.name(i), EPL_PORT)
+                                           for i in range(2)))
+    procs = [net.popen(r, [sys.executable, os.path.join(HERE, "netns_allreduce.py"), str(r),
+                           "2", "64", job, str(TIMEOUT)],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+             for r in range(2)]
+    ranks = []
+    for r, p in enumerate(procs):
+        h = Launch.__new__(Launch)   # (only its output reader)
+        h.rank, h.proc, h.lines, h.q = r, p, [], queue.Queue()
+        threading.Thread(target=h._pump, daemon=True).start()
+        ranks.append(h)
+    for h in ranks:
+        h.wait_for("round 2 3 3", 120)
+    net.cut(1)
+    cut = time.time()
+    codes = [h.finish(TIMEOUT + 60) for h in ranks]
+    seconds = time.time() - cut
+    print("partition mid-transfer: both ranks failed %.1f s after the cut (timeout %d s)"
+          % (seconds, TIMEOUT))
+    out0, out1 = ranks[0].output(), ranks[1].output()
+    for out in (out0, out1):
+        print([l for l in out.splitlines() if l.startswith("EPL ") or "Error: EPL" in l][-1:])
+    assert codes[0] != 0 and codes[1] != 0, out0[-2000:] + out1[-2000:]
+    assert "h1:%d" % EPL_PORT in out0, out0[-3000:]
+    assert "h0:%d" % EPL_PORT in out1, out1[-3000:]
+    assert seconds < TIMEOUT + 15, seconds
+    _assert_nothing_running(net)
+
+
+@needs_netns
 def test_a_host_that_never_comes_up_is_named(network, tmp_path):
     """Host 1 is off (its link down, nothing runs there): host 0's worker tries to reach
     it until the start-up bound (communication.timeout_seconds) and fails naming it."""
