@@ -130,21 +130,21 @@ def _check_equal_local(tmp_path, workers):
 
 
 @needs_netns
-@pytest.mark.parametrize("latency", [0.0, 0.02])
-def test_two_hosts_train_equal_to_the_local_model(network, tmp_path, latency):
-    """Two hosts, one worker each, EPL's TCP ring between them (through the relay with
+@pytest.mark.parametrize("hosts,latency", [(2, 0.0), (2, 0.02), (3, 0.0)])
+def test_hosts_train_equal_to_the_local_model(network, tmp_path, hosts, latency):
+    """2 or 3 hosts, one worker each, EPL's TCP ring between them (through the relay with
     ``latency`` s each way): the job trains and equals the local model on the global
     batch, every worker and the chief's checkpoints."""
-    net = network(hosts=2, latency=latency)
+    net = network(hosts=hosts, latency=latency)
     secret = _secret()
     start = time.time()
-    hosts = [Launch(net, r, [os.path.join(HERE, "mw_train.py"), str(tmp_path)], tmp_path, 60,
-                    secret) for r in range(2)]
-    codes = [h.finish(240) for h in hosts]
+    launches = [Launch(net, r, [os.path.join(HERE, "mw_train.py"), str(tmp_path)], tmp_path,
+                       60, secret) for r in range(hosts)]
+    codes = [h.finish(240) for h in launches]
     seconds = time.time() - start
-    print("2 hosts, %g ms each way: the job took %.1f s" % (latency * 1000, seconds))
-    assert codes == [0, 0], "\n".join(h.output()[-4000:] for h in hosts)
-    _check_equal_local(tmp_path, 2)
+    print("%d hosts, %g ms each way: the job took %.1f s" % (hosts, latency * 1000, seconds))
+    assert codes == [0] * hosts, "\n".join(h.output()[-4000:] for h in launches)
+    _check_equal_local(tmp_path, hosts)
     if latency:   # EPL's ring went through the relay (a connection to host 1's EPL port)
         assert net.relayed().get("%s:%d" % (net.relay_address(1), EPL_PORT), 0) >= 1, \
             net.relayed()
