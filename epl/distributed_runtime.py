@@ -94,9 +94,17 @@ def serve_until_chief_exits(poll_seconds=0.5):
 
 
 def _answers(address):
+    """True when a process accepts a connection at ``address`` and keeps it open.  A relay
+    or proxy between the hosts accepts even when the server behind it is gone, then closes
+    the connection at once: an end of stream (or a reset) within a moment counts as not
+    answering; data (gRPC's settings) or silence counts as answering."""
     host, port = address.rsplit(":", 1)
     try:
-        with socket.create_connection((host, int(port)), timeout=5):
-            return True
+        with socket.create_connection((host, int(port)), timeout=5) as conn:
+            conn.settimeout(0.5)
+            try:
+                return conn.recv(1) != b""
+            except socket.timeout:
+                return True
     except OSError:
         return False

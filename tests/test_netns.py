@@ -151,6 +151,34 @@ def test_hosts_train_equal_to_the_local_model(network, tmp_path, hosts, latency)
     _assert_nothing_running(net)
 
 
+@needs_netns
+def test_in_graph_pipeline_across_hosts_with_latency(network, tmp_path):
+    """A 2-stage pipeline with stage 0 on host 0 and stage 1 on host 1, in-graph on
+    TensorFlow's runtime: its gRPC (the TF ports of the machine list) goes through the
+    relay with 20 ms each way; equals the local model with gradient accumulation."""
+    from tests import mw_pipeline as mp
+    net = network(hosts=2, latency=0.02)
+    secret = _secret()
+    os.environ["EPL_CLUSTER_DEVICE_PLACE_PREFER_INTRA_NODE"] = "false"
+    try:
+        launches = [Launch(net, r, [os.path.join(HERE, "mw_pipeline.py"), str(tmp_path)],
+                           tmp_path, 60, secret) for r in range(2)]
+    finally:
+        del os.environ["EPL_CLUSTER_DEVICE_PLACE_PREFER_INTRA_NODE"]
+    codes = [h.finish(240) for h in launches]
+    assert codes == [0, 0], "\n".join(h.output()[-4000:] for h in launches)
+    assert "serves its devices" in launches[1].output()
+    assert net.relayed().get("%s:%d" % (net.relay_address(1), PORT), 0) >= 1, net.relayed()
+    x, y = models.data(mp.STEPS * mp.MICRO * mp.MB)
+    want, _ = models.train_local(x, y, mp.MICRO * mp.MB, mp.STEPS, "momentum")
+    got = dict(np.load(str(tmp_path / "worker_0.npz")))
+    assert int(got.pop("steps")) == mp.STEPS
+    devices = [str(d) for d in got.pop("devices")]
+    assert any("task:1" in d for d in devices), devices
+    models.assert_weights_close(got, want)
+    _assert_nothing_running(net)
+
+
 TIMEOUT = 10   # communication.timeout_seconds of the fault tests
 
 
