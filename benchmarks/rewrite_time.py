@@ -21,8 +21,14 @@ rewritten (or run) a graph before.  Table, one row per process:
 averaged with add_n, one Adam update).  ``--tiny`` runs the corpus's mini-BERT instead
 (a quick check of the benchmark itself).
 
+``--baseline DIR`` also measures the EPL of another source tree (e.g. a ``git archive``
+of an older commit, with its C++ library built into its ``epl/lib``): the same script
+and model, its ``epl`` first on the path; the two trees' processes alternate, and a last
+table puts each configuration's median figures side by side (``tree``: this / baseline).
+
     python benchmarks/rewrite_time.py [--configs 2x1,8x1,2x4,8x4] [--repeat 2] [--no-step]
                                       [--second-step] [--towers] [--tiny] [--json FILE]
+                                      [--baseline DIR]
 """
 import argparse
 import json
@@ -70,7 +76,8 @@ def child(devices, micro, run_step, tiny):
     import epl
     from epl.rewrite import rewrite_if_needed
     bert = _bert(tiny)
-    out = {"config": "%dx%d" % (devices, micro), "clones": devices * micro, "pid": os.getpid()}
+    out = {"config": "%dx%d" % (devices, micro), "clones": devices * micro, "pid": os.getpid(),
+           "epl": os.path.dirname(os.path.dirname(os.path.abspath(epl.__file__)))}
 
     with tf.Graph().as_default() as g:
         t0 = time.perf_counter()
@@ -144,10 +151,11 @@ def floor_child(devices, micro, towers, tiny):
     return out
 
 
-def _run(cmd, timeout, cfg):
+def _run(cmd, timeout, cfg, env=None):
     """One fresh process's RESULT (under the watchdog: bounded, nothing left behind)."""
     try:
-        out = watchdog.run_one(cmd, timeout, has_result=watchdog.prefixed_result("RESULT "))
+        out = watchdog.run_one(cmd, timeout, env=env,
+                               has_result=watchdog.prefixed_result("RESULT "))
     except watchdog.Failed as e:
         sys.exit("rewrite_time: configuration %s failed: %s" % (cfg, e))
     line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
@@ -172,6 +180,8 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="the corpus's mini-BERT (quick)")
     ap.add_argument("--timeout", type=int, default=1800, help="bound of each process")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--baseline", default=None,
+                    help="another source tree's EPL, measured alternately with this one")
     ap.add_argument("--child", default=None)
     ap.add_argument("--floor", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -184,18 +194,56 @@ def main():
     rows = []
     flags = [f for f, on in (("--no-step", a.no_step), ("--second-step", a.second_step),
                              ("--towers", a.towers), ("--tiny", a.tiny)) if on]
+    trees = [("this", None)]
+    if a.baseline:
+        base = os.path.abspath(a.baseline)
+        if not os.path.isdir(os.path.join(base, "epl")):
+            sys.exit("rewrite_time: --baseline %s has no epl/ package" % base)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([base] + [p for p in [env.get("PYTHONPATH")] if p])
+        trees.append(("baseline", env))
     for cfg in a.configs.split(","):
         cmd = [sys.executable, os.path.abspath(__file__), "--child", cfg] + flags
         floor = _run(cmd + ["--floor"], a.timeout, cfg)
         for _ in range(a.repeat):
-            row = _run(cmd, a.timeout, cfg)
-            row.update(floor)
-            row["vs_floor"] = row["rewrite_s"] / row["import_floor_s"]
-            rows.append(row)
-            print_table(rows[-1:], ["config", "build_s", "rewrite_s", "tf_first_run_s"])
-    print_table(rows, COLUMNS, title="EPL rewrite of a %s graph, cold: one fresh process per "
+            for tree, env in trees:     # alternating: the machine's load hits both alike
+                row = _run(cmd, a.timeout, cfg, env)
+                row.update(floor)
+                row["vs_floor"] = row["rewrite_s"] / row["import_floor_s"]
+                row["tree"] = tree
+                rows.append(row)
+                print_table(rows[-1:], ["config", "tree", "build_s", "rewrite_s",
+                                        "tf_first_run_s"])
+    columns = COLUMNS[:1] + ["tree"] + COLUMNS[1:] if a.baseline else COLUMNS
+    print_table(rows, columns, title="EPL rewrite of a %s graph, cold: one fresh process per "
                 "row (DP devices x micro-batches)" % ("mini-BERT" if a.tiny else "BERT-base"))
+    if a.baseline:
+        print_table(_side_by_side(rows), ["config", "this_rewrite_s", "baseline_rewrite_s",
+                                          "ratio", "this_wait_s", "baseline_wait_s", "runs"],
+                    title="Medians, this tree vs the baseline %s (ratio: this / baseline)"
+                    % a.baseline)
     write_json("rewrite_time", rows, a.json)
+
+
+def _median(values):
+    values = sorted(values)
+    n = len(values)
+    return values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2.0
+
+
+def _side_by_side(rows):
+    """One row per configuration: the median rewrite and wait of each tree."""
+    out = []
+    for cfg in sorted(set(r["config"] for r in rows), key=[r["config"] for r in rows].index):
+        mine = [r for r in rows if r["config"] == cfg and r["tree"] == "this"]
+        base = [r for r in rows if r["config"] == cfg and r["tree"] == "baseline"]
+        row = {"config": cfg, "runs": len(mine)}
+        for key in ("rewrite_s", "wait_s"):
+            row["this_" + key] = _median([r[key] for r in mine])
+            row["baseline_" + key] = _median([r[key] for r in base])
+        row["ratio"] = row["this_rewrite_s"] / row["baseline_rewrite_s"]
+        out.append(row)
+    return out
 
 
 if __name__ == "__main__":
