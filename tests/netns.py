@@ -104,6 +104,10 @@ def remove_leftovers():
         m = _LINK_NAME.match(dev)
         if m and not _alive(int(m.group(1))):
             _ip("link", "del", dev, check=False)
+    for path in glob.glob("/tmp/%s*-relay.log" % PREFIX):
+        m = re.match(r"^%s(\d+)[a-z]-relay\.log$" % PREFIX, os.path.basename(path))
+        if m and not _alive(int(m.group(1))):
+            os.unlink(path)
 
 
 def _kill_namespace_pids(ns):
