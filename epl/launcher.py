@@ -59,6 +59,7 @@ import threading
 import time
 
 from epl.processes import dies_with_parent
+from epl.progress_display import ProgressDisplay
 
 GRACE_SECONDS = 10
 # --restart_window's default: an hour of running before a failure resets the restart count.
@@ -100,6 +101,9 @@ def parse_args(argv=None):
                         "waits for another machine's launcher to connect, at the start and "
                         "after it went away (default %d s); one that stays away is dropped "
                         "(--min_workers) or ends the job" % DEFAULT_HOST_TIMEOUT)
+    p.add_argument("--log_json", default="",
+                   help="also write the workers' progress samples and the end-of-job summary "
+                        "to this file, as JSON lines (docs/profiling.md)")
     p.add_argument("script", help="the local training script (.sh or .py)")
     p.add_argument("args", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
@@ -445,13 +449,15 @@ def start_attempt(a, attempt, slots, job_id, secret, gpus, machines=None):
         attempt.workers.append(w)
 
 
-def watch(a, attempt, job_start):
+def watch(a, attempt, job_start, display=None):
     """Wait for the attempt's end: (root-cause worker or None, reason or None when every
     worker succeeded, whether a restart cannot help: --timeout)."""
     while True:
         ended = poll_attempt(a, attempt, job_start)
         if ended is not None:
             return ended
+        if display is not None:
+            display.poll()   # the workers' progress lines
         time.sleep(0.1)
 
 
@@ -927,6 +933,7 @@ def main(argv=None):
     used = 0                  # restarts counted against --max_restarts (the window resets it)
     last_cause = None         # the launch index of the previous attempt's root cause
     attempt, failed, reason, final, number = None, None, None, False, 0
+    display = ProgressDisplay(None, [], log_json=a.log_json)
     job_start = time.time()
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
@@ -944,8 +951,10 @@ def main(argv=None):
                               tempfile.mkdtemp(prefix="epl-launch-%s-" % run_id))
             if a.max_restarts:
                 print("epl-launch: attempt %d: run %s" % (number, run_id), flush=True)
+            display.follow(attempt.launch_dir, range(len(slots)))   # (by rank)
             start_attempt(a, attempt, slots, job_id, secret, gpus)
-            failed, reason, final = watch(a, attempt, job_start)
+            failed, reason, final = watch(a, attempt, job_start, display)
+            display.poll(final=True)   # (before end_attempt removes the launch folder)
             end_attempt(attempt, failed, reason)
             if reason is None or final:
                 break
@@ -993,6 +1002,7 @@ def main(argv=None):
     print("\nepl-launch summary:")
     for w in attempt.workers if attempt else []:
         print("  worker %d: %s  log %s" % (w.index, "exit %s" % w.proc.returncode, w.log_path))
+    display.summary(dict((w.rank, w.proc.returncode) for w in attempt.workers) if attempt else {})
     if number:
         print("  %d restart(s); the logs of earlier attempts: worker_<i>.attempt<k>.log in %s"
               % (number, a.log_dir))

@@ -49,6 +49,76 @@ def _scalars(folder):
     return out
 
 
+def test_two_worker_launch_reports_progress_json_and_tensorboard(tmp_path):
+    workers, devices = 2, 2
+    log_json = tmp_path / "progress.json"
+    code, out = _launch(["--num_workers", str(workers), "--gpu_per_worker", str(devices),
+                         "--log_dir", str(tmp_path / "logs"), "--log_json", str(log_json),
+                         os.path.join(HERE, "mw_progress.py"), str(tmp_path), "summaries"])
+    assert code == 0, out[-5000:]
+    # Status lines (stdout is a pipe: plain lines) and the summary table.
+    for w in range(workers):
+        assert "[progress] worker %d: step " % w in out, out[-5000:]
+    table = out[out.index("epl-launch progress"):].splitlines()[2:2 + workers]
+    for w, row in enumerate(table):
+        cells = row.split()
+        assert cells[0] == str(w) and cells[1] == str(STEPS) and cells[-1] == "0", table
+
+    # What each worker's program fetched: (global_step after the run, loss).
+    fetched = {}
+    for line in out.splitlines():
+        if "LOSSES " in line:
+            w = int(line.split("[worker ")[1].split("]")[0])
+            fetched[w] = dict((s, l) for s, l in json.loads(line.split("LOSSES ", 1)[1]))
+    assert sorted(fetched) == list(range(workers)), out[-5000:]
+
+    records = [json.loads(line) for line in log_json.read_text().splitlines()]
+    status = [r for r in records if r["type"] == "status"]
+    summary = [r for r in records if r["type"] == "summary"]
+    assert len(summary) == 1 and records[-1]["type"] == "summary"
+    global_batch = BATCH * devices * workers
+    for w in range(workers):
+        mine = [r for r in status if r["worker"] == w]
+        # the first step, at least one in between (steps take PAUSE s; a sample every
+        # 0.5 s), the last: fewer samples than steps
+        assert 3 <= len(mine) < STEPS, mine
+        assert mine[-1]["final"] and mine[-1]["runs"] == STEPS and mine[-1]["step"] == STEPS
+        for r in mine:
+            assert r["global_batch"] == global_batch
+            assert r["loss"] == fetched[w][r["step"]], (r, fetched[w])
+            assert r["gradient_bytes_per_step"] == GRADIENT_BYTES
+            n = workers * devices
+            assert r["comm_bytes_per_step"] == pytest.approx(GRADIENT_BYTES * 2.0 * (n - 1) / n)
+            if r["steps_per_sec"] is None:
+                assert r is mine[0] and r["samples_per_sec"] is None
+            else:
+                assert r["samples_per_sec"] == pytest.approx(r["steps_per_sec"] * global_batch)
+                assert r["step_time_s"] == pytest.approx(1.0 / r["steps_per_sec"])
+                # a step takes at least the program's pause between steps
+                assert r["steps_per_sec"] < 1.0 / 0.2
+        row = [x for x in summary[0]["workers"] if x["worker"] == w][0]
+        assert row["steps"] == STEPS and row["exit_status"] == 0
+        assert row["loss"] == fetched[w][STEPS]
+        assert row["samples_per_sec"] == pytest.approx(row["mean_steps_per_sec"] * global_batch)
+
+    # TensorBoard: the chief's summary folder holds the epl/ scalars at the samples' steps.
+    scalars = _scalars(str(tmp_path / "model_0"))
+    chief = [r for r in status if r["worker"] == 0 and not r["final"]]
+    steps = [r["step"] for r in chief]
+    assert sorted(s for s, _ in scalars["epl/gradient_bytes_per_step"]) == steps
+    assert all(v == GRADIENT_BYTES for _, v in scalars["epl/gradient_bytes_per_step"])
+    assert all(v == pytest.approx(GRADIENT_BYTES * 1.5)
+               for _, v in scalars["epl/comm_bytes_per_step"])
+    rated = dict((r["step"], r) for r in chief if r["steps_per_sec"] is not None)
+    assert sorted(s for s, _ in scalars["epl/samples_per_sec"]) == sorted(rated)
+    for s, v in scalars["epl/samples_per_sec"]:
+        assert v == pytest.approx(rated[s]["samples_per_sec"], rel=1e-6)
+    for s, v in scalars["epl/step_time_s"]:
+        assert v == pytest.approx(rated[s]["step_time_s"], rel=1e-6)
+    # only the chief writes summaries
+    assert not _scalars(str(tmp_path / "model_1"))
+
+
 def _fed_program():
     """A 2-device program fed through placeholders, with a global_step."""
     models.init_data_parallel(2)
