@@ -8,6 +8,7 @@ batches).  Together the workers read every file, except that
 shares are equal; ``io.unbalanced_io_slicing`` allows unequal shares (and
 fewer files than workers) instead of failing.
 """
+from epl.env import Env
 
 
 def slice_files(files, num_shards, index, unbalanced=False, drop_last=False):
@@ -36,7 +37,6 @@ def slice_files(files, num_shards, index, unbalanced=False, drop_last=False):
 
 def sliced_filenames(filenames):
     """``filenames`` as this worker should read them (unchanged without io.slicing)."""
-    from epl.env import Env
     if not Env.initialized():
         return filenames
     env = Env.get()

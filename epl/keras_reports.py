@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from epl import ir
 from epl.collections import GraphKeys
+from epl.env import Env
 
 
 def loss_built(total_loss):
@@ -58,7 +59,6 @@ def predict_function_made(model):
                if _graph_tensor(t) and t.shape.ndims != 0]
     if not outputs:
         return
-    from epl.env import Env
     micro = Env.get().config.get("pipeline.num_micro_batch") if Env.initialized() else 1
     if micro > 1 and ir.Graph.get(outputs[0].graph).taskgraphs:
         raise NotImplementedError(

@@ -22,7 +22,7 @@ and pipelines keep every static shape (each clone pulls a whole batch).
 """
 import tensorflow as tf
 
-from epl import ir
+from epl import capture_context, ir
 from epl.tf_adapter import graph as tfg
 
 
@@ -81,7 +81,6 @@ def _relaxed(graph, epl_graph, t, taskgraph, phase):
     key = (t.name, taskgraph.index)
     view = epl_graph.relax_cache.get(key)
     if view is None:
-        from epl import capture_context
         shape = [None] + t.shape.as_list()[1:]
         with graph.name_scope(None), graph.control_dependencies(None), \
                 graph.colocate_with(None, ignore_existing=True), \

@@ -7,6 +7,8 @@ strategy (the MoE recipe does exactly that).
 """
 import threading
 
+from epl.env import Env
+
 _state = threading.local()
 
 
@@ -98,6 +100,5 @@ def reset():
 
 
 def _require_init(strategy):
-    from epl.env import Env
     if not Env.initialized():
         raise RuntimeError("%r used before epl.init(); call epl.init(config) first." % strategy)

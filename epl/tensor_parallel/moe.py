@@ -17,6 +17,9 @@ as in GShard); under split the default is one group per device, and the same
 """
 import tensorflow as tf
 
+from epl import communicators
+from epl.communicators.in_graph import InGraphCommunicator
+from epl.env import Env
 from epl.tensor_parallel import sharding
 
 _calls = [0]
@@ -175,9 +178,6 @@ def _all_to_all(per_device, counts, group, back_counts=None):
     the way back, every device sends block j (``back_counts[i]`` rows each) to device j.
     Through a communicator over the split's shards: EPL's collectives in one process;
     across workers the rows move in-graph on TF's runtime."""
-    from epl import communicators
-    from epl.communicators.in_graph import InGraphCommunicator
-    from epl.env import Env
     n = len(per_device)
     if back_counts is None:
         splits = [list(counts)] * n           # every source splits by expert shard

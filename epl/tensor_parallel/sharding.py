@@ -11,6 +11,9 @@ import threading
 
 import tensorflow as tf
 
+from epl import ir
+from epl.env import Env
+from epl.strategies import current_strategy
 from epl.tf_adapter import graph as tfg
 
 _local = threading.local()
@@ -66,14 +69,12 @@ def routing():
 
 def active_split():
     """The ``epl.split`` strategy new ops belong to, or None."""
-    from epl.strategies import current_strategy
     s = current_strategy()
     return s if s is not None and s.kind == "split" else None
 
 
 def split_count(strategy):
     """Devices of a split; an impossible count fails here, while the user builds."""
-    from epl.env import Env
     cluster = Env.get().cluster
     n = strategy.device_count
     if n is None:
@@ -89,7 +90,6 @@ def split_count(strategy):
 
 def single_process():
     """True when every device of the job is in this process (in-process collectives)."""
-    from epl.env import Env
     return Env.get().cluster.worker_num == 1
 
 
@@ -122,14 +122,12 @@ class Sharded(object):
 
 
 def register(logical, shards, axis):
-    from epl import ir
     ir.Graph.get(logical.graph).sharded[logical] = Sharded(shards, axis)
     return logical
 
 
 def lookup(t):
     """The Sharded record of logical tensor ``t`` (or None)."""
-    from epl import ir
     if not isinstance(t, tf.Tensor):
         return None
     return ir.Graph.get(t.graph).sharded.get(t)

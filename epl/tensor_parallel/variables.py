@@ -14,6 +14,7 @@ import inspect
 import tensorflow as tf
 from tensorflow.python.ops import variables as tf_variables
 
+from epl import ir
 from epl.tensor_parallel import sharding
 from epl.tf_adapter import graph as tfg
 
@@ -80,7 +81,6 @@ def _rows_of(value):
 
 
 def _tag_parts(graph, var, first):
-    from epl import ir
     ir_graph = ir.Graph.get(graph)
     prefixes = [(p.op.name, i) for i, p in enumerate(var)]
     for op in tfg.ops_between(graph, first):
