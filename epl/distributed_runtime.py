@@ -27,14 +27,15 @@ import socket
 import sys
 import time
 
+from epl import ir, plan
+from epl.env import Env
+
 log = logging.getLogger("epl")
 _server = [None]
 
 
 def needed(graph):
     """True when ``graph``'s layout needs one in-graph driver (``plan.in_graph``)."""
-    from epl import ir, plan
-    from epl.env import Env
     if not Env.initialized():
         return False
     cluster = Env.get().cluster
@@ -52,7 +53,6 @@ def server():
     """This worker's ``tf.train.Server`` (started once per process)."""
     if _server[0] is None:
         import tensorflow as tf
-        from epl.env import Env
         cluster = Env.get().cluster
         spec = {job: list(addrs) for job, addrs in cluster.cluster_spec.items()}
         config = tf.compat.v1.ConfigProto()
@@ -71,7 +71,6 @@ def serve_until_chief_exits(poll_seconds=0.5):
     """A worker whose devices the chief drives: start serving once the chief's server is
     up (the chief cannot finish without this worker, so this sees it finish), keep
     serving while it answers, then end this process successfully."""
-    from epl.env import Env
     cluster = Env.get().cluster
     _, _, chief = cluster.workers[0]
     timeout = Env.get().config.get("communication.timeout_seconds")

@@ -33,7 +33,7 @@ def _sources():
 def _lib():
     """epl/lib/<the installed TensorFlow line's library> (TensorFlow is imported only
     when a library is asked for)."""
-    from epl.tf_adapter import version
+    from epl.tf_adapter import version  # imports TensorFlow: only when a library is asked for
     return os.path.join(_HERE, "lib", version.op_library_name())
 
 

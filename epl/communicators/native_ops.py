@@ -9,6 +9,7 @@ import tensorflow as tf
 from tensorflow.python.framework import ops
 
 from epl import native
+from epl.tf_adapter import deferred
 
 DTYPES = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
 
@@ -27,12 +28,10 @@ def all_reduce(x, group, rank, size, reduce_op="sum", timeout_seconds=600,
 def _deferred(xs, device):
     """The inputs hold a rewrite's not-yet-made copies (``deferred.Output``): the
     op is then made in C on ``device``, without making them."""
-    from epl.tf_adapter import deferred
     return device is not None and any(isinstance(x, deferred.Output) for x in xs)
 
 
 def _create(op_type, inputs, dtype, attrs, device, name):
-    from epl.tf_adapter import deferred
     attr = tf.compat.v1.AttrValue
     values = dict(T=attr(type=dtype.as_datatype_enum))
     for k, v in attrs.items():
