@@ -41,6 +41,10 @@ import multiprocessing
 import os
 import time
 
+import epl
+from epl import capture_context, ir, strategies, tf_patches
+from epl.env import Env
+from epl.memory_trace import peak_bytes, traced_run
 from epl.tf_adapter import behavior
 
 log = logging.getLogger("epl")
@@ -128,8 +132,6 @@ def build(model_fn, dataset_fn, optimizer_fn, strategy, devices):
     """epl.init with the strategy, then the user's model, input and optimizer in the
     default graph: (loss, train_op, global_step, config)."""
     import tensorflow as tf
-    import epl
-    from epl import capture_context
     strategy = normalize(strategy)
     cfg, default = config_of(strategy, devices)
     split = [arg for name, arg in strategy if name == "split"]
@@ -186,7 +188,6 @@ class _SplitFrom(object):
 
     def building(self, layer, input_shape):
         if self.seen == self.index:
-            import epl
             epl.set_default_strategy(None)
             self.scope = epl.split(self.devices)
             self.scope.__enter__()
@@ -208,7 +209,6 @@ def split_head(model_fn, dataset_fn):
     """The build-order index of the model's largest Dense layer when it is the last
     one built (a head worth splitting), else None.  Probed in a scratch graph."""
     import tensorflow as tf
-    from epl import capture_context, strategies, tf_patches
     tf_patches.install()    # (idempotent; the probe needs the Dense observers)
     probe = _DenseLayers()
     saved = strategies.current_strategy()
@@ -234,9 +234,6 @@ def dry_run(model_fn, dataset_fn, optimizer_fn, strategy, devices, steps):
     ``peak_bytes``: the fullest training device's bytes during a step: the variables
     it holds (weights, optimizer state) plus the step's own peak there."""
     import tensorflow as tf
-    from epl import ir
-    from epl.env import Env
-    from epl.memory_trace import peak_bytes, traced_run
     tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
     loss, train_op, _, _ = build(model_fn, dataset_fn, optimizer_fn, strategy, devices)
     graph = tf.compat.v1.get_default_graph()
@@ -264,7 +261,6 @@ def dry_run(model_fn, dataset_fn, optimizer_fn, strategy, devices, steps):
 def _variable_bytes(graph, devices):
     """{device: bytes of the variables placed there} (unplaced ones: the first)."""
     from tensorflow.python.framework import device as pydev
-    from epl import ir
     out = dict((d, 0) for d in devices)
     canon = dict((pydev.canonical_name(d), d) for d in devices)
     for op in graph.get_operations():

@@ -9,11 +9,13 @@ pipeline) are rewritten before the next run that follows them.
 import tensorflow as tf
 
 from epl import ir
+from epl.env import Env
+from epl.launcher import mark_joined
+from epl.rewrite import rewrite_if_needed
 
 
 def session_config(config):
     """The user's ConfigProto plus what EPL's devices need."""
-    from epl.env import Env
     if not Env.initialized():
         return config
     cluster = Env.get().cluster
@@ -55,12 +57,9 @@ def before_run(session):
     run of a rewritten graph in a multi-worker job is where this worker joins the job's
     collectives: epl-launch is told (a worker that exits 0 before that, while its peers
     wait for it, ends the job at once)."""
-    from epl.rewrite import rewrite_if_needed
     result = rewrite_if_needed(session.graph)
     if result is not None and ir.Graph.get(session.graph).taskgraphs:
-        from epl.env import Env
         if Env.get().cluster.worker_num > 1:
-            from epl.launcher import mark_joined
             mark_joined()
 
 

@@ -7,7 +7,11 @@ when all its ranks run.  Swapping the transport is a change of the class
 :func:`create` returns.
 """
 from epl.communicators.base import Communicator  # noqa: F401
+# (named apart: importing the submodule epl.communicators.native binds `native` here)
+from epl import native as native_library
+from epl.communicators.hierarchical import HierarchicalCommunicator
 from epl.communicators.in_graph import InGraphCommunicator
+from epl.communicators.native import NativeCommunicator
 
 
 def create(devices, name="epl_comm", timeout_seconds=600, cluster=None, placer=None):
@@ -17,20 +21,17 @@ def create(devices, name="epl_comm", timeout_seconds=600, cluster=None, placer=N
     this process -> nccl; CPU devices of this process -> inprocess; without EPL's C++
     library -> in_graph (TF ops).  ``placer(rank)``, if given, scopes rank's ops
     instead of its device (a split layer's shards)."""
-    from epl import native
     if cluster is not None and cluster.worker_num > 1:
-        if not native.available():
+        if not native_library.available():
             raise RuntimeError("multi-worker training needs EPL's C++ op library (%s); run "
                                "`make setup` or `python -m epl.native --build`."
-                               % native.missing_reason())
-        from epl.communicators.hierarchical import HierarchicalCommunicator
+                               % native_library.missing_reason())
         return HierarchicalCommunicator(devices, name, timeout_seconds, cluster.worker_index,
                                         cluster.worker_num, cluster.job_id,
                                         cluster.cross_worker_transport())
-    if native.available():
-        from epl.communicators.native import NativeCommunicator
+    if native_library.available():
         return NativeCommunicator(devices, name, timeout_seconds, placer=placer)
-    _warn_fallback(native.missing_reason())
+    _warn_fallback(native_library.missing_reason())
     return InGraphCommunicator(devices, name, placer)
 
 
