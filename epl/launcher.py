@@ -20,7 +20,8 @@ collective (for communication.timeout_seconds), so the launcher stops the job at
 names the worker that left.  Once a worker has joined, EPL's collectives themselves fail
 at once, naming it, in any peer that still needs it after it exits.
 
-Every launch is a new run (EPL_RUN_ID): its shared-memory segments are its own, and
+Every launch is a new run (EPL_RUN_ID, printed as "epl-launch: attempt K: run ID" when its
+workers start): its shared-memory segments, /dev/shm/epl-ID-*, are its own, and
 the launcher removes them when the job ends, however it ends (Ctrl-C and SIGTERM stop the
 workers too; a launcher killed outright takes its workers with it: SIGKILL).  The workers' TCP
 collectives authenticate each other with the job's secret (EPL_JOB_SECRET): a random
@@ -38,7 +39,8 @@ is the attempt).  The program resumes from its newest checkpoint.  An attempt th
 TF_CONFIG (see docs/cluster.md, "Restarts", for the batch and learning-rate rule).
 With --machine_list, machine 0's launcher coordinates the restarts of every machine's
 launcher (see "restarts across machines" below); a machine whose launcher stays away
-longer than --host_timeout is dropped the same way.
+longer than --host_timeout is dropped the same way.  With --machine_list each machine's
+launcher shows the progress of its own workers (epl.progress_display).
 """
 import argparse
 import glob
@@ -69,6 +71,8 @@ DEFAULT_HOST_TIMEOUT = 120
 LAUNCH_DIR_ENV = "EPL_LAUNCH_DIR"
 # How many times epl-launch started the job's workers again before this attempt (0 first).
 RESTART_COUNT_ENV = "EPL_RESTART_COUNT"
+# Printed when an attempt starts: its number (EPL_RESTART_COUNT) and run (EPL_RUN_ID).
+RUN_LINE = "epl-launch: attempt %d: run %s"
 _marked = []
 
 
@@ -269,6 +273,29 @@ def job_secret(a):
             "machine first, e.g.  export EPL_JOB_SECRET=$(python -c 'import secrets; "
             "print(secrets.token_hex(16))')")
     return secrets.token_hex(16)
+
+
+def job_id_of(addrs):
+    """The id (EPL_JOB_ID) of a --machine_list job: every machine's launcher derives the
+    same one from the list (a test harness that cleans up after a launch imports it)."""
+    return hashlib.sha1(",".join(addrs).encode()).hexdigest()[:12]
+
+
+def shared_run_id(job_id, secret, attempt):
+    """The run id (EPL_RUN_ID: what its shared memory is named from) of attempt
+    ``attempt`` of a --machine_list job.  The launchers of several machines derive the
+    same one from what they share (workers on one host meet in shared memory); a reused
+    secret gives reused names, which is safe: a segment whose owner died is never used.
+    On one machine every attempt gets a random one instead."""
+    return hashlib.sha256(("%s%s%d" % (job_id, secret, attempt)).encode()).hexdigest()[:12]
+
+
+def announce_attempt(attempt, display):
+    """The line (and --log_json record) that names an attempt's run: what a tool or test
+    parses to find the attempt's shared memory, /dev/shm/epl-<run>-*."""
+    print(RUN_LINE % (attempt.number, attempt.run_id), flush=True)
+    display.log({"type": "attempt", "attempt": attempt.number, "run_id": attempt.run_id,
+                 "time": time.time()})
 
 
 def remove_segments(run_id):
@@ -504,6 +531,14 @@ def end_attempt(attempt, failed, reason):
     finally:
         remove_segments(attempt.run_id)
         shutil.rmtree(attempt.launch_dir, ignore_errors=True)
+
+
+def finish_attempt(attempt, display, failed, reason):
+    """``end_attempt``, after the display read the attempt's last progress samples (the
+    launch folder that holds them goes with the attempt)."""
+    if attempt is not None and not attempt.ended:
+        display.poll(final=True)
+    end_attempt(attempt, failed, reason)
 
 
 def keep_log(a, w, number):
@@ -757,8 +792,7 @@ class Coordinator(object):
         number, used, note = 0, 0, ""
         while True:
             start = time.time()
-            run_id = hashlib.sha256(("%s%s%d" % (self.job_id, self.secret, number)).encode()
-                                    ).hexdigest()[:12]
+            run_id = shared_run_id(self.job_id, self.secret, number)
             self._send_all(alive, {"type": "start", "attempt": number, "machines": alive,
                                    "run_id": run_id, "note": note})
             reports, done = [], set()
@@ -843,13 +877,15 @@ def report_of(a, attempt, failed, reason, final):
 
 def run_coordinated(a, job_id, secret, gpus, mine):
     """One machine's launcher of a --machine_list job with --max_restarts: attempts as
-    the coordinator (machine 0's launcher) says."""
+    the coordinator (machine 0's launcher) says.  It shows the progress of its own
+    workers (their samples are files on this machine)."""
     coordinator = Coordinator(a, job_id, secret) if a.machine_rank == 0 else None
     ch = connect_to_coordinator(a, job_id, secret, a.host_timeout)
     events = queue.Queue()
     ch.read_into(events, None)
     attempt, reported, code, message = None, True, 1, ""
     job_start = time.time()
+    display = ProgressDisplay(None, [], log_json=a.log_json)
     previous = (signal.signal(signal.SIGTERM, _on_sigterm)
                 if threading.current_thread() is threading.main_thread() else None)
     try:
@@ -860,9 +896,11 @@ def run_coordinated(a, job_id, secret, gpus, mine):
                 if attempt is not None and not reported:
                     ended = poll_attempt(a, attempt, job_start)
                     if ended is not None:
-                        end_attempt(attempt, ended[0], ended[1])
+                        finish_attempt(attempt, display, ended[0], ended[1])
                         ch.send(report_of(a, attempt, *ended))
                         reported = True
+                    else:
+                        display.poll()   # this machine's workers' progress lines
                 continue
             if msg is None:
                 message = ("epl-launch: machine 0's launcher (the coordinator, %s:%d) went "
@@ -876,12 +914,12 @@ def run_coordinated(a, job_id, secret, gpus, mine):
                         keep_log(a, w, attempt.number)
                 attempt = Attempt(msg["attempt"], msg["run_id"],
                                   tempfile.mkdtemp(prefix="epl-launch-%s-" % msg["run_id"]))
-                print("epl-launch: attempt %d: run %s" % (attempt.number, attempt.run_id),
-                      flush=True)
+                announce_attempt(attempt, display)
                 start_attempt(a, attempt, mine, job_id, secret, gpus, msg["machines"])
+                display.follow(attempt.launch_dir, [w.rank for w in attempt.workers])
                 reported = False
             elif msg["type"] == "stop":
-                end_attempt(attempt, None, "stopped by the coordinator")
+                finish_attempt(attempt, display, None, "stopped by the coordinator")
                 if attempt is not None and not reported:
                     ch.send(report_of(a, attempt, None, "stopped", False))
                     reported = True
@@ -896,7 +934,7 @@ def run_coordinated(a, job_id, secret, gpus, mine):
         message = "epl-launch: %s; stopped all workers." % reason
     finally:
         try:
-            end_attempt(attempt, None, "stopped")
+            finish_attempt(attempt, display, None, "stopped")
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
@@ -906,6 +944,7 @@ def run_coordinated(a, job_id, secret, gpus, mine):
     print("\nepl-launch summary (machine %d):" % a.machine_rank)
     for w in attempt.workers if attempt else []:
         print("  worker %d: %s  log %s" % (w.index, "exit %s" % w.proc.returncode, w.log_path))
+    display.summary(dict((w.rank, w.proc.returncode) for w in attempt.workers) if attempt else {})
     if message:
         print("\n" + message, flush=True)
     return code
@@ -914,8 +953,8 @@ def run_coordinated(a, job_id, secret, gpus, mine):
 def main(argv=None):
     a = parse_args(argv)
     addrs, comm, mine = worker_addresses(a)
-    job_id = os.environ.get("EPL_JOB_ID") or hashlib.sha1(
-        (",".join(addrs) + str(time.time() if not a.machine_list else "")).encode()).hexdigest()[:12]
+    job_id = os.environ.get("EPL_JOB_ID") or (
+        job_id_of(addrs) if a.machine_list else job_id_of(addrs + [str(time.time())]))
     secret = job_secret(a)
     os.makedirs(a.log_dir, exist_ok=True)
     gpus = _have_gpus()
@@ -942,20 +981,17 @@ def main(argv=None):
     try:
         while True:
             # This attempt's id (shared memory is named from it): new for every attempt on
-            # one machine.  The launchers of several machines derive the same one from what
-            # they share (workers on one host meet in shared memory); a reused secret gives
-            # reused names, which is safe: a segment whose owner died is never used.
-            run_id = (hashlib.sha256((job_id + secret).encode()).hexdigest()[:12]
-                      if a.machine_list else secrets.token_hex(6))
+            # one machine; with --machine_list (one attempt here) shared_run_id's.
+            run_id = (shared_run_id(job_id, secret, number) if a.machine_list
+                      else secrets.token_hex(6))
             attempt = Attempt(number, run_id,
                               tempfile.mkdtemp(prefix="epl-launch-%s-" % run_id))
-            if a.max_restarts:
-                print("epl-launch: attempt %d: run %s" % (number, run_id), flush=True)
-            display.follow(attempt.launch_dir, range(len(slots)))   # (by rank)
+            announce_attempt(attempt, display)
             start_attempt(a, attempt, slots, job_id, secret, gpus)
+            # (the workers' progress files are named by their rank in this attempt)
+            display.follow(attempt.launch_dir, [w.rank for w in attempt.workers])
             failed, reason, final = watch(a, attempt, job_start, display)
-            display.poll(final=True)   # (before end_attempt removes the launch folder)
-            end_attempt(attempt, failed, reason)
+            finish_attempt(attempt, display, failed, reason)
             if reason is None or final:
                 break
             ran = attempt.seconds()
@@ -995,7 +1031,7 @@ def main(argv=None):
         failed, reason = None, "terminated (SIGTERM)"
     finally:
         try:
-            end_attempt(attempt, failed, reason or "stopped")
+            finish_attempt(attempt, display, failed, reason or "stopped")
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)

@@ -12,7 +12,8 @@ and shows one status line per worker (step, steps/s, samples/s, loss):
 
 ``summary(exit_codes)`` prints a table per worker: steps run, mean steps/s, samples/s,
 last loss, exit status.  With ``log_json`` every sample read and the summary are also
-written there, one JSON object per line (``"type": "status"`` / ``"summary"``).
+written there, one JSON object per line (``"type": "status"`` / ``"summary"``), and what
+the launcher adds with ``log()`` (``"type": "attempt"``: an attempt's run id).
 
 Imports no TensorFlow (the launcher stays light).
 """
@@ -122,6 +123,12 @@ class ProgressDisplay(object):
         self._offsets.clear()
         self._partial.clear()
 
+    def log(self, record):
+        """Write ``record`` (a dict with its "type") to --log_json, if given."""
+        if self._json is not None:
+            self._json.write(json.dumps(record) + "\n")
+            self._json.flush()
+
     def _read(self, worker):
         if not self.launch_dir:
             return []
@@ -153,9 +160,7 @@ class ProgressDisplay(object):
                 self.latest[w] = record
                 self.records[w] = self.records.get(w, 0) + 1
                 self._changed = True
-                if self._json is not None:
-                    self._json.write(json.dumps(dict(record, type="status")) + "\n")
-                    self._json.flush()
+                self.log(dict(record, type="status"))
         now = time.time()
         due = self._last_render is None or now - self._last_render >= self.interval
         if self._changed and (due or final):

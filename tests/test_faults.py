@@ -1,6 +1,7 @@
 """Fault injection: collectives and jobs under reruns, second sessions, dying and
 misbehaving workers, and strangers on the network (issue 12).  Every test runs
 processes with a hard timeout: a hang fails the test, it never blocks CI."""
+import glob
 import json
 import os
 import subprocess
@@ -162,26 +163,31 @@ def _wait_for(q, pred, timeout, seen):
     pytest.fail("did not see the expected line; output:\n" + "".join(seen[-60:]))
 
 
-def _segments():
-    import glob
-    return set(glob.glob("/dev/shm/epl-*"))
+def _segments(run):
+    """The shared-memory segments of the run ``run`` (other jobs of this machine may
+    hold segments of their own meanwhile)."""
+    return glob.glob("/dev/shm/epl-%s-*" % run)
 
 
 def test_kill_9_of_a_worker_mid_step(tmp_path):
     """A worker killed mid-training: the launcher stops the job within 10 s, names the
-    killed worker as the cause, and leaves no shared memory behind."""
+    killed worker as the cause, and leaves none of the run's shared memory behind (the
+    two workers of one host met in it: it existed while they trained)."""
     import signal
-    before = _segments()
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("EPL_JOB_ID", None)
+    env.pop("EPL_COMM_TRANSPORT", None)   # (one host: shared memory)
     proc = subprocess.Popen([sys.executable, "-m", "epl.launcher", "--num_workers", "2",
                              "--gpu_per_worker", "1", "--log_dir", str(tmp_path / "logs"),
                              os.path.join(HERE, "fault_train.py")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     try:
         q, seen = _lines(proc), []
+        run = _wait_for(q, lambda l: l.startswith("epl-launch: attempt 0: run "), 120,
+                        seen).split()[-1]
         pid = int(_wait_for(q, lambda l: l.startswith("[worker 1] PID"), 120, seen).split()[-1])
         _wait_for(q, lambda l: l.startswith("[worker 1] step 3"), 120, seen)
+        assert _segments(run), "".join(seen[-60:])
         os.kill(pid, signal.SIGKILL)
         killed = time.time()
         proc.wait(timeout=60)
@@ -199,7 +205,7 @@ def test_kill_9_of_a_worker_mid_step(tmp_path):
     print("launcher stopped %.2f s after the kill" % elapsed)
     assert elapsed < 10, out[-3000:]
     assert "worker 1 was killed by SIGKILL" in out, out[-3000:]
-    assert _segments() - before == set()
+    assert _segments(run) == []
 
 
 def _fnv1a(text):

@@ -6,9 +6,9 @@ a partition mid-step, a host that never comes up and one that comes up late.
 Every test measures the seconds to its outcome (printed; docs/network-faults.md has the
 table) and checks that nothing is left running in the namespaces.  Skipped, with the
 reason, where namespaces cannot be made (not root, no iproute2, no permission)."""
-import hashlib
 import os
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -18,6 +18,7 @@ import uuid
 import numpy as np
 import pytest
 
+from epl import launcher
 from tests import models, netns
 from tests.mw_train import BATCH, STEPS
 
@@ -56,7 +57,7 @@ class Launch(object):
                    EPL_COMMUNICATION_TIMEOUT_SECONDS=str(timeout_seconds))
         env.pop("EPL_JOB_ID", None)
         env.pop("EPL_COMM_TRANSPORT", None)
-        self.rank = rank
+        self.rank, self.net = rank, net
         self.proc = net.popen(rank, [sys.executable, "-m", "epl.launcher", "--num_workers",
                                      str(net.hosts), "--gpu_per_worker", "1",
                                      "--machine_list", machines, "--machine_rank", str(rank),
@@ -64,11 +65,11 @@ class Launch(object):
                               + list(script_args),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                               cwd=str(tmp_path))
-        # The launcher's run id (what its shared memory is named from): the job id is a
-        # hash of the TF addresses, the run id a hash of job id and secret.
-        addrs = ",".join("%s:%d" % (net.name(i), PORT) for i in range(net.hosts))
-        job = hashlib.sha1(addrs.encode()).hexdigest()[:12]
-        net.add_run(hashlib.sha256((job + secret).encode()).hexdigest()[:12])
+        # The launch's run id (what its shared memory is named from), as the launchers of
+        # a --machine_list job derive it: from the TF addresses (the job id) and the
+        # secret (this job runs one attempt: 0).
+        job = launcher.job_id_of(["%s:%d" % (net.name(i), PORT) for i in range(net.hosts)])
+        net.add_run(launcher.shared_run_id(job, secret, 0))
         self.lines = []
         self.q = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -110,6 +111,9 @@ class Launch(object):
         while not (self.lines and self.lines[-1] is not None) and time.time() < deadline:
             time.sleep(0.05)
         time.sleep(0.2)   # (the pump's last lines)
+        # the runs it printed are those whose shared memory the Network checks and removes
+        printed = re.findall(r"^epl-launch: attempt \d+: run ([0-9a-f]+)$", self.output(), re.M)
+        assert set(printed) <= set(self.net.runs), (printed, self.net.runs)
         return code
 
 

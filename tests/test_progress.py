@@ -325,3 +325,75 @@ def test_pipeline_global_batch_and_ranks(tmp_path, monkeypatch):
         assert r["global_batch"] == 12
         assert r["gradient_bytes_per_step"] == GRADIENT_BYTES
         assert r["comm_bytes_per_step"] == GRADIENT_BYTES * 2.0 * (2 - 1) / 2
+
+
+def _two_machines(tmp_path, extra_args, secret):
+    """A 2-worker job of mw_progress.py on two loopback 'machines', 127.0.0.2 and
+    127.0.0.3 (one worker each), one epl-launch each with its own --log_json: (the list
+    of the machines, [(exit status, output)] by machine)."""
+    from epl.launcher import free_port_block
+    machines = ",".join("127.0.0.%d:%d" % (2 + m, free_port_block(3, "127.0.0.%d" % (2 + m)))
+                        for m in range(2))
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", EPL_JOB_SECRET=secret)
+    env.pop("EPL_JOB_ID", None)
+    procs, outs = [], []
+    for r in (0, 1):
+        outs.append(open(str(tmp_path / ("launcher%d.out" % r)), "w+b"))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "epl.launcher", "--num_workers", "2", "--gpu_per_worker",
+             "1", "--machine_list", machines, "--machine_rank", str(r), "--log_dir",
+             str(tmp_path / ("logs%d" % r)), "--log_json", str(tmp_path / ("progress%d.json" % r))]
+            + extra_args + [os.path.join(HERE, "mw_progress.py"), str(tmp_path)],
+            env=env, stdout=outs[-1], stderr=subprocess.STDOUT))
+    deadline = time.time() + 240
+    try:
+        for p in procs:
+            p.wait(max(1, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+            p.wait()
+    results = []
+    for p, f in zip(procs, outs):
+        f.seek(0)
+        results.append((p.returncode, f.read().decode("utf-8", "replace")))
+        f.close()
+    return machines, results
+
+
+@pytest.mark.parametrize("coordinated", [False, True], ids=["plain", "max_restarts"])
+def test_each_machine_shows_its_own_workers_progress(tmp_path, coordinated):
+    """--machine_list, plain and under --max_restarts (machine 0's launcher coordinates):
+    each machine's launcher shows the status lines and the summary row of its own worker
+    (rank 1 on machine 1), whose steps are the steps it ran and whose last loss is the
+    one its program fetched; --log_json parses: the attempt's run (the one printed,
+    derived as epl.launcher says), then its worker's samples, then the summary."""
+    from epl.launcher import job_id_of, shared_run_id
+    secret = "the-secret-of-both-machines"
+    machines, results = _two_machines(
+        tmp_path, ["--max_restarts", "1"] if coordinated else [], secret)
+    run = shared_run_id(job_id_of(machines.split(",")), secret, 0)   # (1 worker a machine)
+    for r, (code, out) in enumerate(results):
+        assert code == 0, out[-5000:]
+        assert "epl-launch: attempt 0: run %s\n" % run in out, out[-5000:]
+        assert not glob.glob("/dev/shm/epl-%s-*" % run)
+        assert "[progress] worker %d: step " % r in out, out[-5000:]
+        assert "[progress] worker %d:" % (1 - r) not in out, out[-5000:]
+        fetched = json.loads(out.split("[worker %d] LOSSES " % r, 1)[1].splitlines()[0])
+        assert [s for s, _ in fetched] == list(range(1, STEPS + 1))
+        table = out[out.index("epl-launch progress"):].splitlines()
+        assert table[1].split()[0] == "worker"
+        rows = [line.split() for line in table[2:] if line.strip()]
+        assert len(rows) == 1 and rows[0][:2] == [str(r), str(STEPS)] and \
+            rows[0][4:] == ["%.6g" % fetched[-1][1], "0"], table
+        records = [json.loads(line) for line in
+                   (tmp_path / ("progress%d.json" % r)).read_text().splitlines()]
+        assert records[0] == dict(records[0], type="attempt", attempt=0, run_id=run)
+        status = records[1:-1]
+        assert status and all(s["type"] == "status" and s["worker"] == r for s in status)
+        assert status[-1]["final"] and status[-1]["runs"] == STEPS
+        assert records[-1]["type"] == "summary"
+        row, = records[-1]["workers"]
+        assert (row["worker"], row["steps"], row["step"], row["exit_status"]) == \
+            (r, STEPS, STEPS, 0), row
+        assert row["loss"] == fetched[-1][1]

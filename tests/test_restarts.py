@@ -1,7 +1,9 @@
 """epl-launch --max_restarts / --restart_window / --min_workers (issue 27): a job that
 survives a lost worker.  Every job runs under a hard timeout; every test checks that no
-worker is left running and no shared memory (/dev/shm/epl-*) is left behind."""
+worker is left running and none of its runs' shared memory
+(/dev/shm/epl-<run>-*, the runs it printed) is left behind."""
 import glob
+import json
 import os
 import re
 import subprocess
@@ -20,8 +22,9 @@ ROOT = os.path.dirname(HERE)
 
 
 def _segments(out):
-    """The shared-memory segments left of the runs ``out`` (epl-launch's output) names
-    (other jobs of this machine may hold segments of their own meanwhile)."""
+    """The shared-memory segments left of the runs ``out`` (epl-launch's output) names,
+    one a line for each attempt (other jobs of this machine may hold segments of their
+    own meanwhile)."""
     runs = set(re.findall(r"epl-launch: attempt \d+: run ([0-9a-f]+)", out))
     assert runs, out[-3000:]
     return [p for r in sorted(runs) for p in glob.glob("/dev/shm/epl-%s-*" % r)]
@@ -161,9 +164,9 @@ def _train_job(tmp_path, extra_args, env_extra, script_args=()):
     return code, out, (x, y)
 
 
-def _restored_step(out, attempt):
-    found = re.findall(r"attempt %d: worker 0 of \d+ starts at global step (\d+)" % attempt,
-                       out)
+def _restored_step(out, attempt, worker=0):
+    found = re.findall(r"attempt %d: worker %d of \d+ starts at global step (\d+)"
+                       % (attempt, worker), out)
     assert found, out[-5000:]
     return int(found[0])
 
@@ -312,7 +315,8 @@ def _machines(count):
 
 class _Launchers(object):
     """One epl-launch per machine of a 2-machine job of restart_train.py; their output is
-    read on threads (so a test can wait for a line, and kill a launcher)."""
+    read on threads (so a test can wait for a line, and kill a launcher); machine r's
+    --log_json is tmp_path/progress<r>.json."""
 
     def __init__(self, tmp_path, args, env_extra):
         data = tmp_path / "data"
@@ -326,7 +330,8 @@ class _Launchers(object):
         for r in (0, 1):
             self.cmds.append(
                 [sys.executable, "-m", "epl.launcher", "--num_workers", "2", "--machine_list",
-                 machines, "--machine_rank", str(r), "--log_dir", str(tmp_path / ("logs%d" % r))]
+                 machines, "--machine_rank", str(r), "--log_dir", str(tmp_path / ("logs%d" % r)),
+                 "--log_json", str(tmp_path / ("progress%d.json" % r))]
                 + args + [os.path.join(HERE, "restart_train.py"), str(tmp_path), str(data)])
             self.start(r)
 
@@ -377,7 +382,9 @@ class _Launchers(object):
 def test_two_machines_restart_together(tmp_path):
     """Worker 1 (machine 1) is killed after step 5: machine 0's launcher, which
     coordinates, names it and both machines start their workers again; the final
-    weights equal the uninterrupted run's."""
+    weights equal the uninterrupted run's.  Each machine's launcher shows its own
+    worker's progress: the summary row (and --log_json's) holds the steps its restarted
+    process ran, from the restored step to the last."""
     job = _Launchers(tmp_path, ["--max_restarts", "1", "--host_timeout", "60"],
                      {"RESTART_KILL": "1:5"})
     codes = job.finish()
@@ -392,6 +399,23 @@ def test_two_machines_restart_together(tmp_path):
         models.assert_weights_close(dict(np.load(str(tmp_path / ("worker_%d.npz" % w)))),
                                     want)
     _nothing_left(tmp_path, out0 + out1)
+    for r, out in enumerate((out0, out1)):
+        ran = rt.STEPS - _restored_step(out, 1, r)
+        table = out[out.index("epl-launch progress"):].splitlines()
+        rows = [line.split() for line in table[2:] if line.strip()]
+        assert len(rows) == 1 and rows[0][:2] == [str(r), str(ran)] and rows[0][-1] == "0", \
+            table
+        records = [json.loads(line) for line in
+                   (tmp_path / ("progress%d.json" % r)).read_text().splitlines()]
+        runs = re.findall(r"epl-launch: attempt (\d+): run ([0-9a-f]+)", out)
+        assert [(int(k), run) for k, run in runs] == [
+            (x["attempt"], x["run_id"]) for x in records if x["type"] == "attempt"] and \
+            [k for k, _ in runs] == ["0", "1"], (runs, records)
+        assert set(x["worker"] for x in records if x["type"] == "status") == {r}
+        assert records[-1]["type"] == "summary", records[-1]
+        row, = records[-1]["workers"]
+        assert (row["worker"], row["steps"], row["step"], row["exit_status"]) == \
+            (r, ran, rt.STEPS, 0), row
 
 
 def test_a_machine_that_stays_away_is_dropped(tmp_path):
