@@ -32,8 +32,9 @@ W = np.array([[0.5], [-1.0], [2.0]], np.float32)
 # ---------------------------------------------------------------------------- helpers
 
 def _prepare(cluster=None):
-    """The ``ReplicaState`` the passes share, made as ``rewrite._rewrite`` makes it
-    (``rewrite.prepare_state``: the analyses, split placement) before it runs ``PASSES``.
+    """The graph's ``Rewrite`` (the plan, no product yet), made as ``rewrite._rewrite``
+    makes it (``rewrite.prepare_state``: the analyses, split placement) before it runs
+    ``PASSES``.
     ``cluster`` replaces the cluster of ``epl.init`` (a worker of a multi-worker job)."""
     env = Env.get()
     return prepare_state(ir.Graph.get(), env.config, cluster or env.cluster)
@@ -58,7 +59,7 @@ def _run(state, target, since=-1, first=True, sel=None, done=()):
     ran = [p for p in PASSES.passes if p.name in done]
     pipe = PassPipeline([p for p in _needed(target) if p.name not in done],
                         given=set().union(*[p.provides for p in ran]))
-    state.frozen_id = since     # (the pipeline refuses an order missing a requirement)
+    # (the pipeline refuses an order missing a requirement)
     pipe.run(PassContext(state, sel if sel is not None else state.selection, since, first),
              dump_dir="")
     state.last_id = tfg.last_op_id(state.graph)
@@ -196,7 +197,7 @@ def test_shard_inputs_gives_each_clone_its_slice_of_a_fed_batch_and_its_own_pull
     doubled = tf.multiply(x, 2.0, name="doubled")
     pulled = tf.identity(batch, name="pulled")
     state = _prepare()
-    assert _run(state, "shard_inputs") == ["place_originals", "shard_inputs"]
+    assert _run(state, "shard_inputs") == ["place_originals", "reinstall", "shard_inputs"]
     # Clone 0 (the user's op) reads shard 0; clone 1 will read shard 1.
     shard0 = doubled.op.inputs[0]
     shards = state.copies(shard0)

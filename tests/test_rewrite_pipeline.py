@@ -8,8 +8,12 @@ import tensorflow.compat.v1 as tf
 from tensorflow.core.framework import graph_pb2
 from google.protobuf import text_format
 
-from epl.rewrite import PASSES
+import epl
+from epl import ir
+from epl.env import Env
+from epl.rewrite import PASSES, prepare_state
 from epl.rewrite.pipeline import Pass, PassContext, PassOrderError, PassPipeline
+from epl.rewrite.state import CLONE_MAPS, CloneMaps, UndeclaredProduct
 from tests import models
 
 
@@ -79,3 +83,83 @@ def test_dump_after_each_pass_shows_what_each_pass_did(tmp_path, monkeypatch):
     assert any(n.op.startswith("EplAllReduce") for n in cloned.values())
     assert not any(n.op.startswith("EplAllReduce") for n in placed.values())
     assert set(PASSES.seconds) >= {"clone_replicas", "merge_outputs"}
+
+
+# ------------------------------------------------------------------ products and the plan
+
+def _dp_rewrite():
+    """The ``Rewrite`` of a small DP x2 program before any pass ran."""
+    models.reset()
+    epl.init(epl.Config({"cluster.devices_per_worker": 2}))
+    epl.set_default_strategy(epl.replicate(1))
+    x = tf.placeholder(tf.float32, [None, 3], name="x")
+    w = tf.get_variable("w", [3, 1])
+    loss = tf.reduce_mean(tf.matmul(x, w, name="pred"))
+    tf.train.GradientDescentOptimizer(0.1).minimize(loss)
+    env = Env.get()
+    return prepare_state(ir.Graph.get(), env.config, env.cluster), x
+
+
+def test_a_pass_reaches_only_the_products_its_contract_names():
+    rewrite, x = _dp_rewrite()
+    seen = {}
+
+    def make(c):
+        seen["maps"] = c.make(CLONE_MAPS, lambda: CloneMaps(c.state.graph, 2), kept=True)
+        seen["tmp"] = c.make("tmp", dict)
+
+    def reader(c):
+        seen["tensor"] = c.state.tensor(1, x)       # declared: the clone maps' look-up
+        assert c.product("tmp") is seen["tmp"] and c.product(CLONE_MAPS) is seen["maps"]
+
+    ok = PassPipeline([Pass("make", make, provides={CLONE_MAPS, "tmp"}),
+                       Pass("read", reader, requires={CLONE_MAPS, "tmp"})])
+    ok.run(PassContext(rewrite, rewrite.selection, -1, True), dump_dir="")
+    assert seen["tensor"] is x
+    # Kept products live with the graph's Rewrite; the others end with the run.
+    assert rewrite.products == {CLONE_MAPS: seen["maps"]}
+
+    def undeclared_maps(c):
+        c.state.tensor(1, x)
+
+    def undeclared_product(c):
+        c.product("tmp")
+
+    def undeclared_write(c):
+        c.state.substitute(x, [x, x], lambda op: True)   # reads the maps, may not extend
+
+    for bad, message in ((undeclared_maps, "'sneak' reads the clone maps"),
+                         (undeclared_product, "'sneak' uses the product 'tmp'"),
+                         (undeclared_write, "'sneak' changes the clone maps")):
+        pipe = PassPipeline([Pass("make", make, provides={CLONE_MAPS, "tmp"}),
+                             Pass("sneak", bad,
+                                  requires={CLONE_MAPS} if bad is undeclared_write else ())])
+        with pytest.raises(UndeclaredProduct, match=message):
+            pipe.run(PassContext(rewrite, rewrite.selection, -1, True), dump_dir="")
+
+
+def test_a_product_is_read_only_after_the_pass_that_makes_it():
+    with pytest.raises(PassOrderError, match="'clone' requires \\['templates'\\]"):
+        PassPipeline([Pass("clone", _noop, requires={"templates"}),
+                      Pass("place", _noop, provides={"templates"})])
+    with pytest.raises(PassOrderError, match="'shard' requires \\['clone_maps'\\]"):
+        PassPipeline([Pass("shard", _noop, extends={CLONE_MAPS})])
+
+
+def test_the_plan_is_fixed_and_every_default_pass_declares_what_it_reads():
+    rewrite, _ = _dp_rewrite()
+    with pytest.raises(AttributeError, match="fixed before the passes run"):
+        rewrite.plan.layout = None
+    with pytest.raises(AttributeError, match="fixed before the passes run"):
+        rewrite.selection = None
+    PASSES.run(PassContext(rewrite, rewrite.selection, -1, True), dump_dir="")
+    # (each pass reached only its declared products: an undeclared read raises)
+    assert set(rewrite.products) == {CLONE_MAPS, "sharded_inputs", "copied_contexts",
+                                     "schedule", "merged"}
+    assert "templates" not in rewrite.products     # (this run's: dropped)
+    assert rewrite.op(1, ir.Graph.get().taskgraphs[0].ops[-1]) is not None
+    contracts = {p.name: p for p in PASSES.passes}
+    assert CLONE_MAPS in contracts["reinstall"].provides
+    assert CLONE_MAPS in contracts["clone_replicas"].extends
+    assert "templates" in contracts["place_originals"].provides
+    assert "templates" in contracts["clone_replicas"].requires

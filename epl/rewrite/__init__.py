@@ -29,7 +29,7 @@ from epl.env import Env
 from epl.rewrite import (control_flow, inputs, merge, mirror, placement, replicate, schedule,
                          selection, split, step, zero)
 from epl.rewrite.pipeline import Pass, PassContext, PassPipeline
-from epl.rewrite.state import ReplicaState, share_variables
+from epl.rewrite.state import CLONE_MAPS, CloneMaps, Rewrite, RewritePlan, share_variables
 from epl.tf_adapter import graph as tfg
 from epl.variable_writes import VARIABLE_OPS, hand_written_update, written_variable
 
@@ -117,14 +117,15 @@ def _offload_unplaced(graph, cluster):
 
 
 def prepare_state(epl_graph, config, cluster):
-    """The ``ReplicaState`` the passes share for the first rewrite of ``epl_graph``.
+    """The ``Rewrite`` of ``epl_graph`` before its first run of the passes: the plan
+    (``state.RewritePlan``, fixed from here on) and no product yet.
 
     The analyses run here, each returning its value: the layout (``plan.plan``), the
     selection of the replica's ops and the update plan (``selection.select``), the
     placement of this worker's clones (``placement.place``), the ZeRO owners
     (``zero.plan_owners``); the state is made from them.  Then the capture-time
     corrections of v2 control flow (``control_flow.check_stages``, before the
-    selection) and the split shards' placement (``split.place``): the state is ready
+    selection) and the split shards' placement (``split.place``): the plan is ready
     for ``PASSES``.  ``cluster``: this worker's (a test may pass another worker's)."""
     layout = planner.plan(cluster, epl_graph.taskgraphs, config)
     if cluster.offload and layout.split_devices:
@@ -153,10 +154,10 @@ def prepare_state(epl_graph, config, cluster):
                 "the variables live; remove one of the two keys."
                 % (config.get("zero.level"), config.get("offload.level")))
         owners = zero.plan_owners(sel.shared, lambda op: _stage(epl_graph, stages, op), where)
-    state = ReplicaState(epl_graph, replicated, sel, layout, cluster, config,
-                         placement=where, zero_owners=owners, stage_index=stages)
-    split.place(state)
-    return state
+    plan = RewritePlan(epl_graph, replicated, sel, layout, cluster, config,
+                       placement=where, zero_owners=owners, stage_index=stages)
+    split.place(plan)
+    return Rewrite(plan)
 
 
 def _stage(epl_graph, stages, op):
@@ -175,38 +176,56 @@ def _rewrite(epl_graph, env):
 
 def _passes(state, sel, since, first):
     """The passes that copy ``sel`` (all of the replica, or the ops added after
-    ``since``) per clone and connect the copies."""
-    state.frozen_id = since
+    ``since``) per clone and connect the copies (``state``: the graph's ``Rewrite``)."""
     PASSES.run(PassContext(state, sel, since, first))
     state.last_id = tfg.last_op_id(state.graph)
 
 
+def _open_clone_maps(ctx):
+    """The clone maps of this rewrite: new ones on the first, else the earlier rewrites'
+    (kept), whose replacements the ops made since read too."""
+    state = ctx.state
+    maps = ctx.make(CLONE_MAPS, lambda: CloneMaps(state.graph, state.num_clones), kept=True)
+    maps.reinstall(ctx.since)
+
+
 def _default_pipeline():
+    # Products (``ctx.make`` / ``ctx.product``, see pipeline.py): templates (this run's),
+    # clone_maps, sharded_inputs, copied_contexts, schedule, merged (kept across rewrites).
     return PassPipeline([
-        Pass("place_originals", lambda c: replicate.place_originals(c.state, c.selection),
-             provides={"originals_placed"},
+        Pass("place_originals",
+             lambda c: replicate.place_originals(c.state, c.selection, c.make("templates", dict)),
+             provides={"originals_placed", "templates"},
              doc="replica 0's ops (the originals) on their devices"),
-        Pass("reinstall", lambda c: c.state.reinstall(), requires={"originals_placed"},
-             provides={"replacements_read"},
-             doc="ops made after a rewrite read the tensors it replaced"),
-        Pass("shard_inputs", lambda c: inputs.shard_inputs(c.state, c.selection),
-             requires={"originals_placed"}, provides={"inputs_sharded"},
+        Pass("reinstall", _open_clone_maps, requires={"originals_placed"},
+             provides={"replacements_read", CLONE_MAPS},
+             doc="the clone maps; ops made after a rewrite read the tensors it replaced"),
+        Pass("shard_inputs",
+             lambda c: inputs.shard_inputs(c.state, c.selection,
+                                           c.make("sharded_inputs", set, kept=True)),
+             requires={"originals_placed"}, extends={CLONE_MAPS},
+             provides={"inputs_sharded", "sharded_inputs"},
              doc="each clone pulls or slices its own batch"),
-        Pass("clone_replicas", lambda c: replicate.clone_replicas(c.state, c.selection),
-             requires={"inputs_sharded", "replacements_read"},
-             provides={"replicas_cloned", "gradients_reduced"},
+        Pass("clone_replicas",
+             lambda c: replicate.clone_replicas(c.state, c.selection, c.product("templates"),
+                                                c.make("copied_contexts", set, kept=True)),
+             requires={"inputs_sharded", "replacements_read", "templates"},
+             extends={CLONE_MAPS},
+             provides={"replicas_cloned", "gradients_reduced", "copied_contexts"},
              doc="the copies of every clone, gradients reduced across them"),
         Pass("bridge_split", lambda c: split.bridge(c.state), first_only=True,
-             requires={"replicas_cloned"}, provides={"split_bridged"},
+             requires={"replicas_cloned", CLONE_MAPS}, provides={"split_bridged"},
              doc="rows cross between the replicas and the split scopes"),
         Pass("scale_split_gradients", lambda c: split.scale_split_gradients(c.state),
-             first_only=True, requires={"split_bridged", "gradients_reduced"},
+             first_only=True, requires={"split_bridged", "gradients_reduced", CLONE_MAPS},
              doc="a split scope's gradients are the sum over the replicas' parts"),
-        Pass("schedule_pipeline", lambda c: schedule.schedule_pipeline(c.state),
-             first_only=True, requires={"replicas_cloned"}, provides={"pipeline_scheduled"},
+        Pass("schedule_pipeline",
+             lambda c: schedule.schedule_pipeline(c.state, c.make("schedule", dict, kept=True)),
+             first_only=True, requires={"replicas_cloned", CLONE_MAPS},
+             provides={"pipeline_scheduled", "schedule"},
              doc="control edges of the GPipe / 1F1B micro-batch order"),
         Pass("join_clones", lambda c: replicate.join_clones(c.state, c.selection, c.since),
-             requires={"replicas_cloned"}, provides={"clones_joined"},
+             requires={"replicas_cloned", CLONE_MAPS}, provides={"clones_joined"},
              doc="the user's fetches and updates wait for every clone"),
         Pass("order_global_step",
              lambda c: step.order_global_step(c.state.graph, c.state.ir_graph, c.since),
@@ -217,10 +236,11 @@ def _default_pipeline():
              requires={"replicas_cloned"}, provides={"initial_values_shared"},
              doc="every copy of a variable starts from replica 0's value"),
         Pass("mirror_writes", lambda c: mirror.mirror_writes(c.state, c.since),
-             requires={"initial_values_shared"},
+             requires={"initial_values_shared", CLONE_MAPS},
              doc="writes of a shared variable reach every copy"),
-        Pass("merge_outputs", lambda c: merge.merge_outputs(c.state),
-             requires={"replicas_cloned"},
+        Pass("merge_outputs",
+             lambda c: merge.merge_outputs(c.state, c.make("merged", dict, kept=True)),
+             requires={"replicas_cloned", CLONE_MAPS}, provides={"merged"},
              doc="fetched tensors merged across clones (epl.GraphKeys)"),
     ])
 

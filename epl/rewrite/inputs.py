@@ -35,11 +35,11 @@ def _split(graph, t, n, device, name, why):
             return tf.split(t, n, axis=0, name=name)
 
 
-def shard_inputs(state, sel):
+def shard_inputs(state, sel, done):
     """Give the clones their input of the sources and placeholders ``sel`` reads (those
-    an earlier rewrite sharded are reinstalled for ``sel``'s new readers)."""
+    an earlier rewrite sharded are reinstalled for ``sel``'s new readers).  ``done``:
+    the sources and placeholders already sharded (this pass's product, updated)."""
     groups = state.pull_groups   # clones that share one pull (the shards of a replica)
-    done = state.sharded_inputs
     for src in [op for op in sel.sources if op not in done]:
         done.add(src)
         pulls = [src]

@@ -30,13 +30,16 @@ from epl.tf_adapter import graph as tfg
 log = logging.getLogger("epl")
 
 
-def merge_outputs(state):
+def merge_outputs(state, merged_by_name):
+    """The merged tensor of every fetched tensor of an epl.GraphKeys collection and of
+    every per-replica state result, into ``merged_by_name`` (this pass's product, kept
+    across rewrites: fetched tensor name -> merged tensor, read by ``epl.runtime``)."""
     across = state.cluster.worker_num > 1 and not state.in_graph
     with new_ops(state.graph), tf.device(state.devices[0]):
         for key in GraphKeys.ALL:
             scope, how = merge_kind(key)
             for t in state.graph.get_collection(key):
-                if t.name in state.merged:
+                if t.name in merged_by_name:
                     continue   # (merged by an earlier rewrite)
                 copies = state.copies(t)
                 name = "EPL_MERGED/%s_%s_%s" % (t.op.name, scope, how)
@@ -50,17 +53,17 @@ def merge_outputs(state):
                     total = len(copies) * (state.cluster.worker_num
                                            if scope == "global" and across else 1)
                     merged = tf.math.truediv(merged, tf.cast(total, t.dtype), name=name + "_mean")
-                state.merged[t.name] = merged
+                merged_by_name[t.name] = merged
         waiting = []   # (values whose ops a later rewrite may copy)
         for t, aggregation in state.ir_graph.state_results:
-            if t.name in state.merged or (state.num_clones == 1 and not across):
+            if t.name in merged_by_name or (state.num_clones == 1 and not across):
                 continue
             if t.op not in state.selection:
                 waiting.append((t, aggregation))
                 continue
             merged = _from_every_replica(state, t, aggregation, across)
             if merged is not None:
-                state.merged[t.name] = merged
+                merged_by_name[t.name] = merged
         state.ir_graph.state_results[:] = waiting
 
 

@@ -22,16 +22,17 @@ from epl.tf_adapter import functions
 from epl.tf_adapter import graph as tfg
 
 
-def place_originals(state, sel):
+def place_originals(state, sel, templates):
     """The user's replica ops go to clone 0's device (shared variables and the
     single update too, when a worker shares one copy of its variables).  A write to
-    a variable runs where the variable lives."""
+    a variable runs where the variable lives.  ``templates`` (this pass's product): each
+    op's NodeDef template, taken before the placement changes it, for ``clone_replicas``."""
     control_flow.check_calls_unchanged(state)
     ops = sorted(list(sel.ops) + list(sel.shared), key=tfg.op_id)
     for op in ops:
         # Our placement replaces TF's colocation hints: tf.gradients colocates a
         # gradient sum with its first input, which may live on another stage.
-        state.templates[op] = base = template(op, _CLONE_ATTRS)     # (kept for the copies)
+        templates[op] = base = template(op, _CLONE_ATTRS)     # (kept for the copies)
         if "_class" in base[1]:
             tfg.clear_colocation(op)
         tfg.set_device(op, _device_for(state, 0, op.inputs, op))
@@ -72,26 +73,29 @@ def owned(state, op):
     return op.type in VARIABLE_OPS or op in state.selection.updates.run_once
 
 
-def clone_replicas(state, sel):
-    """Copy ``sel``'s ops (the replica, or what was added to it) per clone."""
+def clone_replicas(state, sel, templates, copied_contexts):
+    """Copy ``sel``'s ops (the replica, or what was added to it) per clone.
+    ``templates``: ``place_originals``'s NodeDef templates (taken as used);
+    ``copied_contexts``: the loops / conditions the clones have copies of (this pass's
+    product, kept across rewrites)."""
     # A site whose readers are not copied (shared variables) is reduced last.
     pending = sorted(((_first_id(sel, site), site) for site in sel.updates.sites),
                      key=lambda x: (x[0], x[1].index))
     segment = []
     for op in sel.ops:
         while pending and tfg.op_id(op) >= pending[0][0]:
-            _copy_segment(state, segment)
+            _copy_segment(state, segment, templates)
             segment = []
             reduce_gradients(state, pending.pop(0)[1])
         segment.append(op)
-    _copy_segment(state, segment)
+    _copy_segment(state, segment, templates)
     for _, rec in pending:
         reduce_gradients(state, rec)
-    control_flow.copy_contexts(state, sel.ops, state.copied_contexts)
+    control_flow.copy_contexts(state, sel.ops, copied_contexts)
     control_flow.note_calls(state, sel.ops)
 
 
-def _copy_segment(state, ops):
+def _copy_segment(state, ops, templates):
     """Every clone's copy of ``ops`` (made in one import).  Micro-batches of a
     replica share its variables and its one update (``owned``), and its constants
     (on their device already): their copies read the replica's copies of those, or
@@ -100,7 +104,7 @@ def _copy_segment(state, ops):
     if n == 1 or not ops:
         return
     own = set(op for op in ops if owned(state, op) or _constant(op))
-    described = _describe(state, ops)
+    described = _describe(state, ops, templates)
     kinds = {}      # kind of clone -> its _Segment
     copies = []     # (clone, its segment, where its nodes start in the plan)
     for c in sorted(range(1, n), key=lambda c: not state.is_rep(c)):
@@ -120,13 +124,13 @@ def _copy_segment(state, ops):
         seg.install(c, made[seg][start:start + len(seg.ops)])
 
 
-def _describe(state, ops):
+def _describe(state, ops, templates):
     """What every copy of each op needs, found once: (op, NodeDef template, the
     attributes each clone sets itself, inputs, control inputs, device class)."""
     members = set(ops)
     out = []
     for op in ops:
-        base, names = state.templates.pop(op, None) or template(op, _CLONE_ATTRS)
+        base, names = templates.pop(op, None) or template(op, _CLONE_ATTRS)
         own = _own_attrs(op, names)
         if len(own) < len(set(names) & set(_CLONE_ATTRS)):   # (an unseeded op's seed2: 0)
             base, _ = template(op, own)

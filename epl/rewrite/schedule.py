@@ -100,14 +100,15 @@ def task_ends(state, clone, originals, cache):
             [state.op_name(clone, op) for op in exits])
 
 
-def schedule_pipeline(state):
+def schedule_pipeline(state, orders):
+    """Control edges of the micro-batch order of every replica's stages; ``orders`` (this
+    pass's product): (replica, stage) -> that order, as ``schedule_order`` gives it."""
     layout = state.layout
     if layout.num_stages == 1 and layout.num_micro_batch == 1:
         return
     strategy = state.config.get("pipeline.strategy")
     path = _training_path(state) & control_flow.edge_safe(state.selection.ops)
     tasks = _task_originals(state, path)
-    state.schedule = {}
     replicas = {}
     cache = {}
     for c, (r, m, _) in enumerate(state.clones):
@@ -115,7 +116,7 @@ def schedule_pipeline(state):
     for r, by_micro in replicas.items():
         for s in range(layout.num_stages):
             order = schedule_order(strategy, s, layout.num_stages, layout.num_micro_batch)
-            state.schedule[(r, s)] = order
+            orders[(r, s)] = order
             previous_end = None
             for k, (kind, m) in enumerate(order):
                 phase = ir.FORWARD if kind == "F" else ir.BACKWARD

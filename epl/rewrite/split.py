@@ -125,18 +125,11 @@ def _initializes_only(state, op):
     return True
 
 
-def _batch_ops(state):
-    """Ops computed from an input batch (computed once per rewrite)."""
-    if state.batch_ops is None:
-        state.batch_ops = downstream_of_batch(state.graph)
-    return state.batch_ops
-
-
-def _crosses(state, t):
+def _crosses(state, t, on_batch):
     """``t`` is a batch every clone has its own copy of (a replica's activation, a pull of
     the input pipeline): a split reads the concatenation of the copies.  Variables and
     values not computed from the batch are the same in every clone (replica 0's)."""
-    if _is_variable_value(t) or t.op not in _batch_ops(state):
+    if _is_variable_value(t) or t.op not in on_batch:
         return False
     return t.op in state.selection or state.mapped(t)
 
@@ -148,7 +141,8 @@ def bridge(state):
     sel = state.selection
     n = state.num_clones
     model = (ir.FORWARD, ir.BACKWARD)   # not a shard's optimizer: it reads reduced grads
-    gather = _Gather(state)
+    # (found here, after the clones were made: a split op may read a reduced gradient)
+    gather = _Gather(state, downstream_of_batch(state.graph))
     relaxed = state.ir_graph.relaxed
     # Replica -> split: the whole batch.
     readers = [op for op in split_ops if state.ir_graph.phase_of(op) in model]
@@ -309,11 +303,11 @@ class _Gather(object):
     split (a loss's label preprocessing), a copy of the op computed on the gathered
     inputs.  The user's own ops are left as they are."""
 
-    def __init__(self, state):
+    def __init__(self, state, on_batch):
         self.state = state
         self.done = {}
         self.batch_rows = None      # rows of each clone's part (for the way back)
-        self.on_batch = _batch_ops(state)
+        self.on_batch = on_batch    # ops computed from an input batch
 
     def __call__(self, t, reader):
         if t not in self.done:
@@ -322,7 +316,7 @@ class _Gather(object):
 
     def _whole(self, t, reader):
         state = self.state
-        if _crosses(state, t):
+        if _crosses(state, t, self.on_batch):
             copies = state.copies(t)
             if all(cp is t for cp in copies):
                 return t   # (one clone: nothing to gather)

@@ -1,62 +1,123 @@
-"""What the data-parallel passes share: the layout and the per-clone maps."""
+"""What the data-parallel passes see: the plan fixed before they run, and the products
+they hand to each other.
+
+* ``RewritePlan``: the analyses' values (layout, placement of this worker's clones,
+  selection, ZeRO owners...), made by ``rewrite.prepare_state`` before any pass runs
+  and never changed by a pass (setting an attribute raises; a later rewrite, ``_extend``,
+  merges the ops added since into ``selection`` between two runs of the passes).
+* products: what one pass makes for later ones (``CloneMaps``, the NodeDef templates,
+  the merged fetches...), each named in the ``provides`` of the pass that makes it and
+  the ``requires`` / ``extends`` of the passes that read or add to it; the driver holds
+  them (``epl/rewrite/pipeline.py``).
+* ``PassState``: one pass's view: the plan, the clone maps only if the pass declared
+  them (reading them otherwise raises ``UndeclaredProduct``).
+* ``Rewrite``: a graph's rewrites: the plan, the products kept from one rewrite to the
+  next, the last op id the rewrites have seen; read by everything after the rewrite
+  (``RewriteResult.state``: the profiler, progress reports, late writes).
+"""
 from epl import communicators
 from epl.rewrite.placement import place
 from epl.tf_adapter import deferred
 from epl.tf_adapter import graph as tfg
 
+CLONE_MAPS = "clone_maps"
 
-class ReplicaState(object):
+
+class UndeclaredProduct(RuntimeError):
+    """A pass read a product its contract does not name."""
+
+
+class RewritePlan(object):
     """The clones this worker builds: clone ``c`` is ``self.clones[c]`` = (replica,
     shard, global device) of the layout, on this worker's local device
     ``self.devices[c]``; clone 0 is the user's ops.  (Between-graph training:
     every worker builds only its own clones; collectives span the workers.)
-
-    ``tensor_map[c]`` / ``op_map[c]`` send an original tensor/op to its copy in
-    clone ``c`` (clone 0 maps everything to itself).
-    """
+    Fixed once made: the passes read it, none changes it."""
 
     def __init__(self, ir_graph, taskgraphs, selection, layout, cluster, config,
                  placement=None, zero_owners=None, stage_index=None):
-        self.ir_graph = ir_graph
-        self.graph = ir_graph.tf_graph
-        self.taskgraphs = taskgraphs
-        self.laid_out = list(ir_graph.taskgraphs)   # every scope the layout placed
+        d = self.__dict__
+        d["ir_graph"] = ir_graph
+        d["graph"] = ir_graph.tf_graph
+        d["taskgraphs"] = taskgraphs
+        d["laid_out"] = tuple(ir_graph.taskgraphs)   # every scope the layout placed
         # {taskgraph index: pipeline stage} (a pipeline's stages are replicate scopes)
         if stage_index is None:
             stage_index = ir_graph.stage_order(taskgraphs) if layout.num_stages > 1 else {}
-        self.stage_index = stage_index
-        self.selection = selection
-        self.layout = layout
-        self.cluster = cluster
-        self.config = config
+        d["stage_index"] = stage_index
+        d["selection"] = selection
+        d["layout"] = layout
+        d["cluster"] = cluster
+        d["config"] = config
         if placement is None:
             placement = place(layout, cluster, config)
-        self.placement = placement
-        self.in_graph = placement.in_graph
-        self.clones = placement.clones
-        self.stage_devices = placement.stage_devices
-        self.devices = placement.devices
-        self.reps = placement.reps
-        self.pull_groups = placement.pull_groups
-        self.share_variables = share_variables(cluster, config)
-        self.tensor_map = [dict() for _ in self.clones]
-        self.op_map = [dict() for _ in self.clones]
-        self.merged = {}          # fetched tensor name -> merged tensor
-        # Ops up to ``frozen_id`` may have run in a session: TensorFlow ignores later
-        # edits of them, so a later rewrite only edits ops made after (``editable``).
-        self.frozen_id = -1
-        self.last_id = -1         # the last op the rewrites have seen
-        self.installed = {}       # original tensor -> per-clone replacement (substitute)
-        self.sharded_inputs = set()  # sources and placeholders given to the clones
-        self.batch_ops = None      # ops computed from an input batch (split.py)
-        self.copied_contexts = set()  # loops / conditions the clones have copies of
-        self.templates = {}       # op -> its NodeDef template (replicate.place_originals)
+        d["placement"] = placement
+        d["in_graph"] = placement.in_graph
+        d["clones"] = placement.clones
+        d["stage_devices"] = placement.stage_devices
+        d["devices"] = placement.devices
+        d["reps"] = placement.reps
+        d["pull_groups"] = placement.pull_groups
+        d["share_variables"] = share_variables(cluster, config)
         # shared variable op -> its device (zero.level: ``zero.plan_owners``)
-        self.zero_owners = dict(zero_owners or {})
+        d["zero_owners"] = dict(zero_owners or {})
+
+    def __setattr__(self, name, value):
+        raise AttributeError(
+            "EPL: the rewrite plan is fixed before the passes run (setting %r); a pass hands "
+            "what it makes to later passes as a declared product (epl/rewrite/pipeline.py)"
+            % name)
 
     @property
     def num_clones(self):
         return len(self.devices)
+
+    def stage_of(self, op):
+        tg = self.ir_graph.taskgraph_of(op)
+        return self.stage_index[tg.index] if tg is not None and self.layout.num_stages > 1 else 0
+
+    def device_for(self, c, op):
+        """Where clone c runs ``op``: the device of the op's stage."""
+        return self.stage_devices[c][self.stage_of(op)]
+
+    def host_device(self, c):
+        """Host memory of clone c's worker (``offload.level``: the variables live there)."""
+        if self.in_graph:
+            return self.cluster.host_device(self.clones[c][2] // self.cluster.gpu_num_per_worker)
+        return self.cluster.host_device()
+
+    def is_rep(self, c):
+        """Clone c owns its replica's variables and update (micro-batch 0)."""
+        return self.reps[c] == c
+
+    def communicator(self, name, stage=0):
+        """A communicator over this worker's clones (their devices of ``stage``) that also
+        spans the other workers."""
+        devices = [sd[stage] for sd in self.stage_devices]
+        if self.in_graph:   # devices of several processes in one graph: TF moves the data
+            return communicators.InGraphCommunicator(devices, name)
+        return communicators.create(devices, name,
+                                    self.config.get("communication.timeout_seconds"),
+                                    self.cluster)
+
+    @staticmethod
+    def clone_name(c, name):
+        return "EPL_REPLICA_%d/%s" % (c, name)
+
+
+class CloneMaps(object):
+    """The product of the passes that copy the replica (made by ``reinstall`` on the
+    first rewrite, extended by ``shard_inputs`` and ``clone_replicas``, kept across
+    rewrites): ``tensor_map[c]`` / ``op_map[c]`` send an original tensor/op to its copy in
+    clone ``c`` (clone 0 maps everything to itself); ``installed``: the tensors a pass
+    replaced (a sharded input, a reduced gradient) -> (the per-clone replacement, which
+    readers take it), for ops made after a rewrite (``reinstall``)."""
+
+    def __init__(self, graph, num_clones):
+        self.graph = graph
+        self.tensor_map = [dict() for _ in range(num_clones)]
+        self.op_map = [dict() for _ in range(num_clones)]
+        self.installed = {}
 
     def tensor(self, c, t):
         x = self.tensor_map[c].get(t)
@@ -103,18 +164,15 @@ class ReplicaState(object):
 
     def copies(self, t):
         """``t`` in every clone (a list indexed by clone)."""
-        return [self.tensor(c, t) for c in range(self.num_clones)]
+        return [self.tensor(c, t) for c in range(len(self.op_map))]
 
-    def editable(self, op):
-        """``op`` was made after the last rewrite (no session has run it yet)."""
-        return tfg.op_id(op) > self.frozen_id
-
-    def substitute(self, original, per_clone, rewire):
-        """The user's ops accepted by ``rewire(op)`` read ``per_clone[0]`` instead of
-        ``original``; clone c (copied later) reads ``per_clone[c]``."""
+    def substitute(self, original, per_clone, rewire, since):
+        """The user's ops accepted by ``rewire(op)`` (made after op id ``since``: no
+        session ran them) read ``per_clone[0]`` instead of ``original``; clone c (copied
+        later) reads ``per_clone[c]``."""
         if per_clone[0] is not original:
             for consumer in list(original.consumers()):
-                if not rewire(consumer) or not self.editable(consumer):
+                if not rewire(consumer) or not tfg.op_id(consumer) > since:
                     continue
                 for i, inp in enumerate(consumer.inputs):
                     if inp is original:
@@ -123,50 +181,99 @@ class ReplicaState(object):
         for c in range(len(per_clone)):
             self.tensor_map[c][per_clone[0]] = per_clone[c]
 
-    def reinstall(self):
-        """Ops made after a rewrite that read a tensor an earlier rewrite replaced (a
+    def reinstall(self, since):
+        """Ops made after op id ``since`` that read a tensor an earlier rewrite replaced (a
         sharded input, a reduced gradient) read the replacement too."""
         for original, (per_clone, rewire) in self.installed.items():
             if per_clone[0] is original:
                 continue
             for consumer in list(original.consumers()):
-                if not self.editable(consumer) or not rewire(consumer):
+                if not tfg.op_id(consumer) > since or not rewire(consumer):
                     continue
                 for i, inp in enumerate(consumer.inputs):
                     if inp is original:
                         tfg.update_input(consumer, i, per_clone[0])
 
-    def stage_of(self, op):
-        tg = self.ir_graph.taskgraph_of(op)
-        return self.stage_index[tg.index] if tg is not None and self.layout.num_stages > 1 else 0
 
-    def device_for(self, c, op):
-        """Where clone c runs ``op``: the device of the op's stage."""
-        return self.stage_devices[c][self.stage_of(op)]
+# What a pass reaches of the clone maps through its ``PassState`` (declared or refused).
+_MAP_NAMES = frozenset(["tensor", "output", "op", "op_name", "mapped", "copies", "tensor_map",
+                        "op_map"])
 
-    def host_device(self, c):
-        """Host memory of clone c's worker (``offload.level``: the variables live there)."""
-        if self.in_graph:
-            return self.cluster.host_device(self.clones[c][2] // self.cluster.gpu_num_per_worker)
-        return self.cluster.host_device()
 
-    def is_rep(self, c):
-        """Clone c owns its replica's variables and update (micro-batch 0)."""
-        return self.reps[c] == c
+class PassState(RewritePlan):
+    """One pass's view of the rewrite: the plan's facts and methods, ``since`` (ops made
+    after it are this rewrite's: ``editable``), and the clone maps' look-ups only when the
+    pass names ``clone_maps`` in its contract (else reading one raises
+    ``UndeclaredProduct``, naming the pass)."""
 
-    def communicator(self, name, stage=0):
-        """A communicator over this worker's clones (their devices of ``stage``) that also
-        spans the other workers."""
-        devices = [sd[stage] for sd in self.stage_devices]
-        if self.in_graph:   # devices of several processes in one graph: TF moves the data
-            return communicators.InGraphCommunicator(devices, name)
-        return communicators.create(devices, name,
-                                    self.config.get("communication.timeout_seconds"),
-                                    self.cluster)
+    def __init__(self, plan, since, maps=None, pass_name=None, writes_maps=False):
+        d = self.__dict__
+        d.update(plan.__dict__)
+        d["plan"] = plan
+        d["since"] = since
+        d["pass_name"] = pass_name
+        d["_maps"] = maps
+        d["_writes_maps"] = writes_maps
+        if maps is not None:
+            for name in _MAP_NAMES:
+                d[name] = getattr(maps, name)
 
-    @staticmethod
-    def clone_name(c, name):
-        return "EPL_REPLICA_%d/%s" % (c, name)
+    def __getattr__(self, name):
+        if name in _MAP_NAMES:
+            raise UndeclaredProduct(
+                "EPL rewrite: pass %r reads the clone maps (%s) without naming %r in its "
+                "requires / extends / provides" % (self.pass_name, name, CLONE_MAPS))
+        raise AttributeError(name)
+
+    def editable(self, op):
+        """``op`` was made after the last rewrite (no session has run it yet: TensorFlow
+        ignores later edits of the ops a session has seen)."""
+        return tfg.op_id(op) > self.since
+
+    def substitute(self, original, per_clone, rewire):
+        """``CloneMaps.substitute`` for this rewrite (a pass that extends the maps)."""
+        if not self._writes_maps:
+            raise UndeclaredProduct(
+                "EPL rewrite: pass %r changes the clone maps without naming %r in its "
+                "extends / provides" % (self.pass_name, CLONE_MAPS))
+        self._maps.substitute(original, per_clone, rewire, self.since)
+
+
+class Rewrite(RewritePlan):
+    """A graph's rewrites: the plan, the products kept from one rewrite to the next
+    (``products``: name -> value, held for the driver), and ``last_id``, the last op the
+    rewrites have seen.  Reads everything (for what runs after a rewrite: the profiler,
+    progress reports, mirroring late writes, tests)."""
+
+    def __init__(self, plan):
+        d = self.__dict__
+        d.update(plan.__dict__)
+        d["plan"] = plan
+        d["products"] = {}
+        d["last_id"] = -1
+
+    def __setattr__(self, name, value):
+        if name != "last_id":
+            RewritePlan.__setattr__(self, name, value)
+        self.__dict__[name] = value
+
+    def __getattr__(self, name):
+        if name in _MAP_NAMES:
+            maps = self.__dict__["products"].get(CLONE_MAPS)
+            if maps is None:
+                raise AttributeError("EPL rewrite: no clone maps yet (%s)" % name)
+            return getattr(maps, name)
+        raise AttributeError(name)
+
+    @property
+    def merged(self):
+        """Fetched tensor name -> its merged tensor (``merge_outputs``)."""
+        return self.products.get("merged", {})
+
+    @property
+    def schedule(self):
+        """(replica, stage) -> its micro-batches' order (``schedule_pipeline``)."""
+        return self.products.get("schedule", {})
 
 
 def share_variables(cluster, config):
