@@ -2,7 +2,7 @@
 
 An analysis: :func:`place` reads the layout, the cluster and the config and returns a
 :class:`Placement` (no graph is read or edited); the passes read it through
-``ReplicaState``.  The one place a clone's devices are decided, and where the layouts
+``state.RewritePlan``.  The one place a clone's devices are decided, and where the layouts
 this worker cannot run are refused.
 """
 import logging
