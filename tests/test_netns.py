@@ -233,7 +233,7 @@ def test_partition_mid_transfer_of_a_large_all_reduce(network):
     ranks = []
     for r, p in enumerate(procs):
         h = Launch.__new__(Launch)   # (only its output reader)
-        h.rank, h.proc, h.lines, h.q = r, p, [], queue.Queue()
+        h.rank, h.net, h.proc, h.lines, h.q = r, net, p, [], queue.Queue()
         threading.Thread(target=h._pump, daemon=True).start()
         ranks.append(h)
     for h in ranks:
