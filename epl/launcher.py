@@ -60,6 +60,7 @@ import tempfile
 import threading
 import time
 
+from epl.launch_marks import LAUNCH_DIR_ENV, joined, mark_joined  # noqa: F401 (re-exported)
 from epl.processes import dies_with_parent
 from epl.progress_display import ProgressDisplay
 
@@ -67,13 +68,10 @@ GRACE_SECONDS = 10
 # --restart_window's default: an hour of running before a failure resets the restart count.
 DEFAULT_RESTART_WINDOW = 3600
 DEFAULT_HOST_TIMEOUT = 120
-# The folder through which the workers tell the launcher that they joined the job.
-LAUNCH_DIR_ENV = "EPL_LAUNCH_DIR"
 # How many times epl-launch started the job's workers again before this attempt (0 first).
 RESTART_COUNT_ENV = "EPL_RESTART_COUNT"
 # Printed when an attempt starts: its number (EPL_RESTART_COUNT) and run (EPL_RUN_ID).
 RUN_LINE = "epl-launch: attempt %d: run %s"
-_marked = []
 
 
 def parse_args(argv=None):
@@ -213,23 +211,6 @@ def _have_gpus():
         return out.returncode == 0 and b"GPU" in out.stdout
     except (OSError, subprocess.SubprocessError):
         return False
-
-
-def mark_joined():
-    """Called in a worker (by EPL) when it first runs the job's rewritten graph: from now
-    on its peers may wait for it in collectives.  A no-op outside epl-launch."""
-    folder, index = os.environ.get(LAUNCH_DIR_ENV), os.environ.get("EPL_WORKER_INDEX")
-    if _marked or not folder or index is None:
-        return
-    _marked.append(True)
-    try:
-        open(os.path.join(folder, "worker_%s.joined" % index), "w").close()
-    except OSError:
-        pass   # (the launcher is gone, or the folder with it: nothing to tell)
-
-
-def joined(launch_dir, index):
-    return os.path.exists(os.path.join(launch_dir, "worker_%d.joined" % index))
 
 
 def worker_env(a, addrs, comm, index, job_id, gpus, local_index=None, run_id="",

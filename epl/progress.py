@@ -42,12 +42,12 @@ import tensorflow as tf
 
 from epl import ir
 from epl.env import Env
+from epl.launch_marks import LAUNCH_DIR_ENV
 from epl.rewrite import fusion
 from epl.tf_adapter import functions, patching
 
 # Seconds between two samples of one worker (plus the first step and the last).
 INTERVAL = 0.5
-LAUNCH_DIR_ENV = "EPL_LAUNCH_DIR"   # (epl.launcher's name; the launcher imports no TF)
 FILE_PATTERN = "worker_%s.progress.jsonl"
 # TensorBoard tags.
 TAGS = ("epl/step_time_s", "epl/steps_per_sec", "epl/samples_per_sec",

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from epl import ir
 from epl.env import Env
-from epl.launcher import mark_joined
+from epl.launch_marks import mark_joined
 from epl.rewrite import rewrite_if_needed
 
 

@@ -20,7 +20,7 @@ PKG = os.path.join(ROOT, "epl")
 # Lower layers first.  A module may import its own layer and the layers below it.
 LAYERS = [
     ("adapter", ["epl.tf_adapter"]),
-    ("pure", ["epl.config", "epl.cluster", "epl.plan", "epl.env"]),
+    ("pure", ["epl.config", "epl.cluster", "epl.plan", "epl.env", "epl.launch_marks"]),
     ("ir", ["epl.ir", "epl.strategies", "epl.internal_state", "epl.collections",
             "epl.variable_writes", "epl.capture_context",
             "epl.memory_trace"]),
