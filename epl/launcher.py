@@ -291,6 +291,48 @@ def remove_segments(run_id):
     return removed
 
 
+LAUNCH_DIR_PREFIX = "epl-launch-"
+_OWNER_FILE = "launcher.pid"
+
+
+def new_launch_dir(run_id):
+    """The launch folder of one attempt, marked with this launcher's pid so that a later
+    launch can tell it from a live one's when this launcher is killed outright (SIGKILL
+    leaves its folder behind)."""
+    folder = tempfile.mkdtemp(prefix="%s%s-" % (LAUNCH_DIR_PREFIX, run_id))
+    with open(os.path.join(folder, _OWNER_FILE), "w") as f:
+        f.write(str(os.getpid()))
+    return folder
+
+
+def sweep_launch_dirs(root=None):
+    """Remove the launch folders of launchers that are gone (killed before they could
+    remove their own); a folder whose launcher still runs, or that has no owner mark, is
+    kept.  Returns the folders removed."""
+    removed = []
+    for folder in glob.glob(os.path.join(root or tempfile.gettempdir(), LAUNCH_DIR_PREFIX + "*")):
+        try:
+            with open(os.path.join(folder, _OWNER_FILE)) as f:
+                pid = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if _alive(pid):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True     # (someone else's process: alive)
+    return True
+
+
 def command(a):
     if a.script.endswith(".py"):
         return [sys.executable, a.script] + a.args
@@ -894,7 +936,7 @@ def run_coordinated(a, job_id, secret, gpus, mine):
                     for w in attempt.workers:
                         keep_log(a, w, attempt.number)
                 attempt = Attempt(msg["attempt"], msg["run_id"],
-                                  tempfile.mkdtemp(prefix="epl-launch-%s-" % msg["run_id"]))
+                                  new_launch_dir(msg["run_id"]))
                 announce_attempt(attempt, display)
                 start_attempt(a, attempt, mine, job_id, secret, gpus, msg["machines"])
                 display.follow(attempt.launch_dir, [w.rank for w in attempt.workers])
@@ -938,6 +980,7 @@ def main(argv=None):
         job_id_of(addrs) if a.machine_list else job_id_of(addrs + [str(time.time())]))
     secret = job_secret(a)
     os.makedirs(a.log_dir, exist_ok=True)
+    sweep_launch_dirs()
     gpus = _have_gpus()
     print("epl-launch: %d worker(s) x %d %s device(s), job %s, this machine starts %s"
           % (a.num_workers, a.gpu_per_worker, "GPU" if gpus else "virtual CPU", job_id, mine),
@@ -966,7 +1009,7 @@ def main(argv=None):
             run_id = (shared_run_id(job_id, secret, number) if a.machine_list
                       else secrets.token_hex(6))
             attempt = Attempt(number, run_id,
-                              tempfile.mkdtemp(prefix="epl-launch-%s-" % run_id))
+                              new_launch_dir(run_id))
             announce_attempt(attempt, display)
             start_attempt(a, attempt, slots, job_id, secret, gpus)
             # (the workers' progress files are named by their rank in this attempt)

@@ -1,9 +1,12 @@
 """epl-launch itself: where its logs go, and how it judges a worker that exits early."""
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
+
+from epl import launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -166,3 +169,32 @@ def test_stopping_the_launcher_stops_its_workers(tmp_path, how):
     for p in left:
         os.kill(p, signal.SIGKILL)
     assert not left, "workers %s outlived the launcher" % left
+
+
+def test_a_new_launch_removes_the_folders_of_launchers_that_were_killed(tmp_path):
+    """A launcher killed outright (SIGKILL) cannot remove its launch folder; the next
+    launch removes it, and keeps the folder of a launcher that still runs."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone = tmp_path / (launcher.LAUNCH_DIR_PREFIX + "aaaa-1")
+    live = tmp_path / (launcher.LAUNCH_DIR_PREFIX + "bbbb-2")
+    unmarked = tmp_path / (launcher.LAUNCH_DIR_PREFIX + "cccc-3")
+    for folder, pid in ((gone, dead.pid), (live, os.getpid()), (unmarked, None)):
+        folder.mkdir()
+        (folder / "worker_1.joined").write_text("")
+        if pid is not None:
+            (folder / "launcher.pid").write_text(str(pid))
+    assert launcher.sweep_launch_dirs(str(tmp_path)) == [str(gone)]
+    assert not gone.exists() and live.exists() and unmarked.exists()
+
+
+def test_a_launch_folder_names_its_launcher():
+    folder = launcher.new_launch_dir("runid")
+    try:
+        assert os.path.basename(folder).startswith(launcher.LAUNCH_DIR_PREFIX + "runid-")
+        with open(os.path.join(folder, "launcher.pid")) as f:
+            assert int(f.read()) == os.getpid()
+        assert folder not in launcher.sweep_launch_dirs(os.path.dirname(folder))
+        assert os.path.isdir(folder)
+    finally:
+        shutil.rmtree(folder)
