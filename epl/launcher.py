@@ -602,12 +602,37 @@ def _mac(secret, *parts):
                     hashlib.sha256).hexdigest()
 
 
+# A control link whose peer is silent this long (a partition, a machine that lost power:
+# no FIN, no reset) counts as closed, so the coordinator's --host_timeout and the machines'
+# "coordinator went away" apply to it too.  Kernel keepalive probes are answered by a live
+# peer's kernel, however loaded its launcher is.
+LINK_DEAD_SECONDS = 20
+
+
+def _detect_silent_peer(sock, seconds):
+    """Keepalive probes after seconds/4 of silence, every seconds/4, 3 unanswered: closed;
+    unacknowledged data for ``seconds``: closed (TCP_USER_TIMEOUT).  Where the platform
+    lacks an option, the kernel's default applies."""
+    step = max(1, int(seconds // 4))
+    options = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+    for name, value in (("TCP_KEEPIDLE", step), ("TCP_KEEPINTVL", step), ("TCP_KEEPCNT", 3),
+                        ("TCP_USER_TIMEOUT", int(seconds * 1000))):
+        if hasattr(socket, name):
+            options.append((socket.IPPROTO_TCP, getattr(socket, name), value))
+    for level, option, value in options:
+        try:
+            sock.setsockopt(level, option, value)
+        except OSError:
+            pass   # (not supported here: the kernel's defaults)
+
+
 class Channel(object):
     """JSON messages, one a line, over a TCP connection.  After the handshake a thread
     reads them into ``events`` as (tag, channel, message); message None: closed."""
 
     def __init__(self, sock):
         self.sock = sock
+        _detect_silent_peer(sock, LINK_DEAD_SECONDS)
         self.reader = sock.makefile("rb")
         self.lock = threading.Lock()
 

@@ -198,3 +198,31 @@ def test_a_launch_folder_names_its_launcher():
         assert os.path.isdir(folder)
     finally:
         shutil.rmtree(folder)
+
+
+def test_a_control_link_counts_a_silent_peer_as_gone():
+    """The launchers' control links (--machine_list with --max_restarts) carry kernel
+    keepalive and a user timeout: a partitioned machine sends no FIN or reset, and
+    without them the coordinator would wait for it for ever instead of applying
+    --host_timeout."""
+    import socket
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    try:
+        for sock in (client, accepted):
+            ch = launcher.Channel(sock)
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == \
+                launcher.LINK_DEAD_SECONDS * 1000
+            probes = (sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) +
+                      sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) *
+                      sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT))
+            assert probes <= launcher.LINK_DEAD_SECONDS
+            ch.reader.close()
+    finally:
+        client.close()
+        accepted.close()
+        server.close()
