@@ -127,6 +127,7 @@ def _run(self, fetches, feed_dict, options, run_metadata):
         out, values = original("session.run")(self, (fetches, checks), feed_dict, options,
                                                 run_metadata)
         gradient_checkpoint.report(values)
+        progress.after_run(self, given, feed_dict, out)
         return out
     out = original("session.run")(self, fetches, feed_dict, options, run_metadata)
     progress.after_run(self, given, feed_dict, out)   # (live progress, TensorBoard)

@@ -397,3 +397,33 @@ def test_each_machine_shows_its_own_workers_progress(tmp_path, coordinated):
         assert (row["worker"], row["steps"], row["step"], row["exit_status"]) == \
             (r, STEPS, STEPS, 0), row
         assert row["loss"] == fetched[-1][1]
+
+
+def test_the_step_that_also_checks_gradients_is_counted(tmp_path, monkeypatch):
+    """gradient_checkpoint.check_gradients with an input pipeline fetches its check with
+    the first training step (resource variables): that step is a step like the others."""
+    monkeypatch.setenv("EPL_LAUNCH_DIR", str(tmp_path))
+    monkeypatch.setenv("EPL_WORKER_INDEX", "0")
+    monkeypatch.setattr(progress, "_TRACKER", [])
+    models.init_data_parallel(1, **{"gradient_checkpoint.type": "auto",
+                                    "gradient_checkpoint.check_gradients": True})
+    x, y = models.data(48)
+    bx, by = models.input_batch(x, y, 16)
+    h = bx
+    with tf.variable_scope("", use_resource=True):
+        for i in range(3):   # a few layers before the model's, so there is a checkpoint
+            h = tf.identity(tf.nn.relu(h) - tf.nn.relu(-h), name="pre_%d" % i)
+        _, loss = models.forward(h, by, use_resource=True)
+    train = models.train_op(loss, "momentum", tf.train.get_or_create_global_step())
+    fetched = []
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
+        for _ in range(3):
+            fetched.append(float(sess.run([loss, train])[0]))
+        progress.tracker().finish()
+    progress.tracker().path = None   # (no second final record at exit)
+    records = [json.loads(line) for line in
+               (tmp_path / "worker_0.progress.jsonl").read_text().splitlines()]
+    assert records[0]["runs"] == 1 and records[0]["loss"] == fetched[0], records
+    assert records[-1]["final"] and records[-1]["runs"] == 3 and records[-1]["step"] == 3
+    assert records[-1]["loss"] == fetched[-1]
