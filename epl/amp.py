@@ -29,6 +29,7 @@ Three pieces, each applied where the user's program builds the part it changes:
 import logging
 
 import tensorflow as tf
+from tensorflow.python.util import nest
 
 from epl import apply_gate, backward_hooks, capture_context, ir
 from epl.env import Env
@@ -283,7 +284,6 @@ class _Hook(backward_hooks.BackwardHook):
         return call.kind == "gradients" and enabled(call.config)
 
     def prepare(self, call):
-        from tensorflow.python.util import nest
         convert(call.graph, call.ys)
         scale, _ = loss_scale(call.graph, call.config)
         call.scratch[self.name] = scale
