@@ -9,6 +9,14 @@ class LayoutError(ValueError):
     """The annotations cannot be placed on the devices there are."""
 
 
+def how_to_get_devices():
+    """The ways to change the device count, appended to every device-count error: users
+    without GPUs do not know that EPL gives them virtual CPU devices (issue 33)."""
+    return ("To get N devices without GPUs: cluster.devices_per_worker = N "
+            "(epl.Config), the environment variable EPL_CLUSTER_DEVICES_PER_WORKER=N, or "
+            "`epl-launch --gpu_per_worker N`; or more workers (`epl-launch --num_workers`).")
+
+
 class ReplicaLayout(object):
     """Data-parallel layout of one replicate TaskGraph.
 
@@ -23,15 +31,17 @@ class ReplicaLayout(object):
         if device_count > total_devices:
             raise LayoutError(
                 "%s needs %d devices per model replica but the cluster has only %d "
-                "(%d per worker); lower device_count or add devices "
-                "(cluster.devices_per_worker / epl-launch --gpu_per_worker)."
-                % (name, device_count, total_devices, devices_per_worker))
+                "(%d per worker); lower device_count or add devices. %s"
+                % (name, device_count, total_devices, devices_per_worker,
+                   how_to_get_devices()))
         if total_devices % device_count:
             raise LayoutError(
                 "%s: %d devices cannot be divided into model replicas of %d devices each "
-                "(%d %% %d = %d); use a device_count that divides %d."
+                "(%d %% %d = %d); use a device_count that divides %d, or a device count "
+                "divisible by %d. %s"
                 % (name, total_devices, device_count, total_devices, device_count,
-                   total_devices % device_count, total_devices))
+                   total_devices % device_count, total_devices, device_count,
+                   how_to_get_devices()))
         self.device_count = device_count
         self.num_replicas = total_devices // device_count
         fits_in_node = device_count <= devices_per_worker
@@ -90,13 +100,13 @@ class PipelineLayout(object):
                               "be >= 1 (1 disables gradient accumulation)." % num_micro_batch)
         if num_stages > total_devices:
             raise LayoutError("%d pipeline stages need at least %d devices but the cluster has "
-                              "%d; merge stages or add devices." % (num_stages, num_stages,
-                                                                    total_devices))
+                              "%d; merge stages or add devices. %s"
+                              % (num_stages, num_stages, total_devices, how_to_get_devices()))
         if total_devices % num_stages:
             raise LayoutError("%d devices cannot hold whole pipelines of %d stages (%d %% %d = "
-                              "%d); use a device count divisible by the number of stages."
+                              "%d); use a device count divisible by the number of stages. %s"
                               % (total_devices, num_stages, total_devices, num_stages,
-                                 total_devices % num_stages))
+                                 total_devices % num_stages, how_to_get_devices()))
         self.num_stages = num_stages
         self.num_micro_batch = num_micro_batch
         self.device_count = num_stages
@@ -173,10 +183,10 @@ def _plan_split(cluster, splits, replicas, config):
         n = split_device_count(tg, total)
         if n > total:
             raise LayoutError(
-                "%r needs %d devices but the job has %d (%d worker(s) x %d; "
-                "cluster.devices_per_worker / epl-launch --gpu_per_worker); use device_count "
-                "<= %d or add devices." % (tg.strategy, n, total, cluster.worker_num, per,
-                                           total))
+                "%r needs %d devices but the job has %d (%d worker(s) x %d); use "
+                "device_count <= %d or add devices. %s"
+                % (tg.strategy, n, total, cluster.worker_num, per, total,
+                   how_to_get_devices()))
     if config.get("pipeline.num_micro_batch") > 1:
         raise NotImplementedError(
             "%r with pipeline.num_micro_batch = %d: pipelines of split TaskGraphs are not "
@@ -194,9 +204,9 @@ def _plan_split(cluster, splits, replicas, config):
         if n != total:
             raise LayoutError(
                 "%r uses %d devices but this job has %d: the other devices would sit idle. "
-                "Use epl.split(%d), run with %d devices (cluster.devices_per_worker), or add an "
-                "epl.replicate scope for the rest of the model."
-                % (splits[0].strategy, n, total, total, n))
+                "Use epl.split(%d), run with %d devices, or add an epl.replicate scope for "
+                "the rest of the model. %s"
+                % (splits[0].strategy, n, total, total, n, how_to_get_devices()))
         layout = ReplicaLayout(1, 1, 1, name="split")
         first = 0
     else:
@@ -207,7 +217,8 @@ def _plan_split(cluster, splits, replicas, config):
             raise LayoutError(
                 "%r takes all %d devices, none is left for %r; set "
                 "cluster.colocate_split_and_replicate to True (share the devices) or add "
-                "devices." % (splits[0].strategy, total, rep.strategy))
+                "devices. %s" % (splits[0].strategy, total, rep.strategy,
+                                 how_to_get_devices()))
         layout = ReplicaLayout(rep_devices, rep.device_count, per,
                                config.get("cluster.device_place_prefer_intra_node"),
                                name=repr(rep.strategy))
