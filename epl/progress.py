@@ -30,12 +30,18 @@ chief, when the program writes summaries (the first ``tf.summary.FileWriter`` it
 event to: MonitoredTrainingSession's ``checkpoint_dir`` / ``summary_dir``, an
 Estimator's ``model_dir``, or the program's own writer), every sample also goes to that
 writer as scalars under ``epl/`` at the step's number.  Neither: nothing is done.
+
+Progress never fails a run: an error in its bookkeeping is logged once (a warning with
+the error) and turns progress off for that session; the run returns as it would without
+EPL's progress.
 """
 import atexit
 import json
+import logging
 import os
 import threading
 import time
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -45,6 +51,8 @@ from epl.env import Env
 from epl.launch_marks import LAUNCH_DIR_ENV
 from epl.rewrite import fusion
 from epl.tf_adapter import functions, patching
+
+log = logging.getLogger("epl")
 
 # Seconds between two samples of one worker (plus the first step and the last).
 INTERVAL = 0.5
@@ -420,10 +428,15 @@ class WorkerProgress(object):
         """The last sample (at exit): the steps since the previous one."""
         if self.path is None or self.facts_now is None:
             return
-        self.sample(None, self.facts_now, None, self.last_end or time.time(), final=True)
+        try:
+            self.sample(None, self.facts_now, None, self.last_end or time.time(), final=True)
+        except Exception as e:   # pylint: disable=broad-except
+            log.warning("EPL: the last progress sample failed: %s: %s", type(e).__name__, e)
 
 
 _TRACKER = []
+# Sessions whose progress failed once: progress is off for them (see ``after_run``).
+_FAILED = weakref.WeakSet()
 
 
 def tracker():
@@ -442,7 +455,20 @@ def after_run(session, fetches, feed_dict, results):
         return    # (neither epl-launch nor summaries: nothing to do)
     if not Env.initialized() or (t.path is None and t.writer_env is not Env.get()):
         return
-    t.after_run(session, fetches, feed_dict, results)
+    if session in _FAILED:
+        return
+    try:
+        t.after_run(session, fetches, feed_dict, results)
+    except Exception as e:   # pylint: disable=broad-except
+        # Progress is a report, not part of the step: its error must never become the
+        # user's failed Session.run.  Say it once and stop reporting for this session.
+        try:
+            _FAILED.add(session)
+        except TypeError:    # (an object without weak references: off for the process)
+            t.path = t.writer = None
+        log.warning("EPL: live progress failed and is off for this session from now on "
+                    "(training goes on; epl-launch's progress lines and EPL's TensorBoard "
+                    "scalars stop here): %s: %s", type(e).__name__, e)
 
 
 def watch_callable(session, callable_options, fn):

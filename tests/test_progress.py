@@ -427,3 +427,46 @@ def test_the_step_that_also_checks_gradients_is_counted(tmp_path, monkeypatch):
     assert records[0]["runs"] == 1 and records[0]["loss"] == fetched[0], records
     assert records[-1]["final"] and records[-1]["runs"] == 3 and records[-1]["step"] == 3
     assert records[-1]["loss"] == fetched[-1]
+
+
+def _fed_losses(steps, feeds):
+    """The losses of ``steps`` training runs of ``_fed_program`` (fresh graph, EPL on 2
+    devices), each fetched with the training op in one run."""
+    models.reset()
+    x, y, loss, step, train = _fed_program()
+    out = []
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
+        for i in range(steps):
+            value, _, s = sess.run([loss, train, step], {x: feeds[0][i], y: feeds[1][i]})
+            out.append((float(value), int(s)))
+    return out
+
+
+def test_a_progress_failure_never_fails_the_users_run(tmp_path, monkeypatch, caplog):
+    """Progress bookkeeping runs inside every Session.run: an error in it is logged once
+    (with the error) and turns progress off for that session; the user's runs go on and
+    return what they return without EPL's progress (the same losses and steps)."""
+    import logging
+    bx, by = models.data(8 * 4)
+    feeds = ([bx[8 * i:8 * i + 8] for i in range(4)], [by[8 * i:8 * i + 8] for i in range(4)])
+    monkeypatch.delenv("EPL_LAUNCH_DIR", raising=False)
+    monkeypatch.setattr(progress, "_TRACKER", [])
+    want = _fed_losses(4, feeds)          # progress off: the oracle
+    monkeypatch.setenv("EPL_LAUNCH_DIR", str(tmp_path))
+    monkeypatch.setenv("EPL_WORKER_INDEX", "0")
+    monkeypatch.setattr(progress, "_TRACKER", [])
+    calls = []
+
+    def broken(self, fetches):
+        calls.append(1)
+        raise RuntimeError("injected progress failure")
+    monkeypatch.setattr(progress._GraphFacts, "kind", broken)
+    with caplog.at_level(logging.WARNING, logger="epl"):
+        got = _fed_losses(4, feeds)
+    progress.tracker().path = None   # (no final record at exit)
+    assert got == want
+    assert len(calls) == 1, "progress was not turned off after its first error"
+    warned = [r.getMessage() for r in caplog.records if "injected progress failure" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+    assert "progress" in warned[0]
