@@ -3,9 +3,18 @@
 Stage 0: embeddings + the first encoder layer; stage 1: the second encoder layer and a
 masked-token prediction head.  Synthetic data, so it runs anywhere:
 
+    bash run.sh                                               # GPUs, or 2 virtual CPU devices
     epl-launch --num_workers 1 --gpu_per_worker 2 run.sh      # 2 (virtual) devices
     EPL_CLUSTER_DEVICES_PER_WORKER=4 python bert_pipeline.py  # 2 stages x 2 pipeline replicas
+
+The 2 stages need 2 devices.  On a machine without GPUs, and when neither the environment
+nor epl-launch says how many devices to use, the example asks EPL for 2 virtual CPU devices
+(``cluster.devices_per_worker``), so it runs unchanged on a laptop.  ``--steps`` (or
+``BERT_STEPS``) sets how many steps it trains.
 """
+import argparse
+import os
+
 import numpy as np
 import tensorflow.compat.v1 as tf
 
@@ -15,7 +24,15 @@ import epl
 VOCAB, SEQ, HIDDEN, HEADS, FFN, BATCH = 64, 16, 32, 4, 64, 8
 
 tf.logging.set_verbosity(tf.logging.ERROR)
-epl.init(epl.Config({"pipeline.num_micro_batch": 4}))
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=int(os.environ.get("BERT_STEPS", "20")))
+args = parser.parse_args()
+
+config = {"pipeline.num_micro_batch": 4}
+if ("EPL_CLUSTER_DEVICES_PER_WORKER" not in os.environ
+        and not tf.config.experimental.list_physical_devices("GPU")):
+    config["cluster.devices_per_worker"] = 2   # one virtual CPU device per stage
+epl.init(epl.Config(config))
 
 
 def layer_norm(x, name):
@@ -76,7 +93,7 @@ epl.add_to_collection(loss, epl.GraphKeys.GLOBAL_MEAN_OBJECTS)  # mean over micr
 print("EPL: %r, %d micro-batches" % (epl.Env.get().cluster,
                                       epl.Env.get().config.get("pipeline.num_micro_batch")))
 with tf.train.MonitoredTrainingSession() as sess:
-    for _ in range(20):
+    for _ in range(args.steps):
         value, _, s = sess.run([loss, train_op, step])
         if s % 5 == 0:
             print("step %d, loss %.4f" % (s, value))
