@@ -363,12 +363,27 @@ def _pump(worker, log_file):
     log_file.close()
 
 
-def tail(path, lines=20):
+# Failure triage reads at most this much of the end of a worker's log: a log can be
+# gigabytes (a job that printed for days), and its root cause is in its last lines.
+TRIAGE_BYTES = 256 * 1024
+
+
+def _last_lines(path, limit=TRIAGE_BYTES):
+    """The lines of the last ``limit`` bytes of ``path`` (the first, cut, line dropped
+    when the file is longer); [] when it cannot be read."""
     try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - limit))
+            data = f.read(limit)
     except OSError:
-        return ""
+        return []
+    lines = data.decode("utf-8", "replace").splitlines(True)
+    return lines[1:] if size > limit and lines else lines
+
+
+def tail(path, lines=20):
+    return "".join(_last_lines(path)[-lines:])
 
 
 _EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)): ")
@@ -378,11 +393,7 @@ _CASCADE = ("reported:", "exited while rank", "disconnected while rank", "the jo
 
 def exception_line(path):
     """The last exception line in a worker's log ('SomeError: message'), or ''."""
-    try:
-        with open(path, errors="replace") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return ""
+    lines = [l.rstrip("\r\n") for l in _last_lines(path)]
     found = [i for i, l in enumerate(lines) if _EXCEPTION.match(l.strip())]
     if not found:
         return ""
