@@ -15,7 +15,8 @@ first ``Session.run`` of a plain session.  Passes, in order, each with one job:
                  the replicas compute are averaged like the replicas' (``split.py``)
    schedule      pipeline order of each stage's micro-batches (``schedule.py``)
 7. join          the user's train op runs every clone's update; global_step
-                 advances after the step's reads of it (``step.py``)
+                 advances after the step's reads of it (``step.py``); every clone
+                 adds to the metric state (``metrics.py``)
 8. mirror        initial values come from worker 0; initializers / restores /
                  assigns reach every variable copy
 9. merge         merged fetches for epl.GraphKeys
@@ -26,8 +27,8 @@ import time
 from epl import amp, apply_gate, ir
 from epl import plan as planner
 from epl.env import Env
-from epl.rewrite import (control_flow, inputs, merge, mirror, placement, replicate, schedule,
-                         selection, split, step, zero)
+from epl.rewrite import (control_flow, inputs, merge, metrics, mirror, placement, replicate,
+                         schedule, selection, split, step, zero)
 from epl.rewrite.pipeline import Pass, PassContext, PassPipeline
 from epl.rewrite.state import CLONE_MAPS, CloneMaps, Rewrite, RewritePlan, share_variables
 from epl.tf_adapter import graph as tfg
@@ -227,6 +228,10 @@ def _default_pipeline():
         Pass("join_clones", lambda c: replicate.join_clones(c.state, c.selection, c.since),
              requires={"replicas_cloned", CLONE_MAPS}, provides={"clones_joined"},
              doc="the user's fetches and updates wait for every clone"),
+        Pass("join_metric_updates",
+             lambda c: metrics.join_metric_updates(c.state, c.selection, c.since),
+             requires={"replicas_cloned", CLONE_MAPS},
+             doc="every clone adds to the metric state before the user's update reads it"),
         Pass("order_global_step",
              lambda c: step.order_global_step(c.state.graph, c.state.ir_graph, c.since),
              requires={"clones_joined"},

@@ -130,9 +130,12 @@ def select(ir_graph, taskgraphs, share_variables=False, clip_after_allreduce=Fal
                                   known.updates if known is not None else None,
                                   (known.op_set | known_shared) if known is not None
                                   else frozenset())
+    # Metric state (updates.py, metrics.py): one copy per worker in either mode.
+    shared = sel.updates.summed_variables & chosen
     if share_variables:
-        shared = set(op for op in chosen if op.type in VARIABLE_OPS
-                     and op not in sel.updates.local_variables) | sel.updates.run_once
+        shared |= set(op for op in chosen if op.type in VARIABLE_OPS
+                      and op not in sel.updates.local_variables) | sel.updates.run_once
+    if shared:
         # One read of a shared variable serves every clone (as in hand-written towers).
         shared |= set(op for op in chosen if _plain_read(op, shared))
         chosen = chosen - shared

@@ -16,16 +16,20 @@ traced back through the values it reads.
   replica (once per worker when the worker's replicas share one variable copy,
   once per replica for all its micro-batches).
 * A write that reaches the input batch *without* passing a gradient is
-  per-replica state (batch-norm moving statistics, metric accumulators): every
-  replica keeps its own copy of that variable, updated from its own batch; the
-  checkpoint holds replica 0's.  On a trainable variable that would make the
-  replicas' weights diverge, so it is an error naming the op.
+  per-replica state.  Of a global variable (batch-norm moving statistics) every
+  replica keeps its own copy, updated from its own batch; the checkpoint holds
+  replica 0's.  On a trainable variable that would make the replicas' weights
+  diverge, so it is an error naming the op.  Of any other variable (a local or
+  metric variable, a tf.keras metric's: metric accumulators) it is metric state,
+  which a program reads to count every row: one copy that every replica's
+  update adds to (``metrics.py``; an update that is not an addition is refused).
 * A write that reads neither (``global_step`` aside, handled by selection) is
   the same in every replica and runs once, like an update.
 """
 import collections
 
 from epl import ir
+from epl.rewrite import metrics
 from epl.tf_adapter import graph as tfg
 from epl.variable_writes import (  # noqa: F401  (the names the passes import from here)
     VARIABLE_OPS, variable_behind, written_variable)
@@ -56,6 +60,8 @@ class UpdatePlan(object):
         self.writes = []            # replica ops that write a replicated variable
         self.run_once = set()       # updates (and what only they read): once per replica
         self.local_variables = set()  # variable ops every replica keeps its own copy of
+        self.summed_variables = set()  # metric state: one copy every replica adds to
+        self.summed_writes = set()     # the replica's additions to it (per clone)
         self.target = {}            # write op -> variable op it writes
         self.reduced = set()        # the tensors the sites reduce
         self.apply_records = 0      # how many apply_gradients calls were looked at
@@ -65,6 +71,8 @@ class UpdatePlan(object):
         self.writes += later.writes
         self.run_once |= later.run_once
         self.local_variables |= later.local_variables
+        self.summed_variables |= later.summed_variables
+        self.summed_writes |= later.summed_writes
         self.target.update(later.target)
         self.reduced |= later.reduced
         self.apply_records = later.apply_records
@@ -137,8 +145,27 @@ def analyze(ir_graph, candidates, batch_ops, is_source, clip_after_allreduce,
         plan.sites.append(site)
     plan.reduced = reduced - (known.reduced if known is not None else set())
 
+    summed = metrics.summed_state(ir_graph.tf_graph, set(plan.target.values()))
+    for w in plan.writes:
+        # (a metric's count of a scalar adds a constant, after the batch's value)
+        if w not in tainted and plan.target[w] in summed:
+            after = metrics.waits_for_batch(w, batch_ops)
+            if after is not None:
+                tainted[w] = (after, after.outputs[0] if after.outputs else None)
+    summed &= set(plan.target[w] for w in tainted)
     for w, (source, via) in tainted.items():
         var = plan.target[w]
+        if var in summed and var not in trainable_ops:
+            if known is not None and var not in candidates and \
+                    var not in known.summed_variables:
+                raise RuntimeError(
+                    "EPL: %r (%s), built after EPL rewrote the graph, adds to the metric "
+                    "variable %r from each replica's own batch, but the replicas already "
+                    "keep copies of it. Build the metric before the first session.run."
+                    % (w.name, w.type, var.name))
+            plan.summed_variables.add(var)
+            plan.summed_writes.add(w)
+            continue
         if known is not None and var not in candidates and var not in known.local_variables:
             raise RuntimeError(
                 "EPL: %r (%s), built after EPL rewrote the graph, writes %r from each "
@@ -156,11 +183,15 @@ def analyze(ir_graph, candidates, batch_ops, is_source, clip_after_allreduce,
                 % (w.name, w.type, var.name, via.name, source.name))
         plan.local_variables.add(var)
 
+    metrics.check_sums(dict((w, plan.target[w]) for w in plan.summed_writes),
+                       plan.summed_variables)
+
     variant = _variant_ops(ordered, candidates, reduced, batch_ops, is_source)
     run_once = set(w for w in plan.writes if w not in tainted)
     run_once.update(op for op in ordered if ir_graph.phase_of(op) == ir.APPLY
                     and op not in variant and op.type not in VARIABLE_OPS
-                    and written_variable(op) not in plan.local_variables)
+                    and written_variable(op) not in plan.local_variables
+                    and written_variable(op) not in plan.summed_variables)
     changed = True
     while changed:   # what only the updates read runs once too
         changed = False
