@@ -76,12 +76,18 @@ SCHEMA = [
     Key("auto.auto_parallel", _BOOL, False, None,
         "Whether to enable automatic parallelism (experimental)."),
     Key("profile.dir", _STR, "", None,
-        "EPL extension: a folder; when set, the runs profile.steps names are traced and each "
-        "worker writes worker<k>_step<n>.trace.json there (Chrome trace; read it with "
+        "EPL extension: a folder; when set, the training steps profile.steps names are traced "
+        "and each worker writes worker<k>_step<n>.trace.json there (Chrome trace; read it with "
         "`python -m epl.profile DIR`). '' = off. See docs/profiling.md."),
     Key("profile.steps", _STR, "10-12", None,
-        "EPL extension: which session runs profile.dir traces, counted from 1 per graph: "
-        "'10-12', '3', '3,5,8-9'."),
+        "EPL extension: which training steps profile.dir traces: '10-12', '3', '3,5,8-9'. "
+        "Step n is the run that takes global_step to n (without a global_step that "
+        "advances: the n-th training run of the graph); initialization, evaluation and "
+        "checkpoint runs are not steps (profile.runs traces those)."),
+    Key("profile.runs", _STR, "", None,
+        "EPL extension: which Session.runs of a graph profile.dir also traces, whatever "
+        "they do, counted from 1 per graph, initialization and evaluation runs included "
+        "('1-3', '5'; files worker<k>_run<n>.trace.json). '' = none."),
 ]
 _BY_NAME = {k.name: k for k in SCHEMA}
 
@@ -92,7 +98,9 @@ def _allowed(key):
     if key.type == _LOSS_SCALE:
         return "'dynamic' or a positive number"
     if key.name == "profile.steps":
-        return "run numbers from 1 and ranges, e.g. '10-12', '3' or '3,5,8-9'"
+        return "step numbers from 1 and ranges, e.g. '10-12', '3' or '3,5,8-9'"
+    if key.name == "profile.runs":
+        return "'' (none), or run numbers from 1 and ranges, e.g. '1-3', '5' or '1,4-5'"
     return "a value of type %s" % key.type
 
 
@@ -159,18 +167,18 @@ def _convert(key, value, from_env=False):
 
 
 def parse_steps(text):
-    """The run numbers ``profile.steps`` names ("10-12", "3", "3,5,8-9"), as a sorted
-    list; ValueError saying what is wrong."""
+    """The step (or run) numbers ``profile.steps`` (``profile.runs``) names ("10-12",
+    "3", "3,5,8-9"), as a sorted list; ValueError saying what is wrong."""
     steps = set()
     for part in text.replace(" ", "").split(","):
         lo, sep, hi = part.partition("-")
         if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ValueError("%r is not a run number or a range like 10-12" % part)
+            raise ValueError("%r is not a number or a range like 10-12" % part)
         first, last = int(lo), int(hi) if sep else int(lo)
         if first < 1 or last < first:
-            raise ValueError("%r: runs count from 1 and a range goes up" % part)
+            raise ValueError("%r: steps and runs count from 1 and a range goes up" % part)
         if last - first >= 10000:
-            raise ValueError("%r traces %d runs; trace a few" % (part, last - first + 1))
+            raise ValueError("%r traces %d; trace a few" % (part, last - first + 1))
         steps.update(range(first, last + 1))
     return sorted(steps)
 
@@ -183,8 +191,12 @@ def _check_steps(value):
     return None
 
 
+def _check_runs(value):
+    return _check_steps(value) if value.strip() else None
+
+
 # Keys whose values need more than their type: key -> check(value) -> None or why not.
-_CHECKS = {"profile.steps": _check_steps}
+_CHECKS = {"profile.steps": _check_steps, "profile.runs": _check_runs}
 
 
 def _suggest(name):

@@ -105,7 +105,7 @@ def _session_init(self, target="", graph=None, config=None):
 
 def _session_run(self, fetches, feed_dict=None, options=None, run_metadata=None):
     runtime.before_run(self)
-    traced = profile_record.start(self.graph, options, run_metadata)
+    traced = profile_record.start(self.graph, options, run_metadata, self, fetches)
     if traced is None:
         return _run(self, fetches, feed_dict, options, run_metadata)
     ok = False
@@ -147,7 +147,7 @@ def _make_callable_from_options(self, callable_options):
     def make(options):
         return original("session.make_callable_from_options")(self, options)
     return progress.watch_callable(self, callable_options, profile_record.watch_callable(
-        self.graph, runtime.map_callable(self.graph, callable_options), make))
+        self.graph, runtime.map_callable(self.graph, callable_options), make, self))
 
 
 # point (epl.tf_adapter.patching) -> the hook that replaces it.

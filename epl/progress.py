@@ -87,12 +87,9 @@ class _GraphFacts(object):
         self.active = state is not None
         self.kinds = {}          # fetch signature -> (is a training step, path to the loss)
         self.fast = {}           # ids of fetched elements -> (kinds' entry, the elements)
-        if not self.active:
-            return
+        # What tells a training step (also without EPL strategies: the profiler counts
+        # the steps of such a graph too).
         epl_graph = ir.Graph.get(graph)
-        cluster = state.cluster
-        self.workers = 1 if state.in_graph else max(1, cluster.worker_num)
-        self.pulls = max(1, len(state.pull_groups))
         self.loss_names = set(y.name for rec in epl_graph.gradient_records for y in rec.ys)
         self.step_ops = set()
         for rec in epl_graph.gradient_records:
@@ -101,6 +98,12 @@ class _GraphFacts(object):
         for rec in epl_graph.apply_records:
             if rec.result is not None:
                 self.step_ops.add(rec.result.name)
+        self.global_step = tf.compat.v1.train.get_global_step(graph)
+        if not self.active:
+            return
+        cluster = state.cluster
+        self.workers = 1 if state.in_graph else max(1, cluster.worker_num)
+        self.pulls = max(1, len(state.pull_groups))
         self.rows = None
         for src in state.selection.sources:
             self.rows = source_rows(src)
@@ -109,7 +112,6 @@ class _GraphFacts(object):
         self.placeholders = [] if state.selection.sources else list(state.selection.placeholders)
         self.gradient_bytes, ranks = gradient_bytes(state)
         self.comm_bytes = (self.gradient_bytes * 2.0 * (ranks - 1) / ranks) if ranks > 1 else 0.0
-        self.global_step = tf.compat.v1.train.get_global_step(graph)
 
     def kind(self, fetches):
         """(is a training step, the path to the fetched loss or None) of what a run

@@ -30,7 +30,7 @@ def test_all_26_seed_keys_with_defaults():
     extensions = {k.name for k in SCHEMA} - set(SEED_KEYS)
     assert extensions == {"cluster.device_type", "cluster.devices_per_worker", "cluster.variable_copies",
                           "communication.timeout_seconds", "amp.dtype",
-                          "profile.dir", "profile.steps"}
+                          "profile.dir", "profile.steps", "profile.runs"}
 
 
 def test_attribute_access_and_dict():

@@ -72,29 +72,38 @@ def _launch(args, env_extra, cwd, timeout=240):
 
 @pytest.fixture(scope="module")
 def dp_traces(tmp_path_factory):
-    """tests/mw_train.py on 2 workers x 2 devices, its 3rd run (the 2nd training step)
-    traced."""
+    """tests/mw_train.py on 2 workers x 2 devices, its training step 4 traced: the step
+    after the first checkpoint, where the chief has run its Saver.save (a run the other
+    worker does not make), so the workers' run counts differ there."""
     work = tmp_path_factory.mktemp("dp")
     folder = str(work / "trace")
     code, out = _launch(["--num_workers", "2", "--gpu_per_worker", "2",
                          os.path.join(HERE, "mw_train.py"), str(work)],
-                        {"EPL_PROFILE_DIR": folder, "EPL_PROFILE_STEPS": "3"}, str(work))
+                        {"EPL_PROFILE_DIR": folder, "EPL_PROFILE_STEPS": "4"}, str(work))
     assert code == 0, out[-5000:]
     return folder
 
 
 def test_dp_one_trace_per_worker_and_traced_run(dp_traces):
     assert sorted(os.listdir(dp_traces)) == ["worker0_rewrite.trace.json",
-                                             "worker0_step3.trace.json",
+                                             "worker0_step4.trace.json",
                                              "worker1_rewrite.trace.json",
-                                             "worker1_step3.trace.json"]
+                                             "worker1_step4.trace.json"]
     steps = analysis.load(dp_traces)
-    assert list(steps) == [(1, 3)]
-    assert [t.worker for t in steps[(1, 3)]] == [0, 1]
+    assert list(steps) == [(1, 4)]
+    assert [t.worker for t in steps[(1, 4)]] == [0, 1]
+
+
+def test_dp_workers_traced_the_same_training_step(dp_traces):
+    """Both workers' "step 4" is the run that took their global_step from 3 to 4 (the
+    chief's Saver.save and the workers' reads of the step are not steps)."""
+    for t in analysis.load(dp_traces)[(1, 4)]:
+        assert (t.meta["step"], t.meta["global_step"], t.meta["training_run"]) == (4, 4, 4), \
+            (t.worker, t.meta)
 
 
 def test_dp_spans_on_every_device(dp_traces):
-    traces = analysis.load(dp_traces)[(1, 3)]
+    traces = analysis.load(dp_traces)[(1, 4)]
     lanes = [(t.worker, name, lane) for t in traces for name, lane in t.lanes.items()]
     assert sorted(name for _, name, _ in lanes) == [
         "worker %d device:CPU:%d" % (w, d) for w in (0, 1) for d in (0, 1)]
@@ -116,7 +125,7 @@ def test_dp_spans_on_every_device(dp_traces):
 def test_dp_collective_bytes_are_the_variables_sizes(dp_traces):
     """Every worker reduces its 2 devices' gradients in process (each rank gives the
     gradients of every variable once), then across the workers (one rank per worker)."""
-    runs = analysis.collectives(analysis.load(dp_traces)[(1, 3)])
+    runs = analysis.collectives(analysis.load(dp_traces)[(1, 4)])
     for worker in (0, 1):
         mine = [r for r in runs if r["worker"] == worker]
         for rank in (0, 1):
@@ -135,7 +144,7 @@ def test_dp_collective_bytes_are_the_variables_sizes(dp_traces):
 
 
 def test_dp_breakdown_adds_up_and_clocks_agree(dp_traces):
-    traces = analysis.load(dp_traces)[(1, 3)]
+    traces = analysis.load(dp_traces)[(1, 4)]
     lanes = analysis.breakdown(traces)
     assert len(lanes) == 4
     for ln in lanes:
@@ -166,13 +175,13 @@ def test_dp_rewrite_passes_traced_once(dp_traces):
 @pytest.fixture(scope="module")
 def pipeline_run(tmp_path_factory):
     """benchmarks/pipeline_bubble.py's model (2 stages of 50 ms per micro-batch each way,
-    4 micro-batches, 1F1B) measured by the benchmark itself on its 3rd run, which EPL
-    traces at the same time (the benchmark passes its own RunOptions and RunMetadata: EPL
+    4 micro-batches, 1F1B) measured by the benchmark itself on its 3rd run (its 2nd
+    training step: the first run initializes), which EPL traces at the same time (the benchmark passes its own RunOptions and RunMetadata: EPL
     merges its full trace with them)."""
     folder = str(tmp_path_factory.mktemp("pipe"))
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     saved = {k: os.environ.get(k) for k in ("EPL_PROFILE_DIR", "EPL_PROFILE_STEPS")}
-    os.environ.update(EPL_PROFILE_DIR=folder, EPL_PROFILE_STEPS="3")
+    os.environ.update(EPL_PROFILE_DIR=folder, EPL_PROFILE_STEPS="2")
     try:
         import pipeline_bubble
         models.reset()
@@ -191,12 +200,12 @@ def pipeline_run(tmp_path_factory):
 def test_pipeline_only_the_named_run_is_traced(pipeline_run):
     folder, _ = pipeline_run
     assert sorted(os.listdir(folder)) == ["worker0_rewrite.trace.json",
-                                          "worker0_step3.trace.json"]
+                                          "worker0_step2.trace.json"]
 
 
 def test_pipeline_stage_spans_on_every_device(pipeline_run):
     folder, _ = pipeline_run
-    (trace,) = analysis.load(folder)[(1, 3)]
+    (trace,) = analysis.load(folder)[(1, 2)]
     assert list(trace.lanes) == ["worker 0 device:CPU:0", "worker 0 device:CPU:1"]
     for stage, lane in enumerate(trace.lanes.values()):
         assert set(e["args"]["stage"] for e in lane["stages"]) == {stage}
@@ -208,7 +217,7 @@ def test_pipeline_stage_spans_on_every_device(pipeline_run):
 
 def test_pipeline_bubble_matches_the_benchmark(pipeline_run):
     folder, figure = pipeline_run
-    (bubble,) = analysis.bubbles(analysis.load(folder)[(1, 3)])
+    (bubble,) = analysis.bubbles(analysis.load(folder)[(1, 2)])
     assert (bubble.stages, bubble.micro_batches) == (2, 4)
     assert bubble.theory == pytest.approx(1.0 / 5)
     assert abs(bubble.bubble - figure["bubble"]) <= 0.1 * figure["bubble"], (bubble, figure)
@@ -299,10 +308,10 @@ def _small_dp_graph_runs(runs, metadata=None):
                 sess.run(op, run_metadata=metadata)
 
 
-def test_runs_counted_per_graph_and_user_metadata_filled(tmp_path, monkeypatch):
-    """Runs count from 1 in every graph; a process's second traced graph gets files of its
-    own (not the first graph's, overwritten); a user's RunMetadata of a traced run is
-    filled as if the user had asked for the trace."""
+def test_steps_counted_per_graph_and_user_metadata_filled(tmp_path, monkeypatch):
+    """Without a global_step, training steps count from 1 in every graph; a process's
+    second traced graph gets files of its own (not the first graph's, overwritten); a
+    user's RunMetadata of a traced run is filled as if the user had asked for the trace."""
     import tensorflow.compat.v1 as tf
     folder = str(tmp_path / "t")
     monkeypatch.setenv("EPL_PROFILE_DIR", folder)
@@ -310,9 +319,9 @@ def test_runs_counted_per_graph_and_user_metadata_filled(tmp_path, monkeypatch):
     models.reset()
     try:
         meta = tf.RunMetadata()
-        _small_dp_graph_runs(2, meta)
+        _small_dp_graph_runs(3, meta)
         assert meta.step_stats.dev_stats   # the traced run filled the user's metadata
-        _small_dp_graph_runs(3)
+        _small_dp_graph_runs(4)
     finally:
         models.reset()
     assert sorted(os.listdir(folder)) == [
@@ -384,3 +393,114 @@ def test_keras_fit_steps_are_traced(tmp_path, monkeypatch):
     for name, lane in trace.lanes.items():
         assert set(e["args"]["phase"] for e in lane["stages"]) == {"forward", "backward"}, name
         assert lane["collectives"], name
+
+
+# -- training steps, not runs (issue 33 items 5 and 7) -----------------------------------
+
+def _mts_training(folder, monkeypatch, steps, runs=None, train_steps=6, save_steps=2):
+    """A 2-device data-parallel program trained ``train_steps`` steps by a
+    MonitoredTrainingSession with a CheckpointSaverHook saving every ``save_steps`` steps
+    (so its initialization runs and the saves are runs between the steps), profile.steps
+    = ``steps``.  Returns (the losses, the training op's name)."""
+    import tensorflow.compat.v1 as tf
+    monkeypatch.setenv("EPL_PROFILE_DIR", os.path.join(folder, "trace"))
+    monkeypatch.setenv("EPL_PROFILE_STEPS", steps)
+    if runs is not None:
+        monkeypatch.setenv("EPL_PROFILE_RUNS", runs)
+    models.init_data_parallel(2)
+    x, y = models.data(4 * 2 * train_steps)
+    bx, by = models.input_batch(x, y, 4)
+    _, loss = models.forward(bx, by)
+    step = tf.train.get_or_create_global_step()
+    op = models.train_op(loss, "sgd", step)
+    hooks = [tf.train.CheckpointSaverHook(os.path.join(folder, "ckpt"), save_steps=save_steps)]
+    losses = []
+    with tf.train.MonitoredTrainingSession(hooks=hooks, save_checkpoint_secs=None,
+                                           save_summaries_steps=None) as sess:
+        for _ in range(train_steps):
+            losses.append(sess.run([loss, op])[0])
+    return losses, op.name
+
+
+def _ran_op(trace, name):
+    return any(e["args"]["name"] == name for lane in trace.lanes.values() for e in lane["ops"])
+
+
+def test_monitored_session_traces_training_steps(tmp_path, monkeypatch):
+    """profile.steps names training steps: with MonitoredTrainingSession and a checkpoint
+    every 2 steps, "3-4" traces the 3rd and 4th training runs (global_step 2 -> 3 -> 4),
+    each holding the training op and both replicas' forward and backward, in files named
+    by the step; not the session's initialization runs or the saves."""
+    _, train_name = _mts_training(str(tmp_path), monkeypatch, "3-4")
+    folder = str(tmp_path / "trace")
+    assert sorted(os.listdir(folder)) == ["worker0_rewrite.trace.json",
+                                          "worker0_step3.trace.json",
+                                          "worker0_step4.trace.json"]
+    steps = analysis.load(folder)
+    assert sorted(steps) == [(1, 3), (1, 4)]
+    for (_, n), (trace,) in sorted(steps.items()):
+        assert _ran_op(trace, train_name), (n, sum(len(ln["ops"]) for ln in trace.lanes.values()))
+        assert (trace.meta["step"], trace.meta["global_step"], trace.meta["training_run"]) \
+            == (n, n, n), trace.meta
+        assert sorted(trace.lanes) == ["worker 0 device:CPU:0", "worker 0 device:CPU:1"]
+        for name, lane in trace.lanes.items():
+            assert set(e["args"]["phase"] for e in lane["stages"]) == {"forward", "backward"}
+            assert lane["collectives"], name
+
+
+def test_profile_runs_traces_initialization_runs_by_their_number(tmp_path, monkeypatch):
+    """Runs that do not train are traced only when profile.runs names them (every
+    Session.run of the graph, counted from 1): MonitoredTrainingSession's first run (an
+    initialization: no training op) goes to worker0_run1; profile.steps' step 2 to
+    worker0_step2."""
+    _, train_name = _mts_training(str(tmp_path), monkeypatch, "2", runs="1", train_steps=3)
+    folder = str(tmp_path / "trace")
+    assert sorted(os.listdir(folder)) == ["worker0_rewrite.trace.json",
+                                          "worker0_run1.trace.json",
+                                          "worker0_step2.trace.json"]
+    with open(os.path.join(folder, "worker0_run1.trace.json")) as f:
+        meta = json.load(f)["otherData"]
+    assert meta["run"] == 1 and meta["step"] is None and not meta["training"], meta
+    (trace,) = analysis.load(folder)[(1, 2)]
+    assert _ran_op(trace, train_name)
+
+
+def test_profile_runs_key(monkeypatch):
+    assert Config(environ={}).get("profile.runs") == ""
+    assert Config({"profile.runs": "1-2,5"}, environ={}).get("profile.runs") == "1-2,5"
+    with pytest.raises(ValueError) as e:
+        Config({"profile.runs": "x"}, environ={})
+    assert "'profile.runs'" in str(e.value) and "'x'" in str(e.value)
+
+
+def test_steps_that_never_come_are_named_at_exit(tmp_path):
+    """A job that ends before the steps profile.steps names says so when it exits: the
+    key, the steps asked for and the training steps that ran."""
+    script = tmp_path / "short.py"
+    script.write_text(
+        "import sys\n"
+        "sys.path.insert(0, %r)\n"
+        "import tensorflow.compat.v1 as tf\n"
+        "tf.disable_v2_behavior()\n"
+        "from tests import models\n"
+        "models.init_data_parallel(2)\n"
+        "x, y = models.data(32)\n"
+        "bx, by = models.input_batch(x, y, 4)\n"
+        "_, loss = models.forward(bx, by)\n"
+        "op = models.train_op(loss, 'sgd', tf.train.get_or_create_global_step())\n"
+        "with tf.Session() as sess:\n"
+        "    sess.run(tf.global_variables_initializer())\n"
+        "    for _ in range(3):\n"
+        "        sess.run(op)\n"
+        "print('TRAINED')\n" % ROOT)
+    env = dict(os.environ, PYTHONPATH=ROOT, EPL_PROFILE_DIR=str(tmp_path / "trace"),
+               EPL_PROFILE_STEPS="10-12")
+    out = subprocess.run([sys.executable, str(script)], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, env=env, timeout=180, cwd=str(tmp_path))
+    text = out.stdout.decode()
+    assert out.returncode == 0 and "TRAINED" in text, text[-3000:]
+    warned = [line for line in text.splitlines() if "profile.steps" in line]
+    assert len(warned) == 1, text[-3000:]
+    assert "'10-12'" in warned[0] and "1-3" in warned[0], warned[0]
+    assert text.index("TRAINED") < text.index(warned[0])
+    assert not os.path.exists(str(tmp_path / "trace"))
