@@ -1,7 +1,8 @@
 """Where a step's time goes: EPL's traces of chosen runs and their analysis.
 
-    record      (at run time) traces the runs ``profile.steps`` names into
-                ``profile.dir``: one Chrome trace per worker and run, with EPL's own
+    record      (at run time) traces the training steps ``profile.steps`` names (and
+                the runs ``profile.runs`` names) into ``profile.dir``: one Chrome trace
+                per worker and step, with EPL's own
                 spans (collectives: wait vs move; pipeline stages' micro-batches; the
                 rewrite's passes)
     collectives the C++ collectives' records (ctypes on the loaded library)
