@@ -467,6 +467,54 @@ def _on_sigterm(signum, frame):
     raise _Terminated()
 
 
+_HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _note_signal(signum, frame):
+    """Ctrl-C or SIGTERM while the launcher stops the job: say so, and go on stopping.
+    (Written with os.write: a signal handler may run inside a print to the console.)"""
+    what = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+    try:
+        os.write(2, ("\nepl-launch: %s again: still stopping the workers (SIGTERM sent, "
+                     "SIGKILL %d s after it at the latest); the summary follows.\n"
+                     % (what, GRACE_SECONDS)).encode())
+    except OSError:
+        pass
+
+
+class _HeldSignals(object):
+    """While the launcher stops the workers and prints its summary, Ctrl-C and SIGTERM
+    print a line instead of raising: a second Ctrl-C used to end the launcher with a
+    traceback in the middle of ``stop``, before its SIGKILL of the workers that ignore
+    SIGTERM and before the summary.  (The workers cannot outlive the launcher anyway:
+    epl.processes ends them when it dies, but then without the summary and root cause.)
+    Nests; only in the main thread (the only one signals reach); ``release`` restores
+    the handlers found at ``hold``."""
+
+    def __init__(self):
+        self.saved = None
+
+    def hold(self):
+        if (self.saved is None and threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is not _note_signal):
+            self.saved = [(sig, signal.getsignal(sig)) for sig in _HELD_SIGNALS]
+            for sig in _HELD_SIGNALS:
+                signal.signal(sig, _note_signal)
+        return self
+
+    def release(self):
+        if self.saved is not None:
+            for sig, handler in self.saved:
+                signal.signal(sig, handler)
+            self.saved = None
+
+    def __enter__(self):
+        return self.hold()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
 class Attempt(object):
     """One start of the job's workers: attempt ``number`` (EPL_RESTART_COUNT), its run
     (EPL_RUN_ID: its shared memory), its launch folder (join marks) and its workers."""
@@ -501,7 +549,7 @@ def start_attempt(a, attempt, slots, job_id, secret, gpus, machines=None):
         env = worker_env(a, addrs, comm, rank, job_id, gpus,
                          local if a.machine_list else index, attempt.run_id, secret,
                          attempt.launch_dir, attempt.number)
-        proc = subprocess.Popen(dies_with_parent(command(a)), env=env,
+        proc = subprocess.Popen(dies_with_parent(command(a), GRACE_SECONDS - 1), env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         w = Worker(index, proc, log_path, rank)
@@ -555,16 +603,17 @@ def end_attempt(attempt, failed, reason):
     if attempt is None or attempt.ended:
         return
     attempt.ended = True
-    try:
-        if failed is not None:
-            attempt.cause_joined = joined(attempt.launch_dir, failed.rank)
-        if reason:
-            stop(attempt.workers)
-        for w in attempt.workers:
-            w.pump.join(5)
-    finally:
-        remove_segments(attempt.run_id)
-        shutil.rmtree(attempt.launch_dir, ignore_errors=True)
+    with _HeldSignals():   # (a Ctrl-C now must not cut the stop short)
+        try:
+            if failed is not None:
+                attempt.cause_joined = joined(attempt.launch_dir, failed.rank)
+            if reason:
+                stop(attempt.workers)
+            for w in attempt.workers:
+                w.pump.join(5)
+        finally:
+            remove_segments(attempt.run_id)
+            shutil.rmtree(attempt.launch_dir, ignore_errors=True)
 
 
 def finish_attempt(attempt, display, failed, reason):
@@ -947,66 +996,72 @@ def run_coordinated(a, job_id, secret, gpus, mine):
     display = ProgressDisplay(None, [], log_json=a.log_json)
     previous = (signal.signal(signal.SIGTERM, _on_sigterm)
                 if threading.current_thread() is threading.main_thread() else None)
+    held = _HeldSignals()
     try:
-        while True:
-            try:
-                msg = events.get(timeout=0.1)[2]
-            except queue.Empty:
-                if attempt is not None and not reported:
-                    ended = poll_attempt(a, attempt, job_start)
-                    if ended is not None:
-                        finish_attempt(attempt, display, ended[0], ended[1])
-                        ch.send(report_of(a, attempt, *ended))
-                        reported = True
-                    else:
-                        display.poll()   # this machine's workers' progress lines
-                continue
-            if msg is None:
-                message = ("epl-launch: machine 0's launcher (the coordinator, %s:%d) went "
-                           "away; stopped this machine's workers." % control_address(a))
-                break
-            if msg["type"] == "start":
-                if msg.get("note"):
-                    print("\n" + msg["note"], flush=True)
-                if attempt is not None:
-                    for w in attempt.workers:
-                        keep_log(a, w, attempt.number)
-                attempt = Attempt(msg["attempt"], msg["run_id"],
-                                  new_launch_dir(msg["run_id"]))
-                announce_attempt(attempt, display)
-                start_attempt(a, attempt, mine, job_id, secret, gpus, msg["machines"])
-                display.follow(attempt.launch_dir, [w.rank for w in attempt.workers])
-                reported = False
-            elif msg["type"] == "stop":
-                finish_attempt(attempt, display, None, "stopped by the coordinator")
-                if attempt is not None and not reported:
-                    ch.send(report_of(a, attempt, None, "stopped", False))
-                    reported = True
-                ch.send({"type": "stopped", "attempt": msg["attempt"]})
-            elif msg["type"] == "finish":
-                code, message = msg["code"], msg["message"]
-                break
-    except (KeyboardInterrupt, _Terminated) as e:
-        reason = "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else \
-            "terminated (SIGTERM)"
-        ch.send({"type": "abort", "reason": reason})
-        message = "epl-launch: %s; stopped all workers." % reason
-    finally:
         try:
-            finish_attempt(attempt, display, None, "stopped")
+            while True:
+                try:
+                    msg = events.get(timeout=0.1)[2]
+                except queue.Empty:
+                    if attempt is not None and not reported:
+                        ended = poll_attempt(a, attempt, job_start)
+                        if ended is not None:
+                            finish_attempt(attempt, display, ended[0], ended[1])
+                            ch.send(report_of(a, attempt, *ended))
+                            reported = True
+                        else:
+                            display.poll()   # this machine's workers' progress lines
+                    continue
+                if msg is None:
+                    message = ("epl-launch: machine 0's launcher (the coordinator, %s:%d) went "
+                               "away; stopped this machine's workers." % control_address(a))
+                    break
+                if msg["type"] == "start":
+                    if msg.get("note"):
+                        print("\n" + msg["note"], flush=True)
+                    if attempt is not None:
+                        for w in attempt.workers:
+                            keep_log(a, w, attempt.number)
+                    attempt = Attempt(msg["attempt"], msg["run_id"],
+                                      new_launch_dir(msg["run_id"]))
+                    announce_attempt(attempt, display)
+                    start_attempt(a, attempt, mine, job_id, secret, gpus, msg["machines"])
+                    display.follow(attempt.launch_dir, [w.rank for w in attempt.workers])
+                    reported = False
+                elif msg["type"] == "stop":
+                    finish_attempt(attempt, display, None, "stopped by the coordinator")
+                    if attempt is not None and not reported:
+                        ch.send(report_of(a, attempt, None, "stopped", False))
+                        reported = True
+                    ch.send({"type": "stopped", "attempt": msg["attempt"]})
+                elif msg["type"] == "finish":
+                    code, message = msg["code"], msg["message"]
+                    break
+        except (KeyboardInterrupt, _Terminated) as e:
+            reason = "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else \
+                "terminated (SIGTERM)"
+            ch.send({"type": "abort", "reason": reason})
+            message = "epl-launch: %s; stopped all workers." % reason
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
-            if coordinator is not None:
-                coordinator.thread.join(GRACE_SECONDS + 20)
-            ch.close()
-    print("\nepl-launch summary (machine %d):" % a.machine_rank)
-    for w in attempt.workers if attempt else []:
-        print("  worker %d: %s  log %s" % (w.index, "exit %s" % w.proc.returncode, w.log_path))
-    display.summary(dict((w.rank, w.proc.returncode) for w in attempt.workers) if attempt else {})
-    if message:
-        print("\n" + message, flush=True)
-    return code
+            held.hold()   # (from here on a Ctrl-C does not cut the stop or the summary short)
+            try:
+                finish_attempt(attempt, display, None, "stopped")
+            finally:
+                if coordinator is not None:
+                    coordinator.thread.join(GRACE_SECONDS + 20)
+                ch.close()
+        print("\nepl-launch summary (machine %d):" % a.machine_rank)
+        for w in attempt.workers if attempt else []:
+            print("  worker %d: %s  log %s" % (w.index, "exit %s" % w.proc.returncode, w.log_path))
+        display.summary(dict((w.rank, w.proc.returncode) for w in attempt.workers)
+                        if attempt else {})
+        if message:
+            print("\n" + message, flush=True)
+        return code
+    finally:
+        held.release()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv=None):
@@ -1038,84 +1093,89 @@ def main(argv=None):
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
     else:
         previous = None
+    held = _HeldSignals()
     try:
-        while True:
-            # This attempt's id (shared memory is named from it): new for every attempt on
-            # one machine; with --machine_list (one attempt here) shared_run_id's.
-            run_id = (shared_run_id(job_id, secret, number) if a.machine_list
-                      else secrets.token_hex(6))
-            attempt = Attempt(number, run_id,
-                              new_launch_dir(run_id))
-            announce_attempt(attempt, display)
-            start_attempt(a, attempt, slots, job_id, secret, gpus)
-            # (the workers' progress files are named by their rank in this attempt)
-            display.follow(attempt.launch_dir, [w.rank for w in attempt.workers])
-            failed, reason, final = watch(a, attempt, job_start, display)
-            finish_attempt(attempt, display, failed, reason)
-            if reason is None or final:
-                break
-            ran = attempt.seconds()
-            if ran >= a.restart_window:
-                used = 0
-            if used >= a.max_restarts:
-                break
-            used += 1
-            cause = exception_line(failed.log_path)
-            print("\nepl-launch: attempt %d: worker %d %s after %.1f s; stopped the others.%s"
-                  % (number, failed.index, reason, ran, "\n  " + cause if cause else ""),
-                  flush=True)
-            drop = (failed.index == last_cause and not attempt.cause_joined
-                    and len(slots) > a.min_workers)
-            last_cause = failed.index
-            for w in attempt.workers:
-                path = keep_log(a, w, number)
-                if w is failed:
-                    print("  its log: %s" % path, flush=True)
-            if drop:
-                slots.remove(failed.index)
-                print("epl-launch: worker %d failed again at start-up (before it joined the "
-                      "job): dropped for good; the job goes on with %d worker(s) (--min_workers "
-                      "%d): %s. Every worker keeps its batch, so the global batch is now %d of "
-                      "the %d workers' batches; input sliced by io.slicing is re-sharded over "
-                      "the remaining workers."
-                      % (failed.index, len(slots), a.min_workers,
-                         ", ".join("worker %d is rank %d" % (i, r) for r, i in enumerate(slots)),
-                         len(slots), a.num_workers), flush=True)
-            number += 1
-            print("epl-launch: restart %d of %d (EPL_RESTART_COUNT=%d): starting %d worker(s) "
-                  "again; training resumes from the job's newest checkpoint"
-                  % (used, a.max_restarts, number, len(slots)), flush=True)
-    except KeyboardInterrupt:
-        failed, reason = None, "interrupted (Ctrl-C)"
-    except _Terminated:
-        failed, reason = None, "terminated (SIGTERM)"
-    finally:
         try:
-            finish_attempt(attempt, display, failed, reason or "stopped")
+            while True:
+                # This attempt's id (shared memory is named from it): new for every attempt on
+                # one machine; with --machine_list (one attempt here) shared_run_id's.
+                run_id = (shared_run_id(job_id, secret, number) if a.machine_list
+                          else secrets.token_hex(6))
+                attempt = Attempt(number, run_id,
+                                  new_launch_dir(run_id))
+                announce_attempt(attempt, display)
+                start_attempt(a, attempt, slots, job_id, secret, gpus)
+                # (the workers' progress files are named by their rank in this attempt)
+                display.follow(attempt.launch_dir, [w.rank for w in attempt.workers])
+                failed, reason, final = watch(a, attempt, job_start, display)
+                finish_attempt(attempt, display, failed, reason)
+                if reason is None or final:
+                    break
+                ran = attempt.seconds()
+                if ran >= a.restart_window:
+                    used = 0
+                if used >= a.max_restarts:
+                    break
+                used += 1
+                cause = exception_line(failed.log_path)
+                print("\nepl-launch: attempt %d: worker %d %s after %.1f s; stopped the others.%s"
+                      % (number, failed.index, reason, ran, "\n  " + cause if cause else ""),
+                      flush=True)
+                drop = (failed.index == last_cause and not attempt.cause_joined
+                        and len(slots) > a.min_workers)
+                last_cause = failed.index
+                for w in attempt.workers:
+                    path = keep_log(a, w, number)
+                    if w is failed:
+                        print("  its log: %s" % path, flush=True)
+                if drop:
+                    slots.remove(failed.index)
+                    print("epl-launch: worker %d failed again at start-up (before it joined "
+                          "the job): dropped for good; the job goes on with %d worker(s) "
+                          "(--min_workers %d): %s. Every worker keeps its batch, so the global "
+                          "batch is now %d of the %d workers' batches; input sliced by "
+                          "io.slicing is re-sharded over the remaining workers."
+                          % (failed.index, len(slots), a.min_workers,
+                             ", ".join("worker %d is rank %d" % (i, r)
+                                       for r, i in enumerate(slots)),
+                             len(slots), a.num_workers), flush=True)
+                number += 1
+                print("epl-launch: restart %d of %d (EPL_RESTART_COUNT=%d): starting %d worker(s) "
+                      "again; training resumes from the job's newest checkpoint"
+                      % (used, a.max_restarts, number, len(slots)), flush=True)
+        except KeyboardInterrupt:
+            failed, reason = None, "interrupted (Ctrl-C)"
+        except _Terminated:
+            failed, reason = None, "terminated (SIGTERM)"
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
-    print("\nepl-launch summary:")
-    for w in attempt.workers if attempt else []:
-        print("  worker %d: %s  log %s" % (w.index, "exit %s" % w.proc.returncode, w.log_path))
-    display.summary(dict((w.rank, w.proc.returncode) for w in attempt.workers) if attempt else {})
-    if number:
-        print("  %d restart(s); the logs of earlier attempts: worker_<i>.attempt<k>.log in %s"
-              % (number, a.log_dir))
-    if reason:
-        if failed is not None:
-            cause = exception_line(failed.log_path)
-            print("\nepl-launch: worker %d %s; stopped the others.%s\nLast lines of %s:\n%s"
-                  % (failed.index, reason, "\n  " + cause if cause else "", failed.log_path,
-                     tail(failed.log_path)))
-            if a.max_restarts and not final:
-                print("epl-launch: the job failed after %d restart(s): --max_restarts %d "
-                      "(the count resets after %g s of running)"
-                      % (number, a.max_restarts, a.restart_window))
-        else:
-            print("\nepl-launch: %s; stopped all workers." % reason)
-        return 1
-    return 0
+            held.hold()   # (from here on a Ctrl-C does not cut the stop or the summary short)
+            finish_attempt(attempt, display, failed, reason or "stopped")
+        print("\nepl-launch summary:")
+        for w in attempt.workers if attempt else []:
+            print("  worker %d: %s  log %s" % (w.index, "exit %s" % w.proc.returncode, w.log_path))
+        display.summary(dict((w.rank, w.proc.returncode) for w in attempt.workers)
+                        if attempt else {})
+        if number:
+            print("  %d restart(s); the logs of earlier attempts: worker_<i>.attempt<k>.log in %s"
+                  % (number, a.log_dir))
+        if reason:
+            if failed is not None:
+                cause = exception_line(failed.log_path)
+                print("\nepl-launch: worker %d %s; stopped the others.%s\nLast lines of %s:\n%s"
+                      % (failed.index, reason, "\n  " + cause if cause else "", failed.log_path,
+                         tail(failed.log_path)))
+                if a.max_restarts and not final:
+                    print("epl-launch: the job failed after %d restart(s): --max_restarts %d "
+                          "(the count resets after %g s of running)"
+                          % (number, a.max_restarts, a.restart_window))
+            else:
+                print("\nepl-launch: %s; stopped all workers." % reason)
+            return 1
+        return 0
+    finally:
+        held.release()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":
