@@ -10,6 +10,9 @@ Oracle: the same model without EPL, one run per step over the rows every replica
 in that step (the global batch).  The update op's value after every step and the
 value read at the end must both match.
 """
+import os
+import pickle
+
 import numpy as np
 import pytest
 import tensorflow as tf_root
@@ -17,6 +20,7 @@ import tensorflow.compat.v1 as tf
 
 import epl
 from tests import models
+from tests.test_control_flow_v2 import v2  # noqa: F401  (the fixture)
 
 STEPS, BATCH = 4, 4   # runs, rows each clone pulls per run
 
@@ -33,13 +37,17 @@ MODULES = _metric_modules()
 
 
 def _metrics(module, labels, logits, loss):
-    """{name: (value, update_op)} of the three metrics the issue measured."""
+    """{name: (value, update_op)}: the three metrics the issue measured, and a sum."""
     pred = tf.argmax(logits, 1)
     positive = tf.cast(tf.equal(labels, 0), tf.float32)
     score = tf.nn.softmax(logits)[:, 0]
+    total = tf.Variable(0.0, trainable=False, name="logit_sum",
+                        collections=[tf.GraphKeys.LOCAL_VARIABLES, tf.GraphKeys.METRIC_VARIABLES])
     return {"accuracy": module.accuracy(labels, pred),
             "mean": module.mean(loss),
-            "auc": module.auc(positive, score, num_thresholds=50)}
+            "auc": module.auc(positive, score, num_thresholds=50),
+            # made by hand: a sum (it would show a count taken twice, which a ratio hides)
+            "sum": (total.read_value(), tf.assign_add(total, tf.reduce_sum(logits)))}
 
 
 def _staged(x, labels):
@@ -60,10 +68,13 @@ def _staged(x, labels):
 
 
 def run_metrics(config, clones, module="compat.v1", train=False, stages=1,
-                use_resource=False):
+                use_resource=False, share=None):
     """Per-step values of the update ops and the values read at the end.  ``config``:
-    EPL's (None: plain TF with ``clones`` times the batch per run)."""
+    EPL's (None: plain TF with ``clones`` times the batch per run); ``share(x, y)``: the
+    rows of this worker (a multi-worker job; ``clones``: the job's)."""
     x, y = models.data(STEPS * clones * BATCH)
+    if share is not None:
+        x, y = share(x, y)
     if config is not None:
         epl.init(epl.Config(config))
         if stages == 1:
@@ -105,6 +116,17 @@ def test_data_parallel_metrics_count_every_replica(module, copies, use_resource)
     got = run_metrics(config, 2, module, use_resource=use_resource)
     models.reset()
     assert_metrics_equal(got, run_metrics(None, 2, module, use_resource=use_resource))
+
+
+@pytest.mark.parametrize("copies", ["per_device", "per_worker"])
+def test_metrics_in_control_flow_v2_mode(v2, copies):  # noqa: F811
+    """TF 2.x's graph mode without ``disable_v2_behavior`` (resource variables, control
+    flow v2); TF 1.15: the same switches."""
+    config = {"cluster.devices_per_worker": 2, "cluster.variable_copies": copies,
+              "pipeline.num_micro_batch": 2}
+    got = run_metrics(config, 4, train=True)
+    models.reset()
+    assert_metrics_equal(got, run_metrics(None, 4, train=True))
 
 
 @pytest.mark.parametrize("train", [False, True])
@@ -217,3 +239,18 @@ def test_estimator_evaluate_reports_every_replica(tmp_path):
     got = evaluate(BATCH, str(tmp_path / "epl"))
     for key in ("accuracy", "auc", "loss"):
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_two_workers(tmp_path):
+    """Between-graph: 2 workers x 2 devices, each feeding its share of every global batch;
+    every worker reads the whole job's metrics."""
+    from tests.test_multi_worker import HERE, launch
+    code, out = launch(["--num_workers", "2", "--gpu_per_worker", "2", "--log_dir",
+                        str(tmp_path / "logs"), os.path.join(HERE, "mw_metrics.py"),
+                        str(tmp_path)])
+    assert code == 0, out[-5000:]
+    want = run_metrics(None, 4, train=True)
+    for w in range(2):
+        with open(str(tmp_path / ("metrics_%d.pkl" % w)), "rb") as f:
+            got = pickle.load(f)
+        assert_metrics_equal(got, want)

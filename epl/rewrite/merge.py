@@ -13,7 +13,9 @@ metric's result, computed from the total and count every replica keeps for its o
 rows) is merged by recomputing it from the state of every replica, each variable
 combined by its aggregation (SUM: the replicas' counts added), read after every
 clone's update.  Averaging the replicas' results would be wrong for a ratio of
-sums (AUC, an accuracy over unequal counts).
+sums (AUC, an accuracy over unequal counts).  (Metric state that every clone adds to one
+copy of, ``metrics.py``, is read once: that copy already holds every replica's rows, and
+every worker's the whole job's.)
 """
 import logging
 
@@ -160,6 +162,8 @@ def _combined(state, read, var_name, aggregation, waits, across):
     agg = tf.compat.v1.VariableAggregation
     if aggregation in (agg.NONE, agg.ONLY_FIRST_REPLICA):
         handles, across = handles[:1], False
+    if var in state.selection.updates.summed_variables:
+        across = False   # (metric state: every worker's copy holds the job's sum, metrics.py)
     parts = []
     for h in handles:
         with tf.control_dependencies(waits), tf.device(h.op.device or None):
