@@ -3,12 +3,16 @@ lines: TensorFlow 1.15.5 on Python 3.7, and TensorFlow 2.x (>= 2.16, with tf-ker
 Python 3.11+ through ``tf.compat.v1``.  The extras pick the line from the Python that installs.
 
 `pip install .[cpu]`, `pip install .[gpu]` and `pip wheel .` build EPL's C++ op library
-(csrc/ -> epl/lib/libepl_ops.so, NCCL where CUDA and NCCL are found) with the compile flags
-of the TensorFlow the build can import.  Where none is importable yet (pip may build before
-it installs the extras), the first use of EPL's collectives builds it
+(csrc/ -> epl/lib/libepl_ops.so on TF 1.15, libepl_ops-tf<major>.<minor>.so on 2.x, NCCL
+where CUDA and NCCL are found) with the compile flags of the TensorFlow the build can
+import.  A package carries that library only: never the libraries a checkout built in its
+epl/lib for `make setup` (the other line's, or a stale one), nor those an earlier build
+left in build/.  Where no TensorFlow is importable yet (pip may build before it installs
+the extras), it carries none, and the first use of EPL's collectives builds it
 (`python -m epl.native --build` does it ahead of time); `python -m epl.native` reports what
 is built.
 """
+import glob
 import os
 import shutil
 import subprocess
@@ -29,6 +33,11 @@ class BuildWithOps(build_py):
 
     def run(self):
         build_py.run(self)
+        # Only the library built below goes into the package: drop what package_data or
+        # an earlier build (of either line) put there.
+        out_dir = os.path.join(self.build_lib, "epl", "lib")
+        for stale in glob.glob(os.path.join(out_dir, "libepl_ops*")):
+            os.remove(stale)
         # The sources travel with the package, for a build on first use.
         src = os.path.join(self.build_lib, "epl", "_csrc")
         shutil.rmtree(src, ignore_errors=True)
@@ -43,7 +52,6 @@ class BuildWithOps(build_py):
                   "built on first use (or by `python -m epl.native --build`).")
             return
         # (named for the TensorFlow line it links against: csrc/build.py --out-dir)
-        out_dir = os.path.join(self.build_lib, "epl", "lib")
         code = subprocess.call([sys.executable, os.path.join(HERE, "csrc", "build.py"),
                                 "--out-dir", out_dir])
         if code != 0:
@@ -56,7 +64,6 @@ setup(
     description="Easy Parallel Library: distributed training for TensorFlow 1.x graphs",
     license="Apache-2.0",
     packages=find_packages(include=["epl", "epl.*"]),
-    package_data={"epl": ["lib/*.so", "lib/*.json"]},
     python_requires=">=3.7",
     install_requires=["numpy<1.19; " + _TF1, "numpy; " + _TF2, "protobuf<3.21; " + _TF1],
     extras_require={
@@ -66,5 +73,7 @@ setup(
                 "tensorflow[and-cuda]>=2.16; " + _TF2, "tf-keras>=2.16; " + _TF2],
     },
     entry_points={"console_scripts": ["epl-launch=epl.launcher:main"]},
+    # (no package_data for epl/lib: the package carries the one library BuildWithOps
+    # builds, never those of the checkout)
     cmdclass={"build_py": BuildWithOps},
 )
