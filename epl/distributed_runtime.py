@@ -19,13 +19,16 @@ memory.  So in those layouts:
   chief drives every pipeline replica, in-graph;
 * the other workers serve their devices: their script stops in its session
   creation and the process exits 0 once the chief's server is gone (the chief
-  writes checkpoints and summaries, as always).
+  writes checkpoints and summaries, as always), or exits 1 with a
+  ``ChiefUnreachableError`` when the chief has not answered for
+  communication.timeout_seconds (``serve_until_chief_exits``).
 """
 import logging
 import os
 import socket
 import sys
 import time
+import traceback
 
 from epl import ir, plan
 from epl.env import Env
@@ -67,24 +70,64 @@ def server():
     return _server[0]
 
 
+class ChiefUnreachableError(RuntimeError):
+    """The chief of an in-graph job did not answer a serving worker for
+    communication.timeout_seconds."""
+
+
+# What a probe of the chief's server finds.
+ANSWERS, GONE, UNREACHABLE = "answers", "gone", "unreachable"
+# Consecutive probes that find the chief's port closed before it counts as done.
+GONE_PROBES = 3
+PROBE_TIMEOUT = 5
+
+
 def serve_until_chief_exits(poll_seconds=0.5):
     """A worker whose devices the chief drives: start serving once the chief's server is
     up (the chief cannot finish without this worker, so this sees it finish), keep
-    serving while it answers, then end this process successfully."""
+    serving while it answers, then end this process successfully.
+
+    One failed probe proves little: a loaded chief, or a network that drops packets for
+    a moment, lets a connection attempt time out.  So only a chief whose port is closed
+    (refused, or closed at once by a relay) in ``GONE_PROBES`` probes in a row is done
+    (its process ended: a TF server's port is freed only then): this worker exits 0.  A
+    chief that answers no probe for communication.timeout_seconds, its probes timing
+    out, is unreachable: this worker exits 1 with a ``ChiefUnreachableError`` line that
+    epl-launch reports as the cause (it used to exit 0 after one failed probe, and the
+    launcher then blamed it for leaving before it joined)."""
     cluster = Env.get().cluster
     _, _, chief = cluster.workers[0]
     timeout = Env.get().config.get("communication.timeout_seconds")
     deadline = time.time() + timeout
-    while not _answers(chief):
+    while _probe(chief) != ANSWERS:
         if time.time() > deadline:
-            sys.exit("EPL: worker %d waited %ds for the chief (worker 0, %s) to start its TF "
-                     "server (communication.timeout_seconds); is it running?"
-                     % (cluster.worker_index, timeout, chief))
+            raise ChiefUnreachableError(
+                "EPL: worker %d waited %d s for the chief (worker 0, %s) to start its TF "
+                "server (communication.timeout_seconds); is it running?"
+                % (cluster.worker_index, timeout, chief))
         time.sleep(poll_seconds)
     server()
     print("EPL: worker %d serves its devices to the chief's in-graph job (%s); it "
           "exits when the chief is done." % (cluster.worker_index, chief), flush=True)
-    while _answers(chief):
+    silent_since, gone = None, 0
+    while True:
+        state = _probe(chief)
+        if state == ANSWERS:
+            silent_since, gone = None, 0
+        else:
+            gone = gone + 1 if state == GONE else 0
+            if gone >= GONE_PROBES:
+                break
+            silent_since = silent_since or time.time()
+            if time.time() - silent_since >= timeout:
+                _exit_unreachable(
+                    "EPL: worker %d serves its devices to the chief's in-graph job, but the "
+                    "chief (worker 0, %s) has been unreachable for %d s "
+                    "(communication.timeout_seconds; last probe: %s): it hangs, or its host "
+                    "is cut off from this one; worker %d stops"
+                    % (cluster.worker_index, chief, timeout,
+                       "connection closed" if state == GONE else
+                       "no connection within %d s" % PROBE_TIMEOUT, cluster.worker_index))
         time.sleep(poll_seconds)
     print("EPL: the chief is done; worker %d exits." % cluster.worker_index, flush=True)
     sys.stdout.flush()
@@ -92,18 +135,43 @@ def serve_until_chief_exits(poll_seconds=0.5):
     os._exit(0)  # pylint: disable=protected-access
 
 
-def _answers(address):
-    """True when a process accepts a connection at ``address`` and keeps it open.  A relay
-    or proxy between the hosts accepts even when the server behind it is gone, then closes
-    the connection at once: an end of stream (or a reset) within a moment counts as not
-    answering; data (gRPC's settings) or silence counts as answering."""
+def _exit_unreachable(message):
+    """End this serving worker with status 1, its last line the error as Python prints
+    an uncaught one (what epl-launch's triage looks for).  os._exit, as on success: the
+    TF server cannot be stopped, and the script must not go on past its session."""
+    error = ChiefUnreachableError(message)
+    sys.stdout.flush()
+    sys.stderr.write("".join(traceback.format_exception_only(type(error), error)))
+    sys.stderr.flush()
+    os._exit(1)  # pylint: disable=protected-access
+
+
+def _probe(address):
+    """ANSWERS when a process accepts a connection at ``address`` and keeps it open;
+    GONE when the connection is refused, or closed within a moment (a relay or proxy
+    between the hosts accepts even when the server behind it is gone, then closes the
+    connection at once); UNREACHABLE when no connection is made within
+    ``PROBE_TIMEOUT`` seconds (or the network says there is no route).  Data (gRPC's
+    settings) or silence after connecting counts as answering."""
     host, port = address.rsplit(":", 1)
     try:
-        with socket.create_connection((host, int(port)), timeout=5) as conn:
-            conn.settimeout(0.5)
-            try:
-                return conn.recv(1) != b""
-            except socket.timeout:
-                return True
+        conn = socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT)
+    except ConnectionRefusedError:
+        return GONE
     except OSError:
-        return False
+        return UNREACHABLE
+    with conn:
+        conn.settimeout(0.5)
+        try:
+            return ANSWERS if conn.recv(1) != b"" else GONE
+        except socket.timeout:
+            return ANSWERS
+        except ConnectionResetError:
+            return GONE
+        except OSError:
+            return UNREACHABLE
+
+
+def _answers(address):
+    """True when the chief's server at ``address`` answers a probe (``_probe``)."""
+    return _probe(address) == ANSWERS
