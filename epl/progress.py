@@ -457,7 +457,7 @@ def after_run(session, fetches, feed_dict, results):
         return    # (neither epl-launch nor summaries: nothing to do)
     if not Env.initialized() or (t.path is None and t.writer_env is not Env.get()):
         return
-    if session in _FAILED:
+    if _FAILED and session in _FAILED:
         return
     try:
         t.after_run(session, fetches, feed_dict, results)
