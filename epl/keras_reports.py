@@ -8,12 +8,15 @@ EarlyStopping or ReduceLROnPlateau act on, ``evaluate``'s and ``predict``'s resu
 
 * the loss (``Model.total_loss``): the mean of the clones' losses, which is the global
   batch's loss when the clones' batches are equal (``epl.GraphKeys.GLOBAL_MEAN_OBJECTS``);
-* a stateful metric's result (``Metric.__call__``: accuracy, AUC, Mean...): every replica
-  updates its own copy of the metric's state variables from its own rows (they are
-  per-replica state, ``epl.rewrite.updates``), so the result is recomputed from the state
-  of every replica, combined by each variable's ``aggregation`` (keras metrics: SUM, the
-  totals and counts of all replicas) and read after every replica's update
-  (``epl.rewrite.merge``); ``reset_states`` writes every copy (``epl.rewrite.mirror``);
+* a stateful metric's result (``Metric.__call__``: accuracy, AUC, Mean...; also a metric
+  used by hand, ``update_state`` then ``result()``): the metric's state variables (in no
+  collection: not model state) are metric state, one copy that every replica's
+  ``assign_add`` adds to, the user's last (``epl.rewrite.metrics``), so ``result()`` reads
+  the totals and counts of all replicas; across workers each replica's addend is summed
+  over the workers first.  The result ``__call__`` returns is also registered here and
+  recomputed from that state, read after every replica's update (``epl.rewrite.merge``:
+  combined by each variable's ``aggregation`` where a variable has copies);
+  ``reset_states`` writes the one copy;
 * the outputs ``predict`` fetches: the clones' rows concatenated in batch order
   (``epl.GraphKeys.LOCAL_CONCAT_OBJECTS``: the rows this worker fed).  With micro-batches
   it is refused: the pipeline schedule runs each micro-batch's forward pass, loss

@@ -68,16 +68,17 @@ def _staged(x, labels):
 
 
 def run_metrics(config, clones, module="compat.v1", train=False, stages=1,
-                use_resource=False, share=None):
+                use_resource=False, share=None, outside=False):
     """Per-step values of the update ops and the values read at the end.  ``config``:
     EPL's (None: plain TF with ``clones`` times the batch per run); ``share(x, y)``: the
-    rows of this worker (a multi-worker job; ``clones``: the job's)."""
+    rows of this worker (a multi-worker job; ``clones``: the job's); ``outside``: the
+    metrics built after the model's replicate scope."""
     x, y = models.data(STEPS * clones * BATCH)
     if share is not None:
         x, y = share(x, y)
     if config is not None:
         epl.init(epl.Config(config))
-        if stages == 1:
+        if stages == 1 and not outside:
             epl.set_default_strategy(epl.replicate(1))
     bx, by = models.input_batch(x, y, BATCH if config is not None else clones * BATCH)
     with tf.variable_scope("", use_resource=use_resource):
@@ -85,6 +86,10 @@ def run_metrics(config, clones, module="compat.v1", train=False, stages=1,
             logits, loss, stage = _staged(bx, by)
             with stage:
                 metrics = _metrics(MODULES[module], by, logits, loss)
+        elif outside and config is not None:
+            with epl.replicate(1):
+                logits, loss = models.forward(bx, by)
+            metrics = _metrics(MODULES[module], by, logits, loss)
         else:
             logits, loss = models.forward(bx, by)
             metrics = _metrics(MODULES[module], by, logits, loss)
@@ -116,6 +121,17 @@ def test_data_parallel_metrics_count_every_replica(module, copies, use_resource)
     got = run_metrics(config, 2, module, use_resource=use_resource)
     models.reset()
     assert_metrics_equal(got, run_metrics(None, 2, module, use_resource=use_resource))
+
+
+@pytest.mark.parametrize("use_resource", [False, True])
+@pytest.mark.parametrize("copies", ["per_device", "per_worker"])
+def test_metrics_built_after_the_model_scope(copies, use_resource):
+    """The metrics read the replica's tensors from outside its scope: their additions join
+    the replica (a count too, which waits for the batch's values without reading them)."""
+    config = {"cluster.devices_per_worker": 2, "cluster.variable_copies": copies}
+    got = run_metrics(config, 2, train=True, use_resource=use_resource, outside=True)
+    models.reset()
+    assert_metrics_equal(got, run_metrics(None, 2, train=True, use_resource=use_resource))
 
 
 @pytest.mark.parametrize("copies", ["per_device", "per_worker"])

@@ -402,6 +402,33 @@ def test_join_clones_makes_the_train_op_run_every_clones_update():
     np.testing.assert_allclose(got1, want, rtol=1e-5)
 
 
+@pytest.mark.parametrize("copies", ["per_device", "per_worker"])
+def test_join_metric_updates_runs_every_clones_addition_before_the_users(copies):
+    """A streaming mean's state is one copy; the user's additions wait for clone 1's, so
+    one run of the update op counts both clones' rows and returns the whole batch's mean."""
+    _init(2, **{"cluster.variable_copies": copies})
+    m = _linear()
+    with tf.variable_scope("", reuse=tf.AUTO_REUSE):
+        value, update = tf.metrics.mean(tf.square(m.pred - m.y))
+    state = _prepare()
+    adds = [op for op in state.selection.updates.summed_writes]
+    assert sorted(op.type for op in adds) == ["AssignAdd", "AssignAdd"]
+    assert all(op.inputs[0].op in state.selection.shared for op in adds)   # one copy
+    before = _run(state, "clone_replicas")
+    assert _run(state, "join_metric_updates", done=before) == ["join_metric_updates"]
+    for op in adds:
+        assert state.op_name(1, op) in _controls(_nodes()[op.name])
+    w1 = state.tensor(1, m.w.op.outputs[0])
+    init_copy = tf.assign(w1, W) if copies == "per_device" else tf.no_op()
+    with _session(state) as sess:
+        sess.run([tf.global_variables_initializer(), tf.local_variables_initializer()])
+        sess.run(init_copy)    # (mirror_writes' twin of the initializer, by hand)
+        got = sess.run(update, {m.x: X, m.y: Y})
+        got_value = sess.run(value)
+    want = np.mean((X.dot(W) - Y) ** 2)
+    np.testing.assert_allclose([got, got_value], [want, want], rtol=1e-5)
+
+
 def test_order_global_step_makes_the_advance_wait_for_its_readers_not_a_savers_save():
     """BERT's hand-written step: tf.group(update, global_step.assign_add(1)) with a
     learning rate read from the step.  The advance waits for the rate's read of the step,

@@ -40,6 +40,7 @@ from epl.communicators.hierarchical import host_device
 from epl.rewrite.cloner import new_ops
 from epl.tf_adapter import deferred
 from epl.tf_adapter import graph as tfg
+from epl.variable_writes import variable_of
 
 # Writes that add their value to the variable (dense: the value is the input after the
 # variable's).
@@ -50,8 +51,31 @@ ADDITIVE_OPS = frozenset(["AssignAdd", "AssignSub", "AssignAddVariableOp",
 def summed_state(graph, written):
     """The variable ops of ``written`` that may be metric state: not in
     ``GLOBAL_VARIABLES`` (metric state when a replica writes them from its own batch)."""
-    model = set(v.op for v in graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES))
+    model = _global_variable_ops(graph)
     return set(v for v in written if v not in model)
+
+
+def _global_variable_ops(graph):
+    return set(v.op for v in graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES))
+
+
+def outside_additions(ir_graph, chosen, batch_ops, excluded):
+    """Additions to metric state that the replica's ops ``chosen`` do not include but
+    must: a metric built after the model's scope, whose count adds a constant after the
+    batch's values (a control edge, not an input, so capture left it outside every
+    TaskGraph).  Each clone copies them, like the total they are the divisor of."""
+    model = _global_variable_ops(ir_graph.tf_graph)
+    out = set()
+    for op in chosen:
+        if op not in batch_ops:
+            continue
+        for w in tfg.control_outputs(op):
+            if w in chosen or w in out or w.type not in ADDITIVE_OPS or excluded(w):
+                continue
+            var = variable_of(w.inputs[0])
+            if var is not None and var not in model and ir_graph.taskgraph_of(w) is None:
+                out.add(w)
+    return out
 
 
 def waits_for_batch(write, batch_ops):

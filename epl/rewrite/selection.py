@@ -12,7 +12,7 @@ and which variables are per-replica state that every replica still copies.
 import tensorflow as tf
 
 from epl import ir
-from epl.rewrite import updates
+from epl.rewrite import metrics, updates
 from epl.variable_writes import ASSIGN_OPS, VARIABLE_OPS  # noqa: F401 (mirror, split)
 from epl.tf_adapter import graph as tfg
 SOURCE_OPS = ir.SOURCE_OPS
@@ -122,6 +122,8 @@ def select(ir_graph, taskgraphs, share_variables=False, clip_after_allreduce=Fal
             if up not in chosen and up in on_batch and not excluded(up):
                 chosen.add(up)
                 frontier.append(up)
+
+    chosen |= metrics.outside_additions(ir_graph, chosen, on_batch, excluded)
 
     trainable = set(v.op for v in graph.get_collection(tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES))
     variables = set(op for tg in taskgraphs for op in tg.ops if op.type in VARIABLE_OPS)

@@ -90,9 +90,13 @@ def analyze(ir_graph, candidates, batch_ops, is_source, clip_after_allreduce,
     """
     plan = UpdatePlan()
     ordered = sorted(candidates, key=tfg.op_id)
+    # A metric made after the model's scope: its variables are outside the replica, its
+    # additions (computed from the replica's tensors) inside; metric state if tainted.
+    outside = metrics.summed_state(ir_graph.tf_graph, set(
+        written_variable(op) for op in ordered if written_variable(op) is not None) - variables)
     for op in ordered:
         var = written_variable(op)
-        if var is not None and var in variables:
+        if var is not None and (var in variables or var in outside):
             plan.writes.append(op)
             plan.target[op] = var
 
@@ -153,6 +157,9 @@ def analyze(ir_graph, candidates, batch_ops, is_source, clip_after_allreduce,
             if after is not None:
                 tainted[w] = (after, after.outputs[0] if after.outputs else None)
     summed &= set(plan.target[w] for w in tainted)
+    for w in [w for w in plan.writes if plan.target[w] in outside - summed]:
+        plan.writes.remove(w)   # (not metric state: not the replica's variable either)
+        del plan.target[w]
     for w, (source, via) in tainted.items():
         var = plan.target[w]
         if var in summed and var not in trainable_ops:
