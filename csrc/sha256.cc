@@ -89,3 +89,12 @@ bool SameDigest(const std::string& a, const std::string& b) {
 }
 
 }  // namespace epl
+
+// For the tests (tests/test_tcp_transport.py checks RFC 4231's vectors through ctypes on
+// the loaded op library): out receives the 32 bytes of HMAC-SHA256(key, message).
+extern "C" void epl_hmac_sha256(const char* key, long long key_len, const char* message,
+                                long long message_len, char* out) {
+  const std::string mac = epl::HmacSha256(std::string(key, static_cast<size_t>(key_len)),
+                                          std::string(message, static_cast<size_t>(message_len)));
+  std::memcpy(out, mac.data(), mac.size());
+}

@@ -15,4 +15,8 @@ bool SameDigest(const std::string& a, const std::string& b);
 
 }  // namespace epl
 
+// HMAC-SHA256 for ctypes (the tests' RFC 4231 vectors): 32 bytes into `out`.
+extern "C" void epl_hmac_sha256(const char* key, long long key_len, const char* message,
+                                long long message_len, char* out);
+
 #endif  // EPL_CSRC_SHA256_H_

@@ -9,8 +9,11 @@
 // answers with its own nonce and HMAC-SHA256(secret, client | job | rank | nonces),
 // the listener answers with HMAC-SHA256(secret, server | ...).  The secret never
 // crosses the network.  A connection that fails the handshake is closed and logged
-// with its address; at most kMaxPending handshakes run at once.  (Tensors are not
-// encrypted: see docs/cluster.md for what this protects against.)
+// with its address; at most kMaxPending handshakes run at once.  Retries back off (a
+// peer that refuses this worker's proof is told apart and named in the error), and so
+// does a listener whose accept() fails for want of descriptors.  A peer's socket is
+// closed once its connection ends.  (Tensors are not encrypted: see docs/cluster.md
+// for what this protects against.)
 //
 // On a connection, frames carry (type, group, length) and a payload; a reader thread
 // per connection files data frames into per-(peer, group) mailboxes, so any number
@@ -31,8 +34,12 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
 
 #include <condition_variable>
 #include <cstdio>
@@ -55,6 +62,7 @@ using tensorflow::errors::Aborted;
 using tensorflow::errors::DeadlineExceeded;
 using tensorflow::errors::Internal;
 using tensorflow::errors::InvalidArgument;
+using tensorflow::errors::Unauthenticated;
 using tensorflow::errors::Unavailable;
 using tensorflow::strings::StrCat;
 using Clock = std::chrono::steady_clock;
@@ -113,6 +121,16 @@ void Report(const string& message) {
   fflush(stderr);
 }
 
+// What to do about an errno that means the process ran out of descriptors.
+string FdHint(int err) {
+  if (err == EMFILE)
+    return " (EMFILE: this process is out of file descriptors; raise its limit, `ulimit -n`, "
+           "or find what holds them: ls /proc/<pid>/fd)";
+  if (err == ENFILE)
+    return " (ENFILE: the system is out of file descriptors: raise fs.file-max)";
+  return "";
+}
+
 string Secret(const string& job) {
   const char* env = std::getenv("EPL_JOB_SECRET");
   if (env != nullptr && *env) return env;
@@ -127,14 +145,36 @@ string Secret(const string& job) {
   return Sha256("epl-job-without-a-secret:" + job);
 }
 
-string Nonce() {
+// 16 fresh random bytes from the kernel (getrandom(2): no file descriptor, so it works in
+// a process that has run out of them).  A handshake nonce must never be predictable: a
+// fixed one would let a recorded handshake be replayed.  So there is no fallback: when
+// the kernel gives no random bytes, the connection is not made and `why` says so.
+bool Nonce(string* out, string* why) {
   string n(16, '\0');
-  FILE* f = fopen("/dev/urandom", "rb");
-  if (f) {
-    if (fread(&n[0], 1, n.size(), f) != n.size()) n = Sha256(StrCat(getpid(), Clock::now().time_since_epoch().count())).substr(0, 16);
-    fclose(f);
+  size_t got = 0;
+  while (got < n.size()) {
+    const ssize_t k = ::getrandom(&n[got], n.size() - got, 0);
+    if (k < 0) {
+      if (errno == EINTR) continue;
+      *why = StrCat("no random bytes for the handshake's nonce (getrandom: ", strerror(errno),
+                    "); a connection with a predictable nonce is never made");
+      return false;
+    }
+    got += static_cast<size_t>(k);
   }
-  return n;
+  *out = n;
+  return true;
+}
+
+// Sleeps `*delay_ms` (at most until `deadline`), then doubles it up to `cap_ms`: retries
+// against a peer that refuses us must not run every few milliseconds for the whole
+// timeout (each one costs the peer a handshake and a line in its log).
+void BackOff(int* delay_ms, int cap_ms, Clock::time_point deadline) {
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+      deadline - Clock::now()).count();
+  const int ms = static_cast<int>(std::max<int64>(1, std::min<int64>(*delay_ms, left + 1)));
+  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+  *delay_ms = std::min(*delay_ms * 2, cap_ms);
 }
 
 // Small frames (a ring step's length, an empty block) go out at once, on both ends of
@@ -357,17 +397,24 @@ class Mesh {
     std::shared_ptr<std::mutex> send_mu = std::make_shared<std::mutex>();
   };
 
+  // The descriptor is read under the peer's send lock, which its reader also takes
+  // before it closes a dead connection: a send never writes to a closed descriptor (or
+  // to another socket that reused its number).
   Status SendFrame(int peer, uint32_t type, uint64_t group, const char* p, int64 n) {
-    int fd;
+    if (peer == rank_) return Unavailable("not connected");
     std::shared_ptr<std::mutex> send_mu;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (peer == rank_ || peers_[peer].fd < 0) return Unavailable("not connected");
-      fd = peers_[peer].fd;
       send_mu = peers_[peer].send_mu;
     }
+    std::lock_guard<std::mutex> send_lock(*send_mu);
+    int fd;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      fd = peers_[peer].fd;
+    }
+    if (fd < 0) return Unavailable("not connected");
     FrameHeader h = {kFrameMagic, type, group, static_cast<uint64_t>(n)};
-    std::lock_guard<std::mutex> lock(*send_mu);
     TF_RETURN_IF_ERROR(SendAll(fd, &h, sizeof(h)));
     return SendAll(fd, p, n);
   }
@@ -414,10 +461,25 @@ class Mesh {
       mail_[std::make_pair(peer, h.group)].push_back(std::move(frame));
       cv_.notify_all();
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    peers_[peer].dead = true;
-    peers_[peer].why = StatusMessage(s);
-    cv_.notify_all();
+    // The peer is gone for good (a connection is never made twice): close its socket,
+    // or every dead peer would keep a descriptor (and a CLOSE_WAIT socket) for the
+    // life of the process.  shutdown() first ends a send blocked on this socket, so
+    // the send lock below is free soon.
+    std::shared_ptr<std::mutex> send_mu;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      peers_[peer].dead = true;
+      peers_[peer].why = StatusMessage(s);
+      send_mu = peers_[peer].send_mu;
+      cv_.notify_all();
+    }
+    ::shutdown(fd, SHUT_RDWR);
+    std::lock_guard<std::mutex> send_lock(*send_mu);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      peers_[peer].fd = -1;
+    }
+    ::close(fd);
   }
 
   string job_;
@@ -456,7 +518,13 @@ class Hub {
                       &hints, &res) != 0 || res == nullptr)
       return InvalidArgument("EPL tcp: cannot resolve this worker's address ",
                              addrs[rank].first, ":", addrs[rank].second);
-    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+      const string err = strerror(errno);
+      ::freeaddrinfo(res);
+      return Internal("EPL tcp: cannot make a socket to listen on ", addrs[rank].first, ":",
+                      addrs[rank].second, ": ", err, FdHint(errno));
+    }
     int one = 1;
     ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
     // Only this task's own address (not INADDR_ANY): other interfaces stay closed.
@@ -479,14 +547,48 @@ class Hub {
     cv_.notify_all();
   }
 
+  // What kept lower ranks from connecting, for the error of a collective that waited
+  // for them in vain ("" when nothing is known): the listener failing to accept (out
+  // of file descriptors), else the last connection it refused and why.
+  string Trouble() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!accept_error_.empty()) return StrCat(" This process cannot accept connections: ",
+                                              accept_error_, ".");
+    if (!last_refusal_.empty()) return StrCat(" The last connection this process refused: ",
+                                              last_refusal_, ".");
+    return "";
+  }
+
  private:
+  // accept() fails without taking the connection off the queue when the process is out
+  // of descriptors (EMFILE, ENFILE) or memory: retrying at once would spin a core until
+  // one frees up.  Such failures back off (10 ms doubling to 1 s), are reported once,
+  // and are named by Trouble() in the errors of the collectives that wait.
   void Accept(int lfd) {
+    int delay_ms = 10;
     while (true) {
-      int fd = ::accept(lfd, nullptr, nullptr);
-      if (fd < 0) continue;
+      int fd = ::accept4(lfd, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd < 0) {
+        const int err = errno;
+        if (err == EINTR || err == ECONNABORTED || err == EPROTO) continue;   // (one connection)
+        const string what = StrCat("accept() failed: ", strerror(err), FdHint(err));
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (accept_error_ != what) Report(StrCat("EPL tcp: ", what));
+          accept_error_ = what;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+        delay_ms = std::min(delay_ms * 2, 1000);
+        continue;
+      }
+      delay_ms = 10;
       NoDelay(fd);
       {
         std::lock_guard<std::mutex> lock(mu_);
+        if (!accept_error_.empty()) {
+          Report("EPL tcp: accepting connections again");
+          accept_error_.clear();
+        }
         if (pending_ >= kMaxPending) {
           Report(StrCat("EPL tcp: refused a connection from ", PeerAddress(fd), ": ",
                         kMaxPending, " handshakes are already in progress"));
@@ -498,25 +600,35 @@ class Hub {
       std::thread([this, fd] {
         const string who = PeerAddress(fd);
         string why;
-        if (!Handshake(fd, &why)) {
+        bool spoke = false;
+        const bool ok = Handshake(fd, &why, &spoke);
+        if (!ok) {
           Report(StrCat("EPL tcp: refused a connection from ", who, ": ", why));
           ::close(fd);
         }
         std::lock_guard<std::mutex> lock(mu_);
+        // (kept for errors when it sent a handshake: a peer giving up or a port scan
+        // says nothing about why a worker could not join)
+        if (!ok && spoke) last_refusal_ = StrCat("from ", who, ": ", why);
         --pending_;
       }).detach();
     }
   }
 
-  // The listener's side; on success the connection belongs to a job's mesh.
-  bool Handshake(int fd, string* why) {
+  // The listener's side; on success the connection belongs to a job's mesh.  `spoke`:
+  // the peer sent a whole handshake.
+  bool Handshake(int fd, string* why, bool* spoke) {
     const auto deadline = Clock::now() + std::chrono::seconds(kHandshakeSeconds);
-    const string server_nonce = Nonce();
+    string server_nonce;
+    if (!Nonce(&server_nonce, why)) return false;
     const string hello = string("EPLH") + server_nonce;
     if (!SendAll(fd, hello.data(), hello.size()).ok()) return (*why = "it went away", false);
     char msg[4 + 8 + 4 + 16 + 32];
-    if (!RecvAll(fd, msg, sizeof(msg), true, deadline).ok())
-      return (*why = "no handshake within 5 s", false);
+    const Status got = RecvAll(fd, msg, sizeof(msg), true, deadline);
+    if (!got.ok())
+      return (*why = StrCat("no handshake within ", kHandshakeSeconds, " s (",
+                            StatusMessage(got), ")"), false);
+    *spoke = true;
     if (std::memcmp(msg, "EPLC", 4) != 0) return (*why = "not an EPL handshake", false);
     uint64_t job_hash;
     int32_t peer;
@@ -548,23 +660,29 @@ class Hub {
   bool listening_ = false;
   int pending_ = 0;
   std::map<uint64_t, Mesh*> meshes_;
+  string accept_error_;   // the listener's current accept() failure ("" while it accepts)
+  string last_refusal_;   // the last handshake refused: "from <address>: <why>"
 };
 
 Status Mesh::Ensure(int peer, Clock::time_point deadline, const CrossArgs& a) {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
-    if (peers_[peer].fd >= 0) return OkStatus();
     if (peers_[peer].dead)
       return Aborted("EPL ", a.what, " (group '", a.group, "'): ", Where(peer),
-                     " disconnected (", peers_[peer].why, ")");
+                     " disconnected (", peers_[peer].why, "): a worker died or left the job "
+                     "before its collectives were done.");
+    if (peers_[peer].fd >= 0) return OkStatus();
     if (peer > rank_ && !peers_[peer].connecting) break;   // this process connects
     // The lower rank connects to us, or another of this job's groups is connecting.
-    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && peers_[peer].fd < 0)
+    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && peers_[peer].fd < 0) {
+      lock.unlock();
       return DeadlineExceeded("EPL ", a.what, " (group '", a.group, "'): ", Where(peer),
                               peer < rank_ ? " never connected to " : " was not reached by ",
                               Where(rank_), " within ", a.timeout_seconds,
                               " s (communication.timeout_seconds): is it running, and can "
-                              "the hosts reach each other?");
+                              "the hosts reach each other?",
+                              peer < rank_ ? Hub::Get()->Trouble() : string());
+    }
   }
   peers_[peer].connecting = true;   // one connection per pair: the others wait for it
   lock.unlock();
@@ -575,60 +693,97 @@ Status Mesh::Ensure(int peer, Clock::time_point deadline, const CrossArgs& a) {
   return result;
 }
 
+// Retries until the deadline, waiting longer after each failure: up to 250 ms while the
+// peer is not up yet (it may be importing TensorFlow), up to 1 s while it refuses this
+// worker's proof of the secret (that does not fix itself; every try costs the peer a
+// handshake and a line in its log).  A refusal is a listener that closes the connection
+// on reading the proof: its secret is not ours.
 Status Mesh::Connect(int peer, Clock::time_point deadline, const CrossArgs& a) {
   auto addrs = Addresses();
   if (peer >= static_cast<int>(addrs.size()))
     return InvalidArgument("EPL tcp transport: no address for rank ", peer,
                            " in EPL_COMM_ADDRESSES");
-  string last = "refused";
+  string last = "refused", rejection;
+  int delay_ms = 20, rejections = 0;
   while (true) {
+    bool rejected = false;   // (this try)
     addrinfo hints, *res = nullptr;
     std::memset(&hints, 0, sizeof(hints));
     hints.ai_family = AF_INET;
     hints.ai_socktype = SOCK_STREAM;
     if (::getaddrinfo(addrs[peer].first.c_str(), std::to_string(addrs[peer].second).c_str(),
-                      &hints, &res) == 0) {
-      int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-      const bool connected = ConnectBy(fd, res->ai_addr, res->ai_addrlen, deadline, &last);
-      ::freeaddrinfo(res);
-      if (connected) {
-        NoDelay(fd);
-        const auto hs = Clock::now() + std::chrono::seconds(kHandshakeSeconds);
-        char hello[4 + 16];
-        Status s = RecvAll(fd, hello, sizeof(hello), true, hs);
-        if (s.ok() && std::memcmp(hello, "EPLH", 4) != 0) s = Internal("not an EPL listener");
-        if (s.ok()) {
-          const string server_nonce(hello + 4, 16), client_nonce = Nonce();
-          const uint64_t job_hash = Fnv1a(job_);
-          const int32_t me = rank_;
-          const string msg = string("EPLC") + U64(job_hash) +
-                             string(reinterpret_cast<const char*>(&me), 4) + client_nonce +
-                             ClientProof(secret_, job_, rank_, server_nonce, client_nonce);
-          s = SendAll(fd, msg.data(), msg.size());
-          char reply[4 + 32];
-          if (s.ok()) s = RecvAll(fd, reply, sizeof(reply), true, hs);
-          if (s.ok() && (std::memcmp(reply, "EPLS", 4) != 0 ||
-                         !SameDigest(string(reply + 4, 32),
-                                     ServerProof(secret_, job_, peer, server_nonce,
-                                                 client_nonce))))
-            s = Internal("rank ", peer, " at ", addrs[peer].first, ":", addrs[peer].second,
-                         " does not prove the job's secret (EPL_JOB_SECRET differs?)");
+                      &hints, &res) != 0) {
+      last = StrCat("cannot resolve ", addrs[peer].first);
+    } else {
+      int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      if (fd < 0) {
+        last = StrCat("no socket: ", strerror(errno), FdHint(errno));
+        ::freeaddrinfo(res);
+      } else {
+        const bool connected = ConnectBy(fd, res->ai_addr, res->ai_addrlen, deadline, &last);
+        ::freeaddrinfo(res);
+        if (connected) {
+          NoDelay(fd);
+          const auto hs = Clock::now() + std::chrono::seconds(kHandshakeSeconds);
+          char hello[4 + 16];
+          string client_nonce, no_nonce;
+          Status s = RecvAll(fd, hello, sizeof(hello), true, hs);
+          if (s.ok() && std::memcmp(hello, "EPLH", 4) != 0) s = Internal("not an EPL listener");
+          if (s.ok() && !Nonce(&client_nonce, &no_nonce)) {
+            ::close(fd);
+            return Internal("EPL ", a.what, " (group '", a.group, "'): cannot connect to ",
+                            Where(peer), ": ", no_nonce);
+          }
+          if (s.ok()) {
+            const string server_nonce(hello + 4, 16);
+            const uint64_t job_hash = Fnv1a(job_);
+            const int32_t me = rank_;
+            const string msg = string("EPLC") + U64(job_hash) +
+                               string(reinterpret_cast<const char*>(&me), 4) + client_nonce +
+                               ClientProof(secret_, job_, rank_, server_nonce, client_nonce);
+            s = SendAll(fd, msg.data(), msg.size());
+            char reply[4 + 32];
+            if (s.ok()) {
+              s = RecvAll(fd, reply, sizeof(reply), true, hs);
+              // Closed (or reset) as soon as it read the proof: the listener's secret is
+              // not this worker's.
+              rejected = !s.ok() && s.code() == tensorflow::error::UNAVAILABLE;
+            }
+            if (s.ok() && (std::memcmp(reply, "EPLS", 4) != 0 ||
+                           !SameDigest(string(reply + 4, 32),
+                                       ServerProof(secret_, job_, peer, server_nonce,
+                                                   client_nonce)))) {
+              rejected = true;
+              s = Internal("it does not prove the job's secret");
+            }
+          }
+          if (s.ok()) {
+            std::lock_guard<std::mutex> lock(mu_);
+            Start(peer, fd);
+            return OkStatus();
+          }
+          last = StatusMessage(s);
+          if (rejected) rejection = last;
         }
-        if (s.ok()) {
-          std::lock_guard<std::mutex> lock(mu_);
-          Start(peer, fd);
-          return OkStatus();
-        }
-        last = StatusMessage(s);
+        ::close(fd);
       }
-      ::close(fd);
     }
-    if (Clock::now() > deadline)
+    rejections += rejected;
+    if (Clock::now() < deadline) BackOff(&delay_ms, rejected ? 1000 : 250, deadline);
+    if (Clock::now() >= deadline) {   // (no try after it: the peer would log a dropped one)
+      if (rejections > 0)
+        return Unauthenticated(
+            "EPL ", a.what, " (group '", a.group, "'): ", Where(peer), " refused this "
+            "worker's handshake ", rejections, " times in ", a.timeout_seconds,
+            " s (last: ", rejection, "): the job's secret does not match -- EPL_JOB_SECRET "
+            "differs between the workers.  Give every worker of the job the same "
+            "EPL_JOB_SECRET (epl-launch sets one for all the workers it starts); the peer's "
+            "log names these refused connections.");
       return DeadlineExceeded("EPL ", a.what, " (group '", a.group, "'): ", Where(peer),
                               " did not accept within ", a.timeout_seconds,
                               " s (communication.timeout_seconds; last: ", last,
                               "): is it running, and can the hosts reach each other?");
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
   }
 }
 
