@@ -228,9 +228,10 @@ def test_keras_metric_update_state_and_result():
 
 
 @pytest.mark.estimator
-def test_estimator_evaluate_reports_every_replica(tmp_path):
-    """Estimator.evaluate with eval_metric_ops under DP x2 (its loss is a tf.metrics.mean
-    the Estimator adds)."""
+@pytest.mark.parametrize("how", ["evaluate", "train_and_evaluate"])
+def test_estimator_evaluate_reports_every_replica(tmp_path, how):
+    """Estimator.evaluate (or train_and_evaluate, local) with eval_metric_ops under DP x2
+    (its loss is a tf.metrics.mean the Estimator adds)."""
     steps = 3
     x, y = models.data(steps * 2 * BATCH)
 
@@ -247,6 +248,10 @@ def test_estimator_evaluate_reports_every_replica(tmp_path):
         def input_fn():
             return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
         est = tf.estimator.Estimator(model_fn, model_dir=model_dir)
+        if how == "train_and_evaluate":
+            return tf.estimator.train_and_evaluate(
+                est, tf.estimator.TrainSpec(input_fn, max_steps=1),
+                tf.estimator.EvalSpec(input_fn, steps=steps, throttle_secs=0))[0]
         est.train(input_fn, steps=1)
         return est.evaluate(input_fn, steps=steps)
 
