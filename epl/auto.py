@@ -168,7 +168,7 @@ class _DenseLayers(object):
 
     def building(self, layer, input_shape):
         import tensorflow as tf
-        inputs = tf.TensorShape(input_shape)[-1].value or 0
+        inputs = tf.compat.dimension_value(tf.TensorShape(input_shape)[-1]) or 0
         self.layers.append((layer.name, inputs * layer.units + layer.units))
 
     def called(self, layer):

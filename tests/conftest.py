@@ -21,9 +21,18 @@ import tensorflow.compat.v1 as tf  # noqa: E402
 
 # The suite's programs are TF1 programs: on TF 2.x they run the way their users run them,
 # after TensorFlow's migration switch (on 1.15 it sets what are already the defaults).
-# Tests of the other graph mode (disable_eager_execution alone: resource variables,
-# control flow v2) switch those two on for themselves and back.
-tf.disable_v2_behavior()
+# Users write the other graph mode too (disable_eager_execution() alone: shapes index to
+# ints, resource variables, control flow v2): EPL_TEST_GRAPH_MODE=eager_off runs the
+# suite (CI: the strategies' oracle tests) that way on TF 2.x.  Single tests of that mode
+# switch it on for themselves and back.
+GRAPH_MODE = os.environ.get("EPL_TEST_GRAPH_MODE", "v1")
+if GRAPH_MODE not in ("v1", "eager_off"):
+    raise ValueError("EPL_TEST_GRAPH_MODE=%r: use v1 (disable_v2_behavior(), the default) or "
+                     "eager_off (disable_eager_execution() alone, TF 2.x)" % GRAPH_MODE)
+if GRAPH_MODE == "eager_off" and tf.VERSION.startswith("2."):
+    tf.disable_eager_execution()
+else:
+    tf.disable_v2_behavior()
 tf.logging.set_verbosity(tf.logging.ERROR)
 
 # tf.estimator: TensorFlow removed it in 2.16 (tensorflow-estimator 2.15 is the last).

@@ -289,6 +289,33 @@ def test_private_tensorflow_use_only_in_the_adapter():
     assert not fewer, "fewer private uses now, lower KNOWN_PRIVATE_USE to: %s" % fewer
 
 
+def _dimension_values(path):
+    """``x[i].value`` in a file: on TF 2.x (and after ``disable_eager_execution()`` alone) a
+    ``TensorShape`` index is a plain int or None, with no ``.value``.  ``shape.dims[i].value``
+    stays a ``Dimension`` on both lines; ``tf.compat.dimension_value(x[i])`` works on both."""
+    out = []
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if (isinstance(node, ast.Attribute) and node.attr == "value"
+                and isinstance(node.value, ast.Subscript)):
+            inner = node.value.value
+            if not (isinstance(inner, ast.Attribute) and inner.attr == "dims"):
+                out.append(node.lineno)
+    return out
+
+
+def test_no_dimension_value_of_a_shape_index_outside_the_adapter():
+    found = {}
+    for name, path in _modules().items():
+        if name.startswith("epl.tf_adapter"):
+            continue
+        lines = _dimension_values(path)
+        if lines:
+            found[os.path.relpath(path, ROOT)] = lines
+    assert not found, (
+        "x[i].value on a TensorShape index fails on TF 2.x (an int): use "
+        "tf.compat.dimension_value(x[i]) or shape.dims[i].value: %s" % found)
+
+
 def test_the_checks_can_fail(tmp_path):
     """The scanners see what they must: an upward import, a cycle, a private attribute."""
     edges = {"a": {"b"}, "b": {"a"}, "c": set()}
@@ -299,6 +326,10 @@ def test_the_checks_can_fail(tmp_path):
     uses = _private_uses(str(src), {"_control_outputs", "_id"}, set())
     assert [u[1] for u in sorted(uses)] == ["_control_outputs", "_id", "C API import"]
     assert _layer("epl.rewrite.cloner") > _layer("epl.ir") > _layer("epl.tf_adapter.graph")
+    shapes = tmp_path / "s.py"
+    shapes.write_text("a = t.shape[0].value\nb = t.shape.dims[0].value\n"
+                      "c = tf.TensorShape(s)[-1].value\n")
+    assert _dimension_values(str(shapes)) == [1, 3]
 
 
 if __name__ == "__main__":  # pragma: no cover - prints today's lists

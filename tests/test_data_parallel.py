@@ -252,3 +252,29 @@ def test_dp_with_keras_optimizer(copies):
         for _ in range(STEPS):
             sess.run(op)
         models.assert_weights_close(models.weights(sess), want)
+
+
+@pytest.mark.parametrize("graph_seed", [None, 3])
+def test_dropout_with_seed_zero_draws_a_mask_per_replica(graph_seed):
+    """tf.nn.dropout(..., seed=0) has a fixed stream (seed 87654321 or the graph's, seed2
+    0): each replica's copy must draw its own mask, as each tower of a hand-written
+    program would; replica 0 draws the program's own."""
+    def masks(layout):
+        models.reset()
+        if layout:
+            models.init_data_parallel(2)
+        if graph_seed is not None:
+            tf.set_random_seed(graph_seed)
+        out = tf.nn.dropout(tf.ones([4, 64]), rate=0.5, seed=0)
+        fetch = [out]
+        if layout:
+            with tf.Session() as sess:
+                sess.run(tf.reduce_sum(out))      # (the rewrite)
+            fetch.append(tf.get_default_graph().get_tensor_by_name("EPL_REPLICA_1/" + out.name))
+        with tf.Session() as sess:            # (both streams' first draw)
+            return sess.run(fetch)
+    want, = masks(None)
+    got0, got1 = masks("dp2")
+    np.testing.assert_array_equal(got0, want)
+    assert set(np.unique(got1)) <= {0.0, 2.0} and 0 < np.mean(got1 == 0) < 1
+    assert not np.array_equal(got0, got1)

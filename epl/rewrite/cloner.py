@@ -22,8 +22,16 @@ from epl.rewrite.control_flow import context_of
 from epl.tf_adapter import c_graph, deferred
 from epl.tf_adapter import graph as tfg
 
-_SEED_ATTRS = ("seed2",)
 SEED_STEP = 7919     # clone c's seed2 = seed2 + c * SEED_STEP
+
+
+def has_fixed_seed(attrs):
+    """A random op's (``seed``, ``seed2``) attributes (a NodeDef's attr map) fix its stream:
+    either is non-zero.  ``tf.nn.dropout(x, seed=0)`` without a graph seed gives
+    (87654321, 0): a fixed stream with seed2 == 0, which every clone would repeat unless
+    its seed2 is shifted too.  Only (0, 0) draws a new stream per kernel."""
+    return "seed2" in attrs and (attrs["seed2"].i != 0
+                                 or ("seed" in attrs and attrs["seed"].i != 0))
 
 
 def clone_op(op, inputs, name, device, control_inputs=(), seed_offset=0, attr_overrides=None):
@@ -35,7 +43,7 @@ def clone_op(op, inputs, name, device, control_inputs=(), seed_offset=0, attr_ov
             % (op.name, op.type))
     g = op.graph
     attrs = {k: v for k, v in op.node_def.attr.items() if k != "_class"}
-    if seed_offset and any(k in attrs for k in _SEED_ATTRS) and attrs.get("seed2").i:
+    if seed_offset and has_fixed_seed(attrs):
         # Stateful random ops with a fixed seed would repeat replica 0's stream.
         attrs["seed2"] = tf.compat.v1.AttrValue(i=attrs["seed2"].i + SEED_STEP * seed_offset)
     for k, v in (attr_overrides or {}).items():

@@ -18,7 +18,7 @@ def _split(graph, t, n, device, name, why):
     the ops that read them were built for the whole batch (in place of the user's
     tensor, clone 0 reads a shard) and, where the batch is fixed, by ``epl.rebatch``
     for any number of rows."""
-    rows = t.shape[0].value if t.shape.ndims else None
+    rows = tf.compat.dimension_value(t.shape[0]) if t.shape.ndims else None
     if rows is not None and rows % n:
         raise ValueError(
             "EPL: the input %r has a fixed batch of %d rows, which cannot be split into %d "

@@ -14,8 +14,8 @@ import tensorflow as tf
 
 from epl import ir
 from epl.rewrite import control_flow
-from epl.rewrite.cloner import (PREFIX, SEED_STEP, CopyPlan, Hole, attr_entry, import_copies,
-                                 template)
+from epl.rewrite.cloner import (PREFIX, SEED_STEP, CopyPlan, Hole, attr_entry, has_fixed_seed,
+                                import_copies, template)
 from epl.rewrite.gradients import reduce_gradients
 from epl.rewrite.selection import VARIABLE_OPS
 from epl.tf_adapter import functions
@@ -132,7 +132,7 @@ def _describe(state, ops, templates):
     for op in ops:
         base, names = templates.pop(op, None) or template(op, _CLONE_ATTRS)
         own = _own_attrs(op, names)
-        if len(own) < len(set(names) & set(_CLONE_ATTRS)):   # (an unseeded op's seed2: 0)
+        if len(own) < len(set(names) & set(_CLONE_ATTRS)):   # (an op without a fixed seed keeps seed2)
             base, _ = template(op, own)
         where = None    # the variable the op takes itself (a resource read, an update)
         inputs = list(op.inputs)
@@ -281,7 +281,7 @@ def _own_attrs(op, names):
     """{attribute: the user's value} of the attributes every clone sets itself (see
     ``_attrs``); ``names``: the op's attributes."""
     own = {}
-    if "seed2" in names and op.get_attr("seed2"):
+    if "seed2" in names and has_fixed_seed(op.node_def.attr):
         own["seed2"] = op.get_attr("seed2")
     if "shared_name" in names and (op.type == "VarHandleOp" or op.get_attr("shared_name")):
         own["shared_name"] = op.get_attr("shared_name")
