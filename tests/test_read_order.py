@@ -102,7 +102,7 @@ def busy_cpu():
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("stages, micro, schedule, runs", [
-    (4, 4, "PreferForward", 8), (4, 4, "PreferBackward", 4), (2, 2, "PreferBackward", 4)])
+    (4, 4, "PreferForward", 8), (4, 4, "PreferBackward", 3), (2, 2, "PreferBackward", 2)])
 def test_pipeline_equals_local_model_under_load(busy_cpu, stages, micro, schedule, runs):
     """The conv-net pipeline trained ``runs`` times beside a busy process (each run a new
     graph and session, in one worker process) equals the same model without EPL every
