@@ -211,6 +211,8 @@ def test_a_second_ctrl_c_while_stopping_does_not_cut_the_stop_short(tmp_path):
 # -- an in-graph serving worker and its chief ------------------------------------------
 
 SERVE = """\
+import tensorflow.compat.v1 as tf
+tf.disable_v2_behavior()
 import epl
 epl.init()
 from epl import distributed_runtime
