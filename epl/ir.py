@@ -5,6 +5,7 @@ belongs to and in which phase it was created (forward, backward, apply,
 save/restore).  Later stages ask it structural questions instead of parsing
 op names.  It edits nothing itself.
 """
+from epl.tf_adapter import functions
 from epl.tf_adapter import graph as tfg
 FORWARD, BACKWARD, APPLY, SAVE, REWRITE = "forward", "backward", "apply", "save", "rewrite"
 
@@ -120,6 +121,36 @@ def separators(ops):
     return alone
 
 
+class TensorMap(object):
+    """A dict keyed by tensors, of any graph.  TF 2.x with tensor equality (what
+    ``disable_eager_execution()`` alone leaves on) gives a tensor of a function body (a
+    v2 loop's or condition's) no hash, so a plain dict cannot record what capture
+    learns inside a body (an ``epl.split`` layer called in a loop): the key is the
+    tensor's graph and name."""
+
+    def __init__(self):
+        self._items = {}
+
+    @staticmethod
+    def _key(t):
+        return (t.graph, t.name)
+
+    def __setitem__(self, t, value):
+        self._items[self._key(t)] = value
+
+    def __getitem__(self, t):
+        return self._items[self._key(t)]
+
+    def __contains__(self, t):
+        return self._key(t) in self._items
+
+    def __len__(self):
+        return len(self._items)
+
+    def get(self, t, default=None):
+        return self._items.get(self._key(t), default)
+
+
 class TaskGraph(object):
     """The ops of one strategy annotation (seed 001 §4)."""
 
@@ -200,7 +231,7 @@ class Graph(object):
         self.op_taskgraph = {}    # op name -> TaskGraph or None
         self.op_phase = {}        # op name -> phase
         self.op_shard = {}        # op name -> shard index (ops of a split TaskGraph's shards)
-        self.sharded = {}         # logical tensor -> epl.tensor_parallel.sharding.Sharded
+        self.sharded = TensorMap()  # logical tensor -> epl.tensor_parallel.sharding.Sharded
         self.apply_records = []
         self.gradient_records = []  # every tf.gradients call, in call order
         self.relaxed = {}           # batch-relaxing op name -> the tensor it relaxes
@@ -274,6 +305,68 @@ class Graph(object):
         if taskgraph is not None and (taskgraph.graph is None
                                       or taskgraph.graph is self.tf_graph):
             taskgraph.ops.append(op)
+
+    def add_gradient_record(self, record):
+        """Record one finished ``tf.gradients`` (or tape) call of this graph, and what
+        TensorFlow made in it for the forward loops (``adopt_loop_inputs``)."""
+        self.gradient_records.append(record)
+        if record.op_ids:
+            self.adopt_loop_inputs(record.op_ids[0])
+
+    def adopt_loop_inputs(self, first_id):
+        """The ops made since the op id ``first_id`` (one gradient call) for a forward
+        v2 loop are the forward pass of the loop's TaskGraph.
+
+        A v2 loop's gradient pushes the forward values it needs onto lists (TensorList
+        accumulators) that TensorFlow adds to the forward ``While`` as extra inputs,
+        made while the gradient is built.  Capture classifies them as backward ops, of
+        the body graph's own TaskGraph when they are made while a body's gradient is
+        built (TF 2.x; that TaskGraph's ops are the body's, so the accumulators would
+        be in no TaskGraph of this graph): not copied per clone nor placed, and a
+        pipeline's schedule (every backward after the forwards of the micro-batches)
+        would make the forward loop wait for its own backward, a cycle.  Here, at the
+        end of the gradient call that made them, they join the loop's TaskGraph as
+        forward ops, where every later reader of the IR (the rewrite's selection, a
+        later rewrite of ops built after the first run, the planner) finds them.
+
+        Only ops of this call that feed nothing but forward loops and conditions (and
+        each other) are taken: a gradient a forward condition reads (a gradient
+        penalty) was made by an earlier call and stays the backward op it is."""
+        made = tfg.ops_between(self.tf_graph, first_id)
+        if not made:
+            return
+        mine = set(made)
+        ours = set(id(tg) for tg in self.taskgraphs)
+
+        def forward_call(op):
+            return functions.is_call(op) and self.phase_of(op) == FORWARD
+        calls = tfg.by_id(set(u for op in made for u in tfg.users(op) if forward_call(u)))
+        for call in calls:
+            tg = self.taskgraph_of(call)
+            if tg is None or id(tg) not in ours:
+                continue
+            moved, adopted = [], set()
+            stack = [t.op for t in call.inputs if t.op in mine]
+            while stack:
+                up = stack.pop()
+                if up in adopted or up not in mine:
+                    continue
+                owner = self.taskgraph_of(up)
+                foreign = owner is not None and id(owner) not in ours
+                if self.phase_of(up) != BACKWARD and not foreign:
+                    continue
+                if not all(u in adopted or forward_call(u) for u in tfg.users(up)):
+                    continue
+                adopted.add(up)
+                self.op_phase[up.name] = FORWARD
+                if owner is not tg:
+                    if not foreign and owner is not None and up in owner.ops:
+                        owner.ops.remove(up)
+                    self.op_taskgraph[up.name] = tg
+                    moved.append(up)
+                stack.extend(t.op for t in up.inputs)
+            if moved:
+                tg.ops[:] = tfg.by_id(tg.ops + moved)
 
     def stage_order(self, taskgraphs=None):
         """Position of every TaskGraph (of ``taskgraphs``, default all) in the pipeline:

@@ -262,7 +262,7 @@ def _backward_call(kind, ys, xs, compute, bind=None):
         for hook in hooks:
             hook.finish(call, result, backward)
         grads = nest.flatten(result) if not isinstance(result, list) else list(result)
-        ir.Graph.get(graph).gradient_records.append(ir.GradientRecord(
+        ir.Graph.get(graph).add_gradient_record(ir.GradientRecord(
             ys_list, nest.flatten(xs), grads,
             range(first_id, tfg.last_op_id(graph) + 1)))
     return result

@@ -4,9 +4,10 @@ both TensorFlow lines (issue 25).
 * Ops of a v2 body (a ``FuncGraph``) that TensorFlow makes while a gradient of the
   graph is built are not the graph's: they never join its TaskGraphs (``ir.Graph.record``,
   at capture), so no pass can copy them.
-* The accumulators a v2 loop's gradient adds to the forward loop are the forward loop's
-  (``control_flow.adopt_accumulators``): also for a loop and gradient built after the
-  graph's first rewrite (``rewrite._extend``), checked against the program at 1e-5.
+* The accumulators a v2 loop's gradient adds to the forward loop are the forward loop's,
+  from the end of the gradient call that made them (capture:
+  ``ir.Graph.adopt_loop_inputs``): also for a loop and gradient built after the graph's
+  first rewrite, checked against the program at 1e-5.
 """
 import numpy as np
 import pytest
@@ -54,6 +55,30 @@ def test_body_ops_never_join_the_graphs_taskgraphs(v2):
     assert bodies and all(ir.Graph.existing(b) is None or all(
         op.graph is b for t in ir.Graph.existing(b).taskgraphs for op in t.ops)
         for b in bodies)
+
+
+def test_loop_accumulators_join_the_loops_taskgraph_at_capture(v2):
+    """The lists a v2 loop's gradient adds to the forward loop are forward ops of the
+    loop's TaskGraph as soon as the gradient call returns (capture,
+    ``ir.Graph.adopt_loop_inputs``), before any rewrite: not backward ops, nor ops of
+    the body graph's TaskGraph that no TaskGraph of the graph holds."""
+    epl.init(epl.Config({"cluster.devices_per_worker": 2}))
+    epl.set_default_strategy(epl.replicate(1))
+    x = tf.placeholder(tf.float32, [None, 3])
+    w = tf.get_variable("w", initializer=np.eye(3, dtype=np.float32) * 0.5)
+    loss = tf.reduce_sum(_loop(x, w, 3, "loop"))
+    tf.gradients(loss, [w])
+    graph = tf.get_default_graph()
+    ir_graph = ir.Graph.get()
+    tg, = ir_graph.taskgraphs
+    loop = graph.get_operation_by_name("loop")
+    lists = [t.op for t in loop.inputs if "TensorList" in t.op.type]
+    assert lists
+    for op in lists:
+        assert (ir_graph.phase_of(op), ir_graph.taskgraph_of(op)) == ("forward", tg), op.name
+        assert op in tg.ops
+    assert [t.name for t in ir_graph.gradient_records[-1].ys] == [loss.name]
+    assert not ir_graph.rewritten
 
 
 def _body_graphs(graph):

@@ -124,10 +124,10 @@ def prepare_state(epl_graph, config, cluster):
     The analyses run here, each returning its value: the layout (``plan.plan``), the
     selection of the replica's ops and the update plan (``selection.select``), the
     placement of this worker's clones (``placement.place``), the ZeRO owners
-    (``zero.plan_owners``); the state is made from them.  Then the capture-time
-    corrections of v2 control flow (``control_flow.check_stages``, before the
-    selection) and the split shards' placement (``split.place``): the plan is ready
-    for ``PASSES``.  ``cluster``: this worker's (a test may pass another worker's)."""
+    (``zero.plan_owners``); the state is made from them.  The checks of loops and
+    conditions across stages and split scopes (``control_flow.check_stages``) come
+    before the selection, the split shards' placement (``split.place``) after it: the
+    plan is ready for ``PASSES``.  ``cluster``: this worker's (a test may pass another worker's)."""
     layout = planner.plan(cluster, epl_graph.taskgraphs, config)
     if cluster.offload and layout.split_devices:
         raise NotImplementedError(
@@ -260,8 +260,6 @@ def _extend(epl_graph, env, state):
     gradient accumulation the added ops' micro-batches are not scheduled: they run in
     whatever order TensorFlow picks, which changes no number.)"""
     since = state.last_id
-    # v2 loops built since: their gradient's accumulators are the forward loop's.
-    control_flow.adopt_accumulators(epl_graph, state.taskgraphs)
     new = [op for op in tfg.ops_between(state.graph, since + 1)
            if epl_graph.phase_of(op) not in (ir.REWRITE, ir.SAVE)]
     model = [op for op in new if epl_graph.taskgraph_of(op) is not None]

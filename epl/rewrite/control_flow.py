@@ -25,9 +25,12 @@ named resources it makes get the clone's names (as ``shared_name`` outside bodie
 and devices set inside a body are dropped (the body runs on its call op's device).  A
 loop's gradient pushes the forward values it needs onto lists (TensorList
 accumulators) that the forward ``While`` takes as extra inputs, made while the
-gradient is built: ``adopt_accumulators`` counts them with the forward loop.  A
-stage boundary inside a body is refused like a v1 loop across stages, and so is a
-loop the clones copied that changed afterwards (``check_calls_unchanged``).
+gradient is built: capture counts them with the forward loop
+(``ir.Graph.adopt_loop_inputs``).  A stage boundary inside a body is refused like a
+v1 loop across stages, and so is a loop the clones copied that changed afterwards
+(``check_calls_unchanged``).  An ``epl.split`` layer inside the body of a loop built
+outside the split scope is refused (``check_split_scopes``): a split layer computes
+on every replica's rows at once.
 """
 import tensorflow as tf
 from tensorflow.core.protobuf import control_flow_pb2
@@ -36,6 +39,7 @@ from tensorflow.python.ops import control_flow_ops
 from epl import ir
 from epl.tf_adapter import functions
 from epl.tf_adapter import graph as tfg
+from epl.variable_writes import VARIABLE_OPS
 
 _COLLECTIONS = (tf.compat.v1.GraphKeys.WHILE_CONTEXT, tf.compat.v1.GraphKeys.COND_CONTEXT)
 
@@ -69,13 +73,14 @@ def check_stages(ir_graph, taskgraphs, num_stages):
     scope.  (Their gradients follow: ops that tf.gradients adds to a forward loop, like
     its iteration counter, may be attributed to the stage whose gradient was being
     built.)  Checked before the stages are ordered: a loop across stages reads in
-    both directions.
+    both directions.  Runs before the selection, for every layout, with the checks of
+    split scopes around v2 loops (``check_split_scopes``).
 
-    Runs before the selection, for every layout, so the v2 correction of what capture
-    recorded comes first (``adopt_accumulators``; a later rewrite applies it to the ops
-    it adds).  (Ops of v2 bodies never join the graph's TaskGraphs: ``ir.Graph.record``
-    keeps them out where capture records them.)"""
-    adopt_accumulators(ir_graph, taskgraphs)
+    (What capture recorded of v2 control flow is corrected where it is recorded: ops
+    of v2 bodies never join the graph's TaskGraphs (``ir.Graph.record``), and the
+    accumulators a loop's gradient adds to the forward loop join the loop's TaskGraph
+    at the end of the gradient call that made them (``ir.Graph.adopt_loop_inputs``).)"""
+    check_split_scopes(ir_graph)
     if num_stages <= 1:
         return
     _check_function_stages(ir_graph, taskgraphs)
@@ -96,53 +101,6 @@ def check_stages(ir_graph, taskgraphs, num_stages):
                 "must run on one stage: build the whole %s inside one stage's scope "
                 "(epl.replicate), not a stage boundary inside its body."
                 % (describe(root), examples, what))
-
-
-def adopt_accumulators(ir_graph, taskgraphs):
-    """The ops a v2 loop's gradient made for the forward loop (the accumulators its
-    forward ``While`` takes as extra inputs, their shapes) belong to the forward pass of
-    the loop's TaskGraph.  Capture records them as backward ops -- of the body's own
-    graph's TaskGraph when they were made while the gradient of a body was built -- so
-    they would not be copied per clone, nor placed, and a pipeline's schedule (every
-    backward after the forwards of the micro-batches) would make the forward loop wait
-    for its own backward: a cycle.  Only ops that feed nothing but forward loops and
-    conditions (and each other) are taken: a gradient a forward condition reads (a
-    gradient penalty) stays the backward op it is.  Runs before the selection (of the
-    first rewrite and of a later one).  At rewrite time, not in capture where the
-    phase is recorded: which ops feed nothing but forward loops is known only once
-    every gradient of the graph is built.  Idempotent."""
-    ours = set(id(tg) for tg in ir_graph.taskgraphs)
-
-    def forward_call(op):
-        return functions.is_call(op) and ir_graph.phase_of(op) == ir.FORWARD
-
-    for tg in taskgraphs:
-        moved = []      # ops that join tg (merged into its creation order at the end)
-        for op in list(tg.ops):
-            if not forward_call(op):
-                continue
-            adopted = set()
-            stack = [t.op for t in op.inputs]
-            while stack:
-                up = stack.pop()
-                if up in adopted:
-                    continue
-                owner = ir_graph.taskgraph_of(up)
-                foreign = owner is not None and id(owner) not in ours
-                if ir_graph.phase_of(up) != ir.BACKWARD and not foreign:
-                    continue
-                if not all(u in adopted or forward_call(u) for u in tfg.users(up)):
-                    continue
-                adopted.add(up)
-                ir_graph.op_phase[up.name] = ir.FORWARD
-                if owner is not tg:
-                    if not foreign and owner is not None and up in owner.ops:
-                        owner.ops.remove(up)
-                    ir_graph.op_taskgraph[up.name] = tg
-                    moved.append(up)
-                stack.extend(t.op for t in up.inputs)
-        if moved:
-            tg.ops[:] = tfg.by_id(tg.ops + moved)
 
 
 def _body_strategies(graph, op, seen):
@@ -207,6 +165,81 @@ def _check_function_stages(ir_graph, taskgraphs):
                 "must run on one stage: build the whole %s inside one stage's scope "
                 "(epl.replicate), not a stage boundary inside its body."
                 % (describe_call(op), ", ".join(sorted(examples, key=_stage_key)), what))
+
+
+def check_split_scopes(ir_graph):
+    """An ``epl.split`` scope and the v2 loops and conditions it meets, checked before
+    the first step (``check_stages`` runs it for every layout).
+
+    * A split layer inside the body of a loop or condition built outside the split
+      scope is refused: the body runs once per replica, inside that replica's call op,
+      while a split layer computes on every replica's rows at once (its rows cross
+      between the replicas outside any loop); the loop's lists of forward values would
+      meet rows of the wrong count.  Built inside the scope, the whole loop is the
+      split's.
+    * Where a v2 loop runs on the device of every variable it captures (TF 1.15 lowers
+      it into nodes tied to them), a loop of a split scope whose body reads the shards
+      of split variables (on several devices) cannot be placed: refused.
+    * A v2 loop or condition of a scope that runs on another number of rows than it
+      is built for (``epl.rebatch``: a split scope, ``replicate(k > 1)``) whose input
+      has a fixed batch dimension is refused: its bodies were traced for that batch
+      before the op was made and its input relaxed (a loop's accumulators hold
+      elements of that shape).  (``_check_rows``)"""
+    for tg in ir_graph.taskgraphs:
+        for op in tg.ops:
+            if not functions.is_call(op) or ir_graph.phase_of(op) != ir.FORWARD:
+                continue
+            inside = _body_strategies(op.graph, op, set())
+            split = [(s, n) for s, n in inside.items()
+                     if s.kind == "split" and s is not tg.strategy]
+            if split:
+                strategy, name = split[0]
+                raise ValueError(
+                    "EPL: %s runs %r of the %s scope inside its body, but the %s itself "
+                    "was built in %s. A split layer computes on the rows of every replica "
+                    "at once, which one replica's loop or condition cannot give it. Build "
+                    "the whole %s inside the split scope (with %s: tf.while_loop(...)), or "
+                    "the split layer outside it."
+                    % (describe_call(op), name, strategy, _kind(op), tg.strategy,
+                       _kind(op), strategy))
+            _check_rows(ir_graph, tg, op)
+            if tg.kind == "split" and not functions.runs_apart_from_captured_variables():
+                shards = set(ir_graph.shard_of(t.op) for t in op.inputs
+                             if ir.is_state_handle(t) and t.op.type in VARIABLE_OPS
+                             and ir_graph.taskgraph_of(t.op) is tg)
+                if len(shards) > 1:
+                    raise NotImplementedError(
+                        "EPL: %s of the %s scope reads variables of several shards inside "
+                        "its body, but this TensorFlow runs a v2 %s on the device of "
+                        "every variable it reads, and the shards live on %d devices. Build "
+                        "the split layer outside the %s (call it on the %s's output), or "
+                        "use TensorFlow 2.x." % (describe_call(op), tg.strategy, _kind(op),
+                                                 len(shards), _kind(op), _kind(op)))
+
+
+def _check_rows(ir_graph, tg, op):
+    """A call op of a re-batching scope does not read a relaxed view of a fixed-batch
+    tensor (its bodies were built for the fixed batch)."""
+    if tg.kind != "split" and tg.device_count <= 1:     # (``epl.rebatch.rebatches``)
+        return
+    for t in op.inputs:
+        fixed = ir_graph.relaxed.get(t.op.name)
+        if fixed is None:
+            continue
+        rows = fixed.shape.as_list()[0]
+        raise ValueError(
+            "EPL: %s of the %s scope reads %r, whose batch dimension is fixed (%d rows), "
+            "but the scope runs on another number of rows (a split scope computes on every "
+            "replica's rows, replicate(k > 1) on a k-th of them), and TensorFlow built the "
+            "%s's bodies for %d rows. Give its input an unknown batch dimension inside the "
+            "scope, before the %s (tf.compat.v1.placeholder_with_default(t, [None, ...])), "
+            "or build the %s outside the scope."
+            % (describe_call(op), tg.strategy, fixed.name, rows, _kind(op), rows, _kind(op),
+               _kind(op)))
+
+
+def _kind(op):
+    return "loop" if functions.CALL_OPS[op.type] == "loop" else "condition"
 
 
 def _stage_key(example):
