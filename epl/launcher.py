@@ -23,7 +23,8 @@ at once, naming it, in any peer that still needs it after it exits.
 Every launch is a new run (EPL_RUN_ID, printed as "epl-launch: attempt K: run ID" when its
 workers start): its shared-memory segments, /dev/shm/epl-ID-*, are its own, and
 the launcher removes them when the job ends, however it ends (Ctrl-C and SIGTERM stop the
-workers too; a launcher killed outright takes its workers with it: SIGKILL).  The workers' TCP
+workers too; a launcher killed outright takes its workers, and whatever they started,
+with it: each worker runs under a supervisor, epl.processes).  The workers' TCP
 collectives authenticate each other with the job's secret (EPL_JOB_SECRET): a random
 one per launch on one machine; with --machine_list, export the same random value on
 every machine before launching.
