@@ -1,5 +1,6 @@
 """A worker of test_metrics.test_two_workers (started by epl-launch): trains and updates
-streaming metrics on its share of every global batch, and saves what it read."""
+streaming metrics (tf.compat.v1.metrics, a hand-made sum; then tf.keras metrics used by
+hand) on its share of every global batch, and saves what it read."""
 import os
 import pickle
 import sys
@@ -19,11 +20,13 @@ def main():
     epl.init()
     cluster = epl.Env.get().cluster
     workers, devices, w = cluster.worker_num, cluster.gpu_num_per_worker, cluster.worker_index
-    got = test_metrics.run_metrics(
-        {}, workers * devices, train=True,
-        share=lambda x, y: worker_rows(x, y, w, workers, devices * test_metrics.BATCH))
+    def share(x, y):
+        return worker_rows(x, y, w, workers, devices * test_metrics.BATCH)
+
+    got = test_metrics.run_metrics({}, workers * devices, train=True, share=share)
+    got_keras = test_metrics.run_keras_metrics({}, workers * devices, share=share)
     with open(os.path.join(sys.argv[1], "metrics_%d.pkl" % w), "wb") as f:
-        pickle.dump(got, f)
+        pickle.dump((got, got_keras), f)
 
 
 if __name__ == "__main__":

@@ -199,32 +199,43 @@ def test_hand_made_metric_variable_not_a_sum_is_refused():
             sess.run(tf.local_variables_initializer())
 
 
+KERAS = ("mean", "accuracy", "auc", "sum")
+
+
+def run_keras_metrics(config, clones, share=None):
+    """tf.keras metrics used by hand: ``update_state`` every run, ``result()`` at the end
+    (the values of ``KERAS``); arguments as ``run_metrics``'."""
+    x, y = models.data(STEPS * clones * BATCH)
+    if share is not None:
+        x, y = share(x, y)
+    if config is not None:
+        epl.init(epl.Config(config))
+        epl.set_default_strategy(epl.replicate(1))
+    bx, by = models.input_batch(x, y, BATCH if config is not None else clones * BATCH)
+    logits, loss = models.forward(bx, by)
+    kinds = {"mean": tf.keras.metrics.Mean(),
+             "accuracy": tf.keras.metrics.SparseCategoricalAccuracy(),
+             "auc": tf.keras.metrics.AUC(num_thresholds=50),
+             "sum": tf.keras.metrics.Sum()}
+    ups = [kinds["mean"].update_state(loss),
+           kinds["accuracy"].update_state(by, logits),
+           kinds["auc"].update_state(tf.cast(tf.equal(by, 0), tf.float32),
+                                     tf.nn.softmax(logits)[:, 0]),
+           kinds["sum"].update_state(tf.reduce_sum(logits))]
+    results = [kinds[k].result() for k in KERAS]
+    with tf.Session() as sess:
+        sess.run([tf.global_variables_initializer(), tf.local_variables_initializer()]
+                 + [v.initializer for m in kinds.values() for v in m.variables])
+        for _ in range(STEPS):
+            sess.run(ups)
+        return sess.run(results)
+
+
 def test_keras_metric_update_state_and_result():
-    """A tf.keras metric used by hand: ``update_state`` every run, ``result()`` at the end."""
-    def run(config, clones):
-        x, y = models.data(STEPS * 2 * BATCH)
-        if config is not None:
-            models.init_data_parallel(2)
-        bx, by = models.input_batch(x, y, BATCH if config else clones * BATCH)
-        logits, loss = models.forward(bx, by)
-        kinds = {"mean": tf.keras.metrics.Mean(), "accuracy":
-                 tf.keras.metrics.SparseCategoricalAccuracy(), "auc":
-                 tf.keras.metrics.AUC(num_thresholds=50)}
-        ups = [kinds["mean"].update_state(loss),
-               kinds["accuracy"].update_state(by, logits),
-               kinds["auc"].update_state(tf.cast(tf.equal(by, 0), tf.float32),
-                                         tf.nn.softmax(logits)[:, 0])]
-        results = [kinds[k].result() for k in ("mean", "accuracy", "auc")]
-        with tf.Session() as sess:
-            sess.run([tf.global_variables_initializer(), tf.local_variables_initializer()]
-                     + [v.initializer for m in kinds.values() for v in m.variables])
-            for _ in range(STEPS):
-                sess.run(ups)
-            return sess.run(results)
-    got = run(True, 2)
+    got = run_keras_metrics({"cluster.devices_per_worker": 2}, 2)
     models.reset()
-    np.testing.assert_allclose(got, run(None, 2), rtol=1e-5, atol=1e-6,
-                               err_msg="[mean, accuracy, auc]")
+    np.testing.assert_allclose(got, run_keras_metrics(None, 2), rtol=1e-5, atol=1e-5,
+                               err_msg=str(KERAS))
 
 
 @pytest.mark.estimator
@@ -271,7 +282,11 @@ def test_two_workers(tmp_path):
                         str(tmp_path)])
     assert code == 0, out[-5000:]
     want = run_metrics(None, 4, train=True)
+    models.reset()
+    want_keras = run_keras_metrics(None, 4)
     for w in range(2):
         with open(str(tmp_path / ("metrics_%d.pkl" % w)), "rb") as f:
-            got = pickle.load(f)
+            got, got_keras = pickle.load(f)
         assert_metrics_equal(got, want)
+        np.testing.assert_allclose(got_keras, want_keras, rtol=1e-5, atol=1e-5,
+                                   err_msg="worker %d: %s" % (w, KERAS))
