@@ -190,12 +190,18 @@ def test_hand_made_metric_variable_summed_by_assign_add():
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
-def test_hand_made_metric_variable_not_a_sum_is_refused():
-    """A running maximum cannot be added up across replicas: refused before the first run,
+@pytest.mark.parametrize("how", ["assign", "assign_add of its own value"])
+def test_hand_made_metric_variable_not_a_sum_is_refused(how):
+    """A running maximum cannot be added up across replicas, whether written by assign or
+    by an assign_add of a value read from the variable: refused before the first run,
     naming the variable."""
-    _, op, _ = _hand_made(lambda v, logits: tf.assign(v, tf.maximum(v, tf.reduce_max(logits))))
+    def update(v, logits):
+        if how == "assign":
+            return tf.assign(v, tf.maximum(v, tf.reduce_max(logits)))
+        return tf.assign_add(v, tf.maximum(v, tf.reduce_max(logits)) - v)
+    _hand_made(update)
     with tf.Session() as sess:
-        with pytest.raises(NotImplementedError, match="score_total"):
+        with pytest.raises(NotImplementedError, match="metric variable 'score_total'"):
             sess.run(tf.local_variables_initializer())
 
 

@@ -98,7 +98,7 @@ def check_sums(writes, summed):
         values = [t for t in w.inputs[1:]]
         why = None
         if w.type not in ADDITIVE_OPS:
-            why = "it is a %s, not an assign_add / assign_sub" % w.type
+            why = "its op is %s, not an assign_add / assign_sub" % w.type
         elif tfg.control_flow_context(w) is not None:
             why = "it runs inside a loop or condition"
         elif any(t.op in depends for t in values):
