@@ -17,8 +17,10 @@ TensorFlow's value over all the rows.  Hence:
 
 * ``summed_state``: the variables written from each replica's batch (a value computed
   from it, or after it: ``waits_for_batch``) that are not in ``GLOBAL_VARIABLES`` are
-  metric state.  (Model state written per replica, batch-norm
-  moving statistics, is a global variable: it keeps a copy per replica, as before.)
+  metric state.  (Model state written per replica, batch-norm moving statistics, is a
+  global variable: it keeps a copy per replica, as before.)  A metric built after the
+  model's scope is read from the replica's tensors: its additions join the replica
+  (``outside_additions``), its variables stay one copy outside it.
 * ``check_sums``: each such write must add a value that does not read the metric's own
   state (``assign_add`` / ``assign_sub``, ref or resource); anything else (an
   ``assign`` of a running maximum...) cannot be merged and is refused before the first
@@ -143,7 +145,8 @@ def join_metric_updates(state, sel, since=-1):
                 _sum_across_workers(state, c, w)
         if n == 1:
             continue
-        chain = [state.op_name(c, w) for c in range(1, n)] + [w.name]
+        chain = [state.op_name(c, w) for c in range(1, n)]
+        chain = [name for name in chain if name != w.name] + [w.name]
         for before, after in zip(chain, chain[1:]):
             deferred.add_control_edges(state.graph, [before], [after])
 
