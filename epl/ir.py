@@ -329,9 +329,10 @@ class Graph(object):
         forward ops, where every later reader of the IR (the rewrite's selection, a
         later rewrite of ops built after the first run, the planner) finds them.
 
-        Only ops of this call that feed nothing but forward loops and conditions (and
-        each other) are taken: a gradient a forward condition reads (a gradient
-        penalty) was made by an earlier call and stays the backward op it is."""
+        Only ops of this call that feed nothing but forward loops and conditions (their
+        recomputations by gradient checkpointing, and each other) are taken: a gradient
+        a forward condition reads (a gradient penalty) was made by an earlier call and
+        stays the backward op it is."""
         made = tfg.ops_between(self.tf_graph, first_id)
         if not made:
             return
@@ -340,6 +341,19 @@ class Graph(object):
 
         def forward_call(op):
             return functions.is_call(op) and self.phase_of(op) == FORWARD
+
+        def bodies(op):
+            return tuple(n for _, v in functions.function_attrs(op)
+                         for n in functions.attr_function_names(v))
+
+        def for_loops(op, adopted):
+            """Every reader of ``op`` is adopted, a forward call, or a copy of a forward
+            call that reads ``op`` too (gradient checkpointing's recomputation of a
+            loop calls the same bodies)."""
+            users = tfg.users(op)
+            forward = set(bodies(u) for u in users if forward_call(u))
+            return all(u in adopted or forward_call(u)
+                       or (functions.is_call(u) and bodies(u) in forward) for u in users)
         calls = tfg.by_id(set(u for op in made for u in tfg.users(op) if forward_call(u)))
         for call in calls:
             tg = self.taskgraph_of(call)
@@ -355,7 +369,7 @@ class Graph(object):
                 foreign = owner is not None and id(owner) not in ours
                 if self.phase_of(up) != BACKWARD and not foreign:
                     continue
-                if not all(u in adopted or forward_call(u) for u in tfg.users(up)):
+                if not for_loops(up, adopted):
                     continue
                 adopted.add(up)
                 self.op_phase[up.name] = FORWARD
