@@ -33,7 +33,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.epl-installed
 CSRC := $(wildcard csrc/*.cc csrc/*.h csrc/build.py)
 
-.PHONY: setup demo test bench ops clean horovod docs gpu-ops-check
+.PHONY: setup demo test bench ops clean horovod docs gpu-ops-check xeon-compile-check
 
 setup: $(STAMP) $(OPS_SO)
 
@@ -77,6 +77,13 @@ horovod: $(STAMP)
 # per line (no GPU needed; nothing is run).  tools/gpu_ops_check.sh 1|2 checks one line.
 gpu-ops-check:
 	tools/gpu_ops_check.sh
+
+# Compile csrc/*.cc (no link, nothing run) against both lines' venvs with the instruction
+# sets of a current Xeon (-march=sapphirerapids; TF 2.x: -mno-avx512fp16, which TensorFlow
+# 2.21's Eigen needs with GCC 12), and check that the libraries `make setup` built target
+# the portable baseline (csrc/build.py), not the building CPU.  Needs both lines set up.
+xeon-compile-check:
+	tools/xeon_compile_check.sh
 
 clean:
 	rm -rf .venv .venv-tf2 .venv-gpu .venv-gpu-tf2 epl/lib/*.so epl/lib/*.json csrc/build build *.egg-info

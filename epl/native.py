@@ -8,7 +8,8 @@ travel with the package, into epl/lib if writable, else ~/.cache/epl.  When it c
 built either (no C++ compiler), EPL falls back to collectives made of TensorFlow ops, in
 one process only, and says so once.
 
-    python -m epl.native            # which library, which backends, why not the others
+    python -m epl.native            # which library, which backends, why not the others,
+                                    # the CPU target it was compiled for
     python -m epl.native --build    # build it now
 """
 import fcntl
@@ -134,6 +135,14 @@ def report():
             lines.append("nccl not built: %s" % meta["skipped"])
         lines.append("built with TensorFlow %s, %s %s" % (
             meta.get("tensorflow"), meta.get("compiler"), " ".join(meta.get("flags", ()))))
+        # The CPU it was compiled for: a portable baseline, so that a library built on a
+        # login node runs on older compute nodes (csrc/build.py).
+        if meta.get("target"):
+            lines.append("target: %s (%s)" % (meta["target"], " ".join(
+                meta.get("target_flags", ())) or "no -march"))
+        else:
+            lines.append("target: not recorded (built before EPL recorded it; delete %s "
+                         "and run `python -m epl.native --build`)" % path)
     return lines
 
 
