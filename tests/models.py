@@ -9,6 +9,9 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 IN, HIDDEN, CLASSES = 12, 16, 5
+# The suite's graph mode (tests/conftest.py): ref variables after disable_v2_behavior(),
+# resource variables after disable_eager_execution() alone (EPL_TEST_GRAPH_MODE=eager_off).
+REF_VARIABLES = not tf.resource_variables_enabled()
 
 
 def reset():

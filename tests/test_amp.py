@@ -110,15 +110,16 @@ def _overflow_program(config, stages=1, hand_step=None):
         sess.run(tf.global_variables_initializer())
         sess.run(op, {px: x, py: y})
         # (after the first run: the replicas' copies exist)
-        variables = [v for v in graph.get_operations() if v.type == "VariableV2"
+        variables = [v for v in graph.get_operations() if v.type in ("VariableV2", "VarHandleOp")
                      and "layer_" in v.name and "Momentum" not in v.name]
-        before = sess.run([v.outputs[0] for v in variables] + [step, scale])
+        values = [models.value_tensor(graph, v.name) for v in variables]
+        before = sess.run(values + [step, scale])
         big = x.copy()
         big[-1] *= 1e6       # one row: one replica's (or micro-batch's) share overflows
         sess.run(op, {px: big, py: y})
-        after = sess.run([v.outputs[0] for v in variables] + [step, scale])
+        after = sess.run(values + [step, scale])
         sess.run(op, {px: x, py: y})
-        last = sess.run([v.outputs[0] for v in variables] + [step, scale])
+        last = sess.run(values + [step, scale])
     return variables, before, after, last
 
 

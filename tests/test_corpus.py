@@ -100,7 +100,7 @@ def test_mini_bert(layout, tmpdir):
 
 def _values(sess, names, prefix=""):
     g = tf.get_default_graph()
-    return dict(zip(names, sess.run([g.get_tensor_by_name(prefix + n + ":0") for n in names])))
+    return dict(zip(names, sess.run([models.value_tensor(g, prefix + n) for n in names])))
 
 
 def _convnet_towers(x, y, n, stats_from, steps, global_batch):

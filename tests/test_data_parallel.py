@@ -88,8 +88,8 @@ def test_replicas_start_from_replica_zero_random_init():
     with tf.Session() as sess:
         sess.run(tf.global_variables_initializer())
         g = tf.get_default_graph()
-        copies = [(v, r)] + [(g.get_tensor_by_name("EPL_REPLICA_%d/v:0" % c),
-                              g.get_tensor_by_name("EPL_REPLICA_%d/r/Read/ReadVariableOp:0" % c))
+        copies = [(v, r)] + [(models.value_tensor(g, "EPL_REPLICA_%d/v" % c),
+                              models.value_tensor(g, "EPL_REPLICA_%d/r" % c))
                              for c in (1, 2)]
         for pair in copies:
             for got, want in zip(sess.run(pair), want_init):

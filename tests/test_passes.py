@@ -429,6 +429,43 @@ def test_join_metric_updates_runs_every_clones_addition_before_the_users(copies)
     np.testing.assert_allclose([got, got_value], [want, want], rtol=1e-5)
 
 
+def test_order_micro_batch_state_updates_a_replicas_state_one_micro_batch_after_the_other():
+    """A moving mean (a resource variable each replica keeps, written from the batch by a
+    read-modify-write): micro-batch 1's read waits for micro-batch 0's write, so one run
+    applies both micro-batches' updates in turn (unordered, both read the old value and
+    one update is lost)."""
+    _init(1, **{"pipeline.num_micro_batch": 2})
+    x = tf.placeholder(tf.float32, [None, 3], name="x")
+    y = tf.placeholder(tf.float32, [None, 1], name="y")
+    epl.set_default_strategy(epl.replicate(1))
+    w = tf.get_variable("w", initializer=W)
+    pred = tf.matmul(x, w, name="pred")
+    mean = tf.get_variable("stats/mean", initializer=np.zeros([1], np.float32),
+                           trainable=False, use_resource=True)
+    value = mean.read_value()
+    read = value.op if value.op.type == "ReadVariableOp" else value.op.inputs[0].op
+    assert read.type == "ReadVariableOp"
+    update = mean.assign_sub((value - tf.reduce_mean(pred, axis=0)) * 0.5)
+    with tf.control_dependencies([update]):     # (as batch norm's UPDATE_OPS)
+        train = tf.train.GradientDescentOptimizer(0.1).minimize(
+            tf.reduce_mean(tf.square(pred - y)))
+    state = _prepare()
+    assert mean.op in state.selection.updates.local_variables
+    before = _run(state, "clone_replicas")
+    assert _run(state, "order_micro_batch_state", done=before) == ["order_micro_batch_state"]
+    _run(state, "join_clones", done=before)      # (the user's update runs micro-batch 1's)
+    read1 = _nodes()[state.op_name(1, read)]
+    assert read1.name.startswith("EPL_REPLICA_1/") and update.op.name in _controls(read1)
+    with _session(state) as sess:
+        sess.run(tf.global_variables_initializer())
+        sess.run(train, {x: X, y: Y})
+        got = sess.run(mean.read_value())
+    want = np.zeros([1], np.float32)
+    for rows in (slice(0, 2), slice(2, 4)):      # micro-batch 0, then micro-batch 1
+        want = want - (want - X[rows].dot(W).mean(axis=0)) * 0.5
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
 def test_order_global_step_makes_the_advance_wait_for_its_readers_not_a_savers_save():
     """BERT's hand-written step: tf.group(update, global_step.assign_add(1)) with a
     learning rate read from the step.  The advance waits for the rate's read of the step,

@@ -42,6 +42,10 @@ def test_equals_plain_data_parallel(devices, optimizer):
     assert max(per_device.values()) <= (total / devices + largest) * 1.01, per_device
 
 
+# Ref variables (disable_v2_behavior) and resource variables (disable_eager_execution).
+MOMENTUM_UPDATES = ("ApplyMomentum", "ResourceApplyMomentum")
+
+
 def test_updates_run_beside_their_state():
     """Each update on its owner device, beside its slots, reading its gradient reduced
     to that device."""
@@ -49,14 +53,14 @@ def test_updates_run_beside_their_state():
                   dropout=False)
     graph = got[2]
     for op in graph.get_operations():
-        if op.type == "ApplyMomentum":
+        if op.type in MOMENTUM_UPDATES:
             assert op.device == op.inputs[0].op.device == op.inputs[1].op.device, op.name
             # its gradient is reduced to this device only (not all-reduced)
             grad = op.inputs[3].op
             assert grad.type == "EplReduce" and grad.device == op.device, (op.name, grad)
     assert not [op for op in graph.get_operations() if op.type.startswith("EplAllReduce")]
     assert len(set(op.device for op in graph.get_operations()
-                   if op.type == "ApplyMomentum")) == 2
+                   if op.type in MOMENTUM_UPDATES)) == 2
 
 
 def test_with_micro_batches():

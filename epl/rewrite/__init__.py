@@ -27,8 +27,8 @@ import time
 from epl import amp, apply_gate, ir
 from epl import plan as planner
 from epl.env import Env
-from epl.rewrite import (control_flow, inputs, merge, metrics, mirror, placement, replicate,
-                         schedule, selection, split, step, zero)
+from epl.rewrite import (control_flow, inputs, merge, metrics, micro_batch_state, mirror,
+                         placement, replicate, schedule, selection, split, step, zero)
 from epl.rewrite.pipeline import Pass, PassContext, PassPipeline
 from epl.rewrite.state import CLONE_MAPS, CloneMaps, Rewrite, RewritePlan, share_variables
 from epl.tf_adapter import graph as tfg
@@ -232,6 +232,10 @@ def _default_pipeline():
              lambda c: metrics.join_metric_updates(c.state, c.selection, c.since),
              requires={"replicas_cloned", CLONE_MAPS},
              doc="every clone adds to the metric state before the user's update reads it"),
+        Pass("order_micro_batch_state",
+             lambda c: micro_batch_state.order_micro_batch_state(c.state, c.selection),
+             requires={"replicas_cloned", CLONE_MAPS},
+             doc="a replica's micro-batches update its own state (moving statistics) in turn"),
         Pass("order_global_step",
              lambda c: step.order_global_step(c.state.graph, c.state.ir_graph, c.since),
              requires={"clones_joined"},
