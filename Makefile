@@ -33,7 +33,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.epl-installed
 CSRC := $(wildcard csrc/*.cc csrc/*.h csrc/build.py)
 
-.PHONY: setup demo test bench ops clean horovod docs gpu-ops-check xeon-compile-check
+.PHONY: setup demo test test-eager-off bench ops clean horovod docs gpu-ops-check xeon-compile-check
 
 setup: $(STAMP) $(OPS_SO)
 
@@ -55,6 +55,17 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# The strategies' oracle tests in TF 2.x's other graph mode: disable_eager_execution()
+# alone (shapes index to ints, resource variables, control flow v2), as users write it
+# (tests/conftest.py, EPL_TEST_GRAPH_MODE).  `make test` runs them after
+# disable_v2_behavior(); .ci/run runs this too on the TF 2.x line.
+ORACLE_TESTS := $(addprefix tests/test_,$(addsuffix .py,data_parallel pipeline split layouts \
+	zero gradient_checkpoint amp offload grouped_apply accumulate_runs moe_user_layer \
+	static_shapes corpus update_paths gradient_paths auto_stages read_order metrics))
+test-eager-off: setup
+	@if [ "$(TF)" != 2 ]; then echo "make test-eager-off: a TF 2.x mode; use TF=2"; exit 2; fi
+	EPL_TEST_GRAPH_MODE=eager_off $(PY) -m pytest -q $(ORACLE_TESTS) -k "not under_load"
 
 bench: setup
 	$(PY) benchmarks/run_all.py
