@@ -24,7 +24,7 @@ def main():
         return worker_rows(x, y, w, workers, devices * test_metrics.BATCH)
 
     got = test_metrics.run_metrics({}, workers * devices, train=True, share=share)
-    got_keras = test_metrics.run_keras_metrics({}, workers * devices, share=share)
+    got_keras = test_metrics.run_keras_metrics({}, workers * devices, share=share, train=True)
     with open(os.path.join(sys.argv[1], "metrics_%d.pkl" % w), "wb") as f:
         pickle.dump((got, got_keras), f)
 

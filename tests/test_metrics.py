@@ -208,7 +208,7 @@ def test_hand_made_metric_variable_not_a_sum_is_refused(how):
 KERAS = ("mean", "accuracy", "auc", "sum")
 
 
-def run_keras_metrics(config, clones, share=None):
+def run_keras_metrics(config, clones, share=None, train=False):
     """tf.keras metrics used by hand: ``update_state`` every run, ``result()`` at the end
     (the values of ``KERAS``); arguments as ``run_metrics``'."""
     x, y = models.data(STEPS * clones * BATCH)
@@ -228,6 +228,8 @@ def run_keras_metrics(config, clones, share=None):
            kinds["auc"].update_state(tf.cast(tf.equal(by, 0), tf.float32),
                                      tf.nn.softmax(logits)[:, 0]),
            kinds["sum"].update_state(tf.reduce_sum(logits))]
+    if train:
+        ups.append(models.train_op(loss, "sgd"))
     results = [kinds[k].result() for k in KERAS]
     with tf.Session() as sess:
         sess.run([tf.global_variables_initializer(), tf.local_variables_initializer()]
@@ -280,8 +282,10 @@ def test_estimator_evaluate_reports_every_replica(tmp_path, how):
 
 
 def test_two_workers(tmp_path):
-    """Between-graph: 2 workers x 2 devices, each feeding its share of every global batch;
-    every worker reads the whole job's metrics."""
+    """Between-graph: 2 workers x 2 devices, each feeding its share of every global batch
+    and training: every worker reads the whole job's metrics.  (A graph that only
+    evaluates keeps each worker's sums: Estimator's evaluate runs on the chief alone,
+    ``test_multi_worker.test_train_and_evaluate_on_two_workers``.)"""
     from tests.test_multi_worker import HERE, launch
     code, out = launch(["--num_workers", "2", "--gpu_per_worker", "2", "--log_dir",
                         str(tmp_path / "logs"), os.path.join(HERE, "mw_metrics.py"),
@@ -289,7 +293,7 @@ def test_two_workers(tmp_path):
     assert code == 0, out[-5000:]
     want = run_metrics(None, 4, train=True)
     models.reset()
-    want_keras = run_keras_metrics(None, 4)
+    want_keras = run_keras_metrics(None, 4, train=True)
     for w in range(2):
         with open(str(tmp_path / ("metrics_%d.pkl" % w)), "rb") as f:
             got, got_keras = pickle.load(f)

@@ -14,8 +14,8 @@ rows) is merged by recomputing it from the state of every replica, each variable
 combined by its aggregation (SUM: the replicas' counts added), read after every
 clone's update.  Averaging the replicas' results would be wrong for a ratio of
 sums (AUC, an accuracy over unequal counts).  (Metric state that every clone adds to one
-copy of, ``metrics.py``, is read once: that copy already holds every replica's rows, and
-every worker's the whole job's.)
+copy of, ``metrics.py``, is read once: that copy already holds every replica's rows, and,
+where the graph trains, every worker's the whole job's.)
 """
 import logging
 
@@ -25,6 +25,7 @@ from epl import ir
 from epl.collections import GraphKeys, merge_kind
 from epl.communicators import native_ops
 from epl.communicators.hierarchical import host_device
+from epl.rewrite import metrics
 from epl.rewrite.cloner import clone_op, new_ops
 from epl.rewrite.updates import VARIABLE_OPS
 from epl.tf_adapter import graph as tfg
@@ -162,7 +163,7 @@ def _combined(state, read, var_name, aggregation, waits, across):
     agg = tf.compat.v1.VariableAggregation
     if aggregation in (agg.NONE, agg.ONLY_FIRST_REPLICA):
         handles, across = handles[:1], False
-    if var in state.selection.updates.summed_variables:
+    if var in state.selection.updates.summed_variables and metrics.sums_across_workers(state):
         across = False   # (metric state: every worker's copy holds the job's sum, metrics.py)
     parts = []
     for h in handles:

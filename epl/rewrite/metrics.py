@@ -30,10 +30,12 @@ TensorFlow's value over all the rows.  Hence:
   clone's copy of it, chained one after the other (two ``AssignAdd`` of a ref variable
   must not run at once).  Fetching the update op runs every clone's update, and the
   value it returns, read after clone 0's write, is the step's total, as in plain TF.
-* Between-graph jobs of several workers: each worker holds its own copy, so each
-  clone's addend is summed across the workers (one all-reduce per write and clone)
-  before it is added: every worker's copy holds the job's total.  Every worker must then
-  run the metric updates in the same steps (as it runs the training steps).
+* Between-graph jobs of several workers: each worker holds its own copy.  In a graph
+  that trains (``sums_across_workers``), each clone's addend is summed across the
+  workers (one all-reduce per write and clone) before it is added: every worker's copy
+  holds the job's total.  Every worker must then run the metric updates in the same
+  steps (as it runs the training steps).  A graph that only evaluates keeps each
+  worker's own sums (Estimator's evaluate runs on the chief alone).
 """
 import tensorflow as tf
 
@@ -138,7 +140,7 @@ def join_metric_updates(state, sel, since=-1):
     plan = state.selection.updates
     writes = [w for w in sel.ops if w in plan.summed_writes]
     n = state.num_clones
-    across = state.cluster.worker_num > 1 and not state.in_graph
+    across = sums_across_workers(state)
     for w in writes:
         if across:
             for c in range(n):
@@ -149,6 +151,17 @@ def join_metric_updates(state, sel, since=-1):
         chain = [name for name in chain if name != w.name] + [w.name]
         for before, after in zip(chain, chain[1:]):
             deferred.add_control_edges(state.graph, [before], [after])
+
+
+def sums_across_workers(state):
+    """Each clone's addition is summed over the workers first: a between-graph job of
+    several workers whose graph trains (its gradients are reduced across the workers, so
+    every worker runs its steps, metric updates included, in the same order).  A graph
+    that only evaluates (Estimator's evaluate on the chief alone, as TensorFlow's
+    train_and_evaluate runs it) keeps each worker's sums: its replicas' rows, and no
+    collective that would wait for workers that never run it."""
+    return (state.cluster.worker_num > 1 and not state.in_graph
+            and bool(state.selection.updates.sites))
 
 
 def _sum_across_workers(state, c, w):
