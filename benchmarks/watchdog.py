@@ -15,8 +15,9 @@ benchmark (a rank holding gigabytes kept running after its caller was killed).  
 * when the run ends, however it ends, every child's group is killed (SIGTERM, then
   SIGKILL after ``GRACE_SECONDS``), so grandchildren left behind go too;
 * if the caller ends first -- SIGTERM, Ctrl-C (SIGINT), a normal exit -- the live groups
-  are killed; if the caller is killed outright (SIGKILL), each child gets SIGKILL from
-  the kernel (``PR_SET_PDEATHSIG``, set before the child's program starts).
+  are killed; if the caller is killed outright (SIGKILL), each child's supervisor
+  (``epl.processes.dies_with_parent``) sees its parent gone and kills the child's whole
+  process tree.
 
     outcome = run_group([cmd_rank0, cmd_rank1], timeout=600, has_result=json_result)
     if not outcome.ok: print(outcome.failure)
@@ -155,7 +156,7 @@ def _install_handlers():
 
 def _start(cmd, env, cwd, capture):
     _install_handlers()
-    # (die with the caller: SIGKILL from the kernel, PR_SET_PDEATHSIG)
+    # (die with the caller: the supervisor of epl.processes.dies_with_parent)
     proc = subprocess.Popen(_processes.dies_with_parent(cmd), env=env, cwd=cwd,
                             start_new_session=True, stdout=subprocess.PIPE if capture else None)
     with _live_lock:

@@ -3,8 +3,9 @@
     epl-launch --num_workers 2 --gpu_per_worker 2 train.py --profile_dir /tmp/trace
     python -m epl.profile /tmp/trace
 
-profile.steps '10-11' traces the 10th and 11th Session.run of every worker's graph
-(MonitoredTrainingSession's own initialization runs count too).
+profile.steps '10-11' traces training steps 10 and 11 of every worker (global_step 10
+and 11: the same steps on every worker; MonitoredTrainingSession's initialization runs
+and the chief's checkpoint saves are not counted -- profile.runs traces runs by number).
 """
 import argparse
 
