@@ -55,3 +55,16 @@ def test_the_hint_is_written_once():
     import epl.plan
     source = inspect.getsource(epl.plan)
     assert source.count("EPL_CLUSTER_DEVICES_PER_WORKER") == 1, source
+
+
+def test_a_split_wider_than_the_job_says_how_to_get_devices():
+    """epl.split(n) fails while the user builds (tensor_parallel.sharding.split_count)."""
+    import tensorflow.compat.v1 as tf
+    import epl
+    epl.init(epl.Config({"cluster.devices_per_worker": 2}))
+    with pytest.raises(ValueError) as e:
+        with epl.split(8):
+            tf.layers.dense(tf.ones([4, 8]), 16)
+    assert "the split needs 8 devices but the job has 2" in str(e.value)
+    for way in WAYS:
+        assert way in str(e.value), (way, str(e.value))

@@ -7,7 +7,7 @@ this worker cannot run are refused.
 """
 import logging
 
-from epl.plan import LayoutError, in_graph, spans_workers
+from epl.plan import LayoutError, how_to_get_devices, in_graph, spans_workers
 
 log = logging.getLogger("epl")
 
@@ -59,7 +59,8 @@ def place(layout, cluster, config):
         raise LayoutError(
             "model replica %d spans several workers (device_count %d > %d devices per "
             "worker); between-graph data parallelism needs each replica within one worker: "
-            "use device_count <= %d." % (split[0], layout.device_count, per, per))
+            "use device_count <= %d, or more devices per worker. %s"
+            % (split[0], layout.device_count, per, per, how_to_get_devices()))
     local_index = [layout.clones.index(cl) for cl in clones]
 
     def where(d):

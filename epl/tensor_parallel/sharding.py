@@ -11,7 +11,7 @@ import threading
 
 import tensorflow as tf
 
-from epl import ir
+from epl import ir, plan
 from epl.env import Env
 from epl.strategies import current_strategy
 from epl.tf_adapter import graph as tfg
@@ -81,10 +81,10 @@ def split_count(strategy):
         n = cluster.total_gpu_num
     if n > cluster.total_gpu_num:
         raise ValueError(
-            "%r: the split needs %d devices but the job has %d (%d worker(s) x %d; "
-            "cluster.devices_per_worker / epl-launch --gpu_per_worker); use device_count <= %d "
-            "or add devices." % (strategy, n, cluster.total_gpu_num, cluster.worker_num,
-                                 cluster.gpu_num_per_worker, cluster.total_gpu_num))
+            "%r: the split needs %d devices but the job has %d (%d worker(s) x %d); use "
+            "device_count <= %d or add devices. %s"
+            % (strategy, n, cluster.total_gpu_num, cluster.worker_num,
+               cluster.gpu_num_per_worker, cluster.total_gpu_num, plan.how_to_get_devices()))
     return n
 
 
