@@ -77,9 +77,9 @@ def upstream(ops, control=True, within=None, stop=()):
     return seen
 
 
-def downstream(ops, within=None):
-    """``ops`` and every op that runs after them (data and control edges), staying
-    inside ``within`` (a set, default the graph)."""
+def downstream(ops, within=None, control=True):
+    """``ops`` and every op that runs after them (through data edges, and control edges
+    with ``control``), staying inside ``within`` (a set, default the graph)."""
     seen, stack = set(), [op for op in ops if within is None or op in within]
     while stack:
         op = stack.pop()
@@ -87,7 +87,8 @@ def downstream(ops, within=None):
             continue
         seen.add(op)
         nxt = [c for t in op.outputs for c in t.consumers()]
-        nxt += list(tfg.control_outputs(op))
+        if control:
+            nxt += list(tfg.control_outputs(op))
         stack.extend(c for c in nxt if (within is None or c in within) and c not in seen)
     return seen
 

@@ -39,6 +39,7 @@ TensorFlow's value over all the rows.  Hence:
 """
 import tensorflow as tf
 
+from epl import ir
 from epl.communicators import native_ops
 from epl.communicators.hierarchical import host_device
 from epl.rewrite.cloner import new_ops
@@ -121,16 +122,7 @@ def check_sums(writes, summed):
 
 def _downstream(variables):
     """Ops that read (through data edges) one of ``variables``."""
-    seen = set(variables)
-    frontier = list(variables)
-    while frontier:
-        op = frontier.pop()
-        for out in op.outputs:
-            for c in out.consumers():
-                if c not in seen:
-                    seen.add(c)
-                    frontier.append(c)
-    return seen
+    return ir.downstream(variables, control=False)
 
 
 def join_metric_updates(state, sel, since=-1):

@@ -189,17 +189,8 @@ def _initial_values_only(initializers):
 
 def downstream_of_batch(graph):
     """Ops that (transitively) read an input batch."""
-    frontier = [op for op in graph.get_operations()
-                if op.type in SOURCE_OPS or is_batch_placeholder(op)]
-    seen = set(frontier)
-    while frontier:
-        op = frontier.pop()
-        for out in op.outputs:
-            for consumer in out.consumers():
-                if consumer not in seen:
-                    seen.add(consumer)
-                    frontier.append(consumer)
-    return seen
+    return ir.downstream([op for op in graph.get_operations()
+                          if op.type in SOURCE_OPS or is_batch_placeholder(op)], control=False)
 
 
 def _step_only_ops(graph, step_op):
