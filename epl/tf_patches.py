@@ -646,6 +646,7 @@ def install():
         return
     deferred.set_wrap_context(rewriting)
     deferred.install_hooks()
+    patching.keep_autograph_out("epl")
     for point, hook in CAPTURE:
         patching.install(point, hook)
     _installed.append(True)

@@ -18,6 +18,8 @@ is the same function in a dozen modules) are replaced in every module that expor
 import importlib
 import sys
 
+from tensorflow.python.autograph.core import config as autograph_config
+
 from epl.tf_adapter.version import IS_TF2
 
 _GRAPH = ("tensorflow.python.framework.ops", "Graph")
@@ -171,3 +173,21 @@ def uninstall_all():
         module, attr, value = _rebound.pop()
         setattr(module, attr, value)
     _originals.clear()
+
+
+def keep_autograph_out(package):
+    """Put ``package`` on autograph's do-not-convert list (idempotent).
+
+    Autograph converts a Keras layer's ``call`` and, recursively, every Python function
+    that converted code calls and whose module is not on that list.  EPL's patched entry
+    points (``tf.einsum``, ``Dense.call``, ``get_variable``...) are such functions: a
+    user's layer calling ``tf.einsum`` had EPL's capture code rewritten by autograph,
+    which broke it (measured: ``ir.Graph.get(...).sharded.get(t)`` failed inside a
+    converted MoE layer with "tf__get() takes from 0 to 1 positional arguments but 2
+    were given", depending on what ran before).  EPL's code is graph-building code: it
+    must run as written."""
+    rules = tuple(autograph_config.CONVERSION_RULES)
+    if any(isinstance(r, autograph_config.DoNotConvert) and r.matches(package)
+           and r.matches(package + ".x") for r in rules):
+        return
+    autograph_config.CONVERSION_RULES = (autograph_config.DoNotConvert(package),) + rules
