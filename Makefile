@@ -71,7 +71,7 @@ bench: setup
 	$(PY) benchmarks/run_all.py
 
 docs: $(STAMP)
-	$(PY) -c 'import sys, epl.config; sys.stdout.write(epl.config.markdown())' > docs/config.md
+	$(PY) -c 'import sys, epl.core.config; sys.stdout.write(epl.core.config.markdown())' > docs/config.md
 
 # Horovod with Gloo in its own venv, only for the collectives comparison.
 horovod: $(STAMP)

@@ -9,7 +9,7 @@ import.  A package carries that library only: never the libraries a checkout bui
 epl/lib for `make setup` (the other line's, or a stale one), nor those an earlier build
 left in build/.  Where no TensorFlow is importable yet (pip may build before it installs
 the extras), it carries none, and the first use of EPL's collectives builds it
-(`python -m epl.native --build` does it ahead of time); `python -m epl.native` reports what
+(`python -m epl.communicators.op_library --build` does it ahead of time); `python -m epl.communicators.op_library` reports what
 is built.
 """
 import glob
@@ -49,7 +49,7 @@ class BuildWithOps(build_py):
             import tensorflow  # noqa: F401
         except ImportError:
             print("pyepl: TensorFlow is not importable while building: the C++ ops are "
-                  "built on first use (or by `python -m epl.native --build`).")
+                  "built on first use (or by `python -m epl.communicators.op_library --build`).")
             return
         # (named for the TensorFlow line it links against: csrc/build.py --out-dir)
         code = subprocess.call([sys.executable, os.path.join(HERE, "csrc", "build.py"),
@@ -72,7 +72,7 @@ setup(
         "gpu": ["tensorflow-gpu==1.15.5; " + _TF1,
                 "tensorflow[and-cuda]>=2.16; " + _TF2, "tf-keras>=2.16; " + _TF2],
     },
-    entry_points={"console_scripts": ["epl-launch=epl.launcher:main"]},
+    entry_points={"console_scripts": ["epl-launch=epl.launch.launcher:main"]},
     # (no package_data for epl/lib: the package carries the one library BuildWithOps
     # builds, never those of the checkout)
     cmdclass={"build_py": BuildWithOps},

@@ -88,7 +88,7 @@ EXCLUDED = ["amp"]     # CPU float16 kernels are ~400x slower: never a candidate
 def main():
     import logging
     import epl
-    from epl import auto
+    from epl.auto import search
     logging.basicConfig(format="%(message)s")
     logging.getLogger("epl").setLevel(logging.INFO)
     p = argparse.ArgumentParser()
@@ -103,7 +103,7 @@ def main():
                 continue
             limit = None
             if limited:   # below plain data parallelism's peak
-                dp = auto.measure((model_fn, dataset_fn, adam), auto.normalize(["data_parallel"]),
+                dp = search.measure((model_fn, dataset_fn, adam), search.normalize(["data_parallel"]),
                                   args.devices, args.steps, 300)[1]
                 limit = int(dp["peak_bytes"] * 0.9)
             ok, result, chosen = epl.auto.accelerate(
@@ -115,7 +115,7 @@ def main():
             for entry in result.report:
                 if entry["status"] != "ok":
                     continue
-                status, out = auto.measure((model_fn, dataset_fn, adam), entry["strategy"],
+                status, out = search.measure((model_fn, dataset_fn, adam), entry["strategy"],
                                            args.devices, args.steps, 300)
                 if status == "ok":
                     again[json.dumps(entry["strategy"])] = out["samples_per_s"]

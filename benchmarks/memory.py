@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from common import median, print_table, time_calls, write_json  # noqa: E402
-from epl.memory_trace import peak_bytes  # noqa: E402
+from epl.ir.memory_trace import peak_bytes  # noqa: E402
 import watchdog  # noqa: E402
 
 CASE_SECONDS = 900   # the bound of one case's process

@@ -6,7 +6,7 @@ order alternating), then a block of ``--steps``/10 steps of each other arm:
 
 * off:       profile.* keys absent: ``sess.run`` through EPL's hook as shipped;
 * baseline:  the same ``sess.run`` through EPL's hook as it was before profiling existed
-             (``runtime.before_run``, then the run; swapped in for its blocks);
+             (``session_run.before_run``, then the run; swapped in for its blocks);
 * counting:  profile.dir set, but this run is not one profile.steps names;
 * traced:    every run traced (full trace, trace file written): what a traced step costs.
 
@@ -37,7 +37,8 @@ import tensorflow.compat.v1 as tf  # noqa: E402
 tf.disable_v2_behavior()  # TF 2.x: TF1 graph semantics (1.15: its defaults)
 
 import epl  # noqa: E402
-from epl import integration, runtime  # noqa: E402
+from epl.runtime import integration
+from epl.runtime import session_run  # noqa: E402
 from common import median, print_table, write_json  # noqa: E402
 
 tf.logging.set_verbosity(tf.logging.ERROR)
@@ -82,7 +83,7 @@ def main():
 
             def today(self, fetches, feed_dict=None, options=None, run_metadata=None):
                 """EPL's Session.run hook as it was before profiling existed."""
-                runtime.before_run(self)
+                session_run.before_run(self)
                 return integration._run(self, fetches, feed_dict, options, run_metadata)
 
             def step():

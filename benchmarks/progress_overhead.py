@@ -1,10 +1,10 @@
-"""What live progress (epl.progress) costs a training step.
+"""What live progress (epl.runtime.progress) costs a training step.
 
 The same small data-parallel program (2 virtual devices, fed batches) runs its steps in
 two fresh processes: without epl-launch (the hook returns at once) and as an epl-launch
 worker (EPL_LAUNCH_DIR set: every step is counted, a sample is written at most every 0.5
 s).  Prints the median step time of both and the time spent inside the hook per step
-(measured around ``epl.progress.after_run`` in the worker), and writes
+(measured around ``epl.runtime.progress.after_run`` in the worker), and writes
 benchmarks/results/progress_overhead.json.
 
     python benchmarks/progress_overhead.py [--steps 2000]
@@ -28,7 +28,7 @@ def child(steps):
     tf.disable_v2_behavior()
     tf.logging.set_verbosity(tf.logging.ERROR)
     import epl
-    from epl import progress
+    from epl.runtime import progress
     epl.init(epl.Config({"cluster.devices_per_worker": 2}))
     epl.set_default_strategy(epl.replicate(1))
     x = tf.placeholder(tf.float32, [None, 64])

@@ -16,7 +16,7 @@ benchmark (a rank holding gigabytes kept running after its caller was killed).  
   SIGKILL after ``GRACE_SECONDS``), so grandchildren left behind go too;
 * if the caller ends first -- SIGTERM, Ctrl-C (SIGINT), a normal exit -- the live groups
   are killed; if the caller is killed outright (SIGKILL), each child's supervisor
-  (``epl.processes.dies_with_parent``) sees its parent gone and kills the child's whole
+  (``epl.launch.processes.dies_with_parent``) sees its parent gone and kills the child's whole
   process tree.
 
     outcome = run_group([cmd_rank0, cmd_rank1], timeout=600, has_result=json_result)
@@ -38,13 +38,13 @@ POLL_SECONDS = 0.05
 
 
 def _load_epl_processes():
-    """EPL's epl/processes.py (the trampoline that makes a child die with its caller, which
-    epl-launch uses for its workers), loaded by its path: ``import epl.processes`` would
+    """EPL's epl/launch/processes.py (the trampoline that makes a child die with its caller, which
+    epl-launch uses for its workers), loaded by its path: ``import epl.launch.processes`` would
     import the epl package, and with it TensorFlow, into every benchmark's parent process
     (seconds and hundreds of MB that only the children need), and would need the
     repository's root on sys.path."""
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "epl", "processes.py")
+                        "epl", "launch", "processes.py")
     spec = importlib.util.spec_from_file_location("_epl_processes", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -156,7 +156,7 @@ def _install_handlers():
 
 def _start(cmd, env, cwd, capture):
     _install_handlers()
-    # (die with the caller: the supervisor of epl.processes.dies_with_parent)
+    # (die with the caller: the supervisor of epl.launch.processes.dies_with_parent)
     proc = subprocess.Popen(_processes.dies_with_parent(cmd), env=env, cwd=cwd,
                             start_new_session=True, stdout=subprocess.PIPE if capture else None)
     with _live_lock:

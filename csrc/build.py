@@ -19,7 +19,7 @@ in-process all-reduce's sums (docs/communication.md, "Build target"): not worth 
 that dies on older nodes; a site whose nodes all have AVX2 sets EPL_MARCH=x86-64-v3.
 ``--march`` overrides the target (measurements); ``--compile-only`` compiles the sources
 without linking (make xeon-compile-check).  The target is recorded in the library's .json
-and reported by ``python -m epl.native``.
+and reported by ``python -m epl.communicators.op_library``.
 """
 import argparse
 import glob
@@ -189,7 +189,7 @@ def main():
         sys.exit("csrc/build.py: the C++ build failed (command above). It needs g++ and the "
                  "TensorFlow headers of %s (the venv's tensorflow)." % version.describe())
     os.replace(tmp, args.out)
-    # What was built and why the rest was not, for `python -m epl.native`.
+    # What was built and why the rest was not, for `python -m epl.communicators.op_library`.
     info = {"backends": backends, "skipped": skipped[len("nccl skipped ("):-1] if skipped else "",
             "tensorflow": tf.__version__, "compiler": cxx,
             "flags": version.compile_flags(), "target": target,

@@ -7,11 +7,11 @@
 """
 from epl import auto
 from epl.api import init
-from epl.collections import GraphKeys, add_to_collection, get_all_collections, get_collection
-from epl.config import Config
-from epl.env import Env
+from epl.ir.graph_keys import GraphKeys, add_to_collection, get_all_collections, get_collection
+from epl.core.config import Config
+from epl.core.process_state import Env
 from epl.ir import Graph
-from epl.strategies import replicate, set_default_strategy, split
+from epl.ir.strategies import replicate, set_default_strategy, split
 from epl.tensor_parallel.moe import moe_layer
 
 VERSION = "0.1.0"

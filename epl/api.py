@@ -7,11 +7,15 @@ upwards to do so.
 import tensorflow as tf
 
 # amp and gradient_checkpoint: imported to register their backward-pass hooks
-from epl import amp, gradient_checkpoint  # noqa: F401
-from epl import auto_stages, integration, strategies, tf_patches
-from epl.cluster import Cluster
-from epl.config import Config
-from epl.env import Env
+from epl.features import amp
+from epl.features import gradient_checkpoint  # noqa: F401
+from epl.features import auto_stages
+from epl.runtime import integration
+from epl.ir import strategies
+from epl.capture import patches
+from epl.core.cluster import Cluster
+from epl.core.config import Config
+from epl.core.process_state import Env
 from epl.ir import Graph
 from epl.tf_adapter import graph as tfg
 
@@ -47,7 +51,7 @@ def init(config=None):
     again = Env.initialized()
     env = Env.install(config, Cluster(config))
     strategies.reset()
-    tf_patches.install()
+    patches.install()
     integration.install()
     if again:
         _start_over()

@@ -17,8 +17,8 @@ REF_VARIABLES = not tf.resource_variables_enabled()
 def reset():
     """A new default graph and EPL not initialized (so the next program is built without
     EPL, e.g. the oracle, unless it calls epl.init)."""
-    from epl import strategies
-    from epl.env import Env
+    from epl.ir import strategies
+    from epl.core.process_state import Env
     strategies.reset()
     Env._instance = None  # pylint: disable=protected-access
     tf.reset_default_graph()

@@ -8,7 +8,7 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import epl
-from epl import internal_state
+from epl.ir import internal_state
 from tests import models
 
 M, MB, STEPS = 4, 8, 4

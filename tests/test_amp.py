@@ -54,7 +54,7 @@ def test_loss_curve_follows_float32(build, scale):
                 if v.dtype.base_dtype == tf.float16]
     # The backward pass casts each weight again when it needs it: no half copy of a
     # weight made in the forward pass lives until the backward pass.
-    from epl.amp import _weight_cast
+    from epl.features.amp import _weight_cast
     ir = epl.Graph.get(graph)
     late = [(op.name, t.name) for op in graph.get_operations() if ir.phase_of(op) == "backward"
             for t in op.inputs if _weight_cast(t) and ir.phase_of(t.op) == "forward"]

@@ -12,9 +12,9 @@ import tensorflow.compat.v1 as tf
 
 import epl
 from epl import ir
-from epl import plan as planner
-from epl.cluster import Cluster
-from epl.env import Env
+from epl.core import layout as planner
+from epl.core.cluster import Cluster
+from epl.core.process_state import Env
 from epl.rewrite import placement, prepare_state, selection, zero
 from epl.tf_adapter import graph as tfg
 

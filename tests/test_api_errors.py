@@ -6,7 +6,7 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import epl
-from epl.plan import LayoutError
+from epl.core.layout import LayoutError
 
 
 def test_nested_scopes_rejected():
@@ -58,7 +58,7 @@ def test_bad_device_count():
 
 
 def test_use_before_init():
-    from epl.env import Env
+    from epl.core.process_state import Env
     saved, Env._instance = Env._instance, None
     try:
         with pytest.raises(RuntimeError, match="before epl.init"):

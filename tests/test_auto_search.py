@@ -1,4 +1,4 @@
-"""epl.auto.accelerate: candidates dry-run in processes of their own, the fastest
+"""epl.search.accelerate: candidates dry-run in processes of their own, the fastest
 feasible one built; load_strategy skips the search; excluded / time_limit /
 memory_limit_bytes are honoured.  (Which candidate is fastest is the benchmark's
 business: here the choice must follow the figures measured.)"""
@@ -10,7 +10,7 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import epl
-from epl import auto
+from epl.auto import search
 from tests import auto_models, models
 
 
@@ -27,18 +27,18 @@ def test_strategy_round_trips_and_bad_methods_are_named(tmp_path):
     s = [["pipeline", {"num_stages": 2, "num_micro_batch": 4}], "zero"]
     path = tmp_path / "s.json"
     path.write_text(json.dumps(s))
-    assert auto.normalize(str(path)) == auto.normalize(json.dumps(s)) == auto.normalize(s)
-    assert auto.config_of(s, 4)[0] == {"cluster.devices_per_worker": 4,
+    assert search.normalize(str(path)) == search.normalize(json.dumps(s)) == search.normalize(s)
+    assert search.config_of(s, 4)[0] == {"cluster.devices_per_worker": 4,
                                        "auto.auto_parallel": True, "pipeline.num_stages": 2,
                                        "pipeline.num_micro_batch": 4, "zero.level": "v1"}
     with pytest.raises(ValueError, match="unknown optimization method 'tensor'"):
-        auto.normalize(["tensor"])
+        search.normalize(["tensor"])
     with pytest.raises(ValueError, match="has one of"):
-        auto.normalize(["data_parallel", "pipeline"])
+        search.normalize(["data_parallel", "pipeline"])
 
 
 def test_excluded_methods_are_not_tried():
-    cands = auto.candidates(4, excluded=["pipeline", "amp", "offload"])
+    cands = search.candidates(4, excluded=["pipeline", "amp", "offload"])
     names = set(n for c in cands for n, _ in c)
     assert not names & {"pipeline", "amp", "offload"}
     assert "data_parallel" in names and "zero" in names
@@ -49,10 +49,10 @@ def test_load_strategy_builds_without_searching():
     config written by hand."""
     strategy = ["data_parallel", "zero"]
     start = time.time()
-    ok, result, chosen = epl.auto.accelerate(auto_models.model, auto_models.dataset,
+    ok, result, chosen = epl.search.accelerate(auto_models.model, auto_models.dataset,
                                              auto_models.optimizer, devices=2,
                                              load_strategy=json.dumps(strategy))
-    assert ok and result.report == [] and chosen == auto.normalize(strategy)
+    assert ok and result.report == [] and chosen == search.normalize(strategy)
     got = _train(result.train_op)
     assert time.time() - start < 60
     models.reset()
@@ -72,12 +72,12 @@ def test_search_picks_the_fastest_feasible_and_honours_limits(tmp_path):
     those under the memory limit; the strategy file reproduces it."""
     path = str(tmp_path / "best.json")
     excluded = ["accumulation", "pipeline", "amp", "offload", "zero"]
-    ok, result, chosen = epl.auto.accelerate(
+    ok, result, chosen = epl.search.accelerate(
         auto_models.model, auto_models.dataset, auto_models.optimizer, devices=2,
         excluded=excluded, save_strategy_to_file=path, dry_run_steps=2)
     assert ok
     report = result.report
-    assert [e["strategy"] for e in report] == auto.candidates(2, excluded)
+    assert [e["strategy"] for e in report] == search.candidates(2, excluded)
     measured = [e for e in report if e["status"] == "ok"]
     assert len(measured) == len(report) == 2
     best = max(measured, key=lambda e: e["samples_per_s"])
@@ -100,7 +100,7 @@ def test_memory_limit_makes_candidates_infeasible(monkeypatch, limit, want):
         return "ok", {"samples_per_s": speed, "peak_bytes": peak, "step_s": 1.0,
                       "rows_per_step": 32}
     monkeypatch.setattr(auto, "measure", fake)
-    ok, result, chosen = epl.auto.accelerate(
+    ok, result, chosen = epl.search.accelerate(
         auto_models.model, auto_models.dataset, auto_models.optimizer, devices=2,
         excluded=["accumulation", "pipeline", "amp", "offload", "zero"],
         memory_limit_bytes=limit)
@@ -112,7 +112,7 @@ def test_memory_limit_makes_candidates_infeasible(monkeypatch, limit, want):
 
 def test_time_limit_stops_the_search():
     start = time.time()
-    ok, result, chosen = epl.auto.accelerate(
+    ok, result, chosen = epl.search.accelerate(
         auto_models.model, auto_models.dataset, auto_models.optimizer, devices=2,
         excluded=["accumulation", "amp", "offload", "zero"], time_limit=0.0)
     assert not ok and result is None and chosen is None
@@ -120,17 +120,17 @@ def test_time_limit_stops_the_search():
 
 
 def test_split_candidate_only_for_a_head_that_is_the_largest_layer():
-    assert auto.split_head(auto_models.model, auto_models.dataset) is None   # a hidden layer
-    head = auto.split_head(auto_models.big_head_model, auto_models.dataset)
+    assert search.split_head(auto_models.model, auto_models.dataset) is None   # a hidden layer
+    head = search.split_head(auto_models.big_head_model, auto_models.dataset)
     assert head == 1
-    names = [[n for n, _ in c] for c in auto.candidates(2, head=head)]
+    names = [[n for n, _ in c] for c in search.candidates(2, head=head)]
     assert ["split"] in names
-    assert ["split"] not in [[n for n, _ in c] for c in auto.candidates(2, head=None)]
-    assert ["split"] not in [[n for n, _ in c] for c in auto.candidates(1, head=head)]
+    assert ["split"] not in [[n for n, _ in c] for c in search.candidates(2, head=None)]
+    assert ["split"] not in [[n for n, _ in c] for c in search.candidates(1, head=head)]
     assert ["split"] not in [[n for n, _ in c]
-                             for c in auto.candidates(2, excluded=["split"], head=head)]
+                             for c in search.candidates(2, excluded=["split"], head=head)]
     with pytest.raises(ValueError, match="not its last one"):
-        auto.build(auto_models.model, auto_models.dataset, auto_models.optimizer, ["split"], 2)
+        search.build(auto_models.model, auto_models.dataset, auto_models.optimizer, ["split"], 2)
 
 
 def _losses(loss, train_op, steps=4):
@@ -143,7 +143,7 @@ def test_split_strategy_equals_the_local_model():
     """["split"]: the backbone data parallel on 2 devices, the head split over both; the
     local model on the global batch (2 x 16 rows) gives the same losses."""
     models.reset()
-    ok, result, chosen = epl.auto.accelerate(
+    ok, result, chosen = epl.search.accelerate(
         auto_models.big_head_model, auto_models.dataset, auto_models.optimizer, devices=2,
         load_strategy=["split"])
     assert ok and chosen == [["split", None]]
@@ -164,7 +164,7 @@ def test_split_strategy_equals_the_local_model():
 def test_search_picks_split_when_only_the_split_head_fits():
     """A memory limit between the split head's figure and data parallelism's: the
     search measures, finds plain DP (whole head on one device) infeasible, picks split."""
-    ok, result, chosen = epl.auto.accelerate(
+    ok, result, chosen = epl.search.accelerate(
         auto_models.big_head_model, auto_models.dataset, auto_models.optimizer, devices=2,
         excluded=["pipeline", "gradient_checkpoint", "zero", "amp", "offload"],
         memory_limit_bytes=int(3.8 * (1 << 20)))

@@ -11,7 +11,8 @@ import tensorflow.compat.v1 as tf
 from tensorflow.python.autograph.impl import conversion
 
 import epl
-from epl import ir, tf_patches
+from epl import ir
+from epl.capture import patches
 from epl.tensor_parallel import sharding
 
 
@@ -24,7 +25,7 @@ def _left_alone(f):
 
 def test_epl_functions_are_not_converted_once_epl_is_initialized():
     epl.init()
-    for f in (tf_patches._einsum, sharding.lookup, ir.Graph.get, ir.TensorMap.get):
+    for f in (patches._einsum, sharding.lookup, ir.Graph.get, ir.TensorMap.get):
         assert _left_alone(f), f
 
 

@@ -1,11 +1,11 @@
-"""The registry of backward-pass hooks (epl.backward_hooks): order, refusals, and the
+"""The registry of backward-pass hooks (epl.capture.backward_hooks): order, refusals, and the
 hooks EPL's features register (issue 25)."""
 import pytest
 
 import tensorflow.compat.v1 as tf
 
 import epl
-from epl import backward_hooks
+from epl.capture import backward_hooks
 
 
 class _Hook(backward_hooks.BackwardHook):
@@ -134,7 +134,7 @@ def test_a_registered_hook_runs_around_a_user_backward_pass():
         with tf.Session() as sess:
             assert sess.run(g) == pytest.approx(2 * 3.0 * 2 * 2.0)
         del log[:]
-        from epl import capture_context
+        from epl.ir import capture_context
         with capture_context.rewriting():
             tf.gradients(y, x)
         assert log == []

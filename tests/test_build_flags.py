@@ -5,7 +5,7 @@ library built on a login node died with SIGILL on older compute nodes.
 
 Pinned here: no build command asks for the native CPU; csrc/build.py's own command (captured,
 nothing compiled) names the portable target; the library `make setup` built records that
-target and `python -m epl.native` reports it; the target enables no AVX-512; and CI runs the
+target and `python -m epl.communicators.op_library` reports it; the target enables no AVX-512; and CI runs the
 Sapphire Rapids compile check (tools/xeon_compile_check.sh) on both lines.
 """
 import glob
@@ -119,7 +119,7 @@ def test_the_portable_target_enables_no_avx512():
 
 
 def test_built_library_records_and_reports_the_portable_target():
-    from epl import native
+    from epl.communicators import op_library
     from epl.tf_adapter.version import op_library_name
     info = os.path.join(ROOT, "epl", "lib", os.path.splitext(op_library_name())[0] + ".json")
     if not os.path.exists(info):
@@ -129,7 +129,7 @@ def test_built_library_records_and_reports_the_portable_target():
     assert meta.get("target") == (PORTABLE or "%s (compiler default)"
                                   % platform.machine().lower()), meta
     assert not any(NATIVE.search(flag) for flag in meta.get("target_flags", [])), meta
-    report = "\n".join(native.report())
+    report = "\n".join(op_library.report())
     assert "target: %s (" % meta["target"] in report, report
 
 

@@ -39,7 +39,7 @@ def test_dp_checkpoint_restores_into_local_model(tmp_path, copies):
     names = [n for n, _ in tf.train.list_variables(str(tmp_path))]
     assert not any("EPL" in n for n in names), names
     assert "dense/kernel" in names and "global_step" in names
-    epl.strategies.reset()
+    epl.ir.strategies.reset()
     with tf.Graph().as_default():            # the plain local script
         x, y = models.data(8)
         bx, by = models.input_batch(x, y, BATCH)

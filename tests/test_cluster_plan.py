@@ -3,9 +3,9 @@ import collections
 
 import pytest
 
-from epl.cluster import Cluster
-from epl.config import Config
-from epl.plan import LayoutError, ReplicaLayout, plan
+from epl.core.cluster import Cluster
+from epl.core.config import Config
+from epl.core.layout import LayoutError, ReplicaLayout, plan
 
 
 def _cfg(**kv):
@@ -116,7 +116,7 @@ def test_plan_split_errors_name_the_fix():
 
 
 def test_plan_split_across_workers_runs_in_graph():
-    from epl.plan import spans_workers
+    from epl.core.layout import spans_workers
     two = Cluster(_cfg(cluster__devices_per_worker=2),
                   tf_config={"cluster": {"worker": ["a:1", "b:1"]},
                              "task": {"type": "worker", "index": 0}}, visible_gpus=0)
@@ -130,7 +130,7 @@ def test_plan_split_across_workers_runs_in_graph():
 def test_zero_across_workers_runs_in_graph():
     """zero.level over several workers: one copy of the state in the job (in-graph);
     plain DP and ZeRO on one worker stay as they were."""
-    from epl.plan import in_graph
+    from epl.core.layout import in_graph
     two = Cluster(_cfg(cluster__devices_per_worker=2),
                   tf_config={"cluster": {"worker": ["a:1", "b:1"]},
                              "task": {"type": "worker", "index": 0}}, visible_gpus=0)

@@ -14,10 +14,10 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import epl
-from epl import native
+from epl.communicators import op_library
 from tests import test_split as ts
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="EPL's C++ collectives")
+pytestmark = pytest.mark.skipif(not op_library.available(), reason="EPL's C++ collectives")
 
 STEPS = 3
 

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import tensorflow.compat.v1 as tf
 
-from epl import communicators, native
+from epl import communicators
+from epl.communicators import op_library
 from epl.communicators.hierarchical import HierarchicalCommunicator
 from epl.communicators.in_graph import InGraphCommunicator
 from epl.communicators.native import NativeCommunicator

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from epl.config import SCHEMA, Config, env_var_name, markdown
+from epl.core.config import SCHEMA, Config, env_var_name, markdown
 
 SEED_KEYS = {
     "pipeline.num_micro_batch": 1, "pipeline.num_stages": None,

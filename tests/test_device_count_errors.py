@@ -5,9 +5,9 @@ import collections
 
 import pytest
 
-from epl.cluster import Cluster
-from epl.config import Config
-from epl.plan import LayoutError, PipelineLayout, ReplicaLayout, plan
+from epl.core.cluster import Cluster
+from epl.core.config import Config
+from epl.core.layout import LayoutError, PipelineLayout, ReplicaLayout, plan
 
 TG = collections.namedtuple("TG", "kind device_count strategy")
 
@@ -52,8 +52,8 @@ def test_the_hint_is_written_once():
     """One helper writes the hint: the plan's messages do not spell it out each."""
     import inspect
 
-    import epl.plan
-    source = inspect.getsource(epl.plan)
+    import epl.core.layout
+    source = inspect.getsource(epl.core.layout)
     assert source.count("EPL_CLUSTER_DEVICES_PER_WORKER") == 1, source
 
 

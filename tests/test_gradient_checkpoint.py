@@ -12,7 +12,7 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import epl
-from epl import gradient_checkpoint
+from epl.features import gradient_checkpoint
 from tests import models
 
 STEPS, WIDTH, DEPTH = 5, 16, 6

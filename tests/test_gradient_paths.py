@@ -50,7 +50,7 @@ def test_fusion_splits_and_communicators(splits, comms, copies):
 
 
 def test_in_graph_communicator_fallback(monkeypatch):
-    from epl import native
+    from epl.communicators import op_library
     monkeypatch.setattr(native, "available", lambda: False)
     want = _local()
     got, types = _dp_weights()

@@ -5,7 +5,7 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import epl
-from epl.io_slicing import slice_files
+from epl.capture.readers import slice_files
 
 FILES = ["f%d" % i for i in range(10)]
 

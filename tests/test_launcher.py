@@ -6,14 +6,14 @@ import sys
 
 import pytest
 
-from epl import launcher
+from epl.launch import launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _launch(args, cwd, env=None, timeout=120):
     env = dict(os.environ if env is None else env, PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-m", "epl.launcher"] + args, cwd=cwd, env=env,
+    out = subprocess.run([sys.executable, "-m", "epl.launch.launcher"] + args, cwd=cwd, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
     return out.returncode, out.stdout.decode()
 
@@ -81,7 +81,7 @@ def _early_exit_job(tmp_path, mode, limit):
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2",
                EPL_COMMUNICATION_TIMEOUT_SECONDS="600")   # the default: no test shortcut
     env.pop("EPL_JOB_ID", None)
-    cmd = [sys.executable, "-m", "epl.launcher", "--num_workers", "2", "--gpu_per_worker", "1",
+    cmd = [sys.executable, "-m", "epl.launch.launcher", "--num_workers", "2", "--gpu_per_worker", "1",
            "--log_dir", str(tmp_path / "logs"),
            os.path.join(ROOT, "tests", "mw_early_exit.py"), mode, str(tmp_path)]
     return _stream(cmd, env, ROOT, limit)
@@ -136,7 +136,7 @@ def test_stopping_the_launcher_stops_its_workers(tmp_path, how):
                       "open(path + '.tmp', 'w').write(str(os.getpid()))\n"
                       "os.rename(path + '.tmp', path)\ntime.sleep(600)\n")
     env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.Popen([sys.executable, "-m", "epl.launcher", "--num_workers", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "epl.launch.launcher", "--num_workers", "2",
                              "--log_dir", str(tmp_path / "logs"), str(script), str(tmp_path)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     pids = []

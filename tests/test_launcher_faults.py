@@ -19,7 +19,7 @@ import uuid
 
 import pytest
 
-from epl import launcher
+from epl.launch import launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARK_ENV = "EPL_TEST_JOB_MARK"
@@ -95,7 +95,7 @@ class Job(object):
         env.pop("EPL_JOB_ID", None)
         with open(str(self.log), "wb") as f:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "epl.launcher", "--num_workers", str(num_workers),
+                [sys.executable, "-m", "epl.launch.launcher", "--num_workers", str(num_workers),
                  "--log_dir", str(tmp_path / "logs"), str(script), str(self.out)] + args,
                 env=env, stdout=f, stderr=subprocess.STDOUT, cwd=str(tmp_path))
 
@@ -215,8 +215,8 @@ import tensorflow.compat.v1 as tf
 tf.disable_v2_behavior()
 import epl
 epl.init()
-from epl import distributed_runtime
-distributed_runtime.serve_until_chief_exits()
+from epl.runtime import distributed
+distributed.serve_until_chief_exits()
 print("serve_until_chief_exits returned")
 """
 
@@ -265,7 +265,7 @@ class FakeChief(object):
 
 
 def _serving_worker(tmp_path, chief, timeout_seconds):
-    from epl.launcher import free_ports
+    from epl.launch.launcher import free_ports
     script = tmp_path / "serve.py"
     script.write_text(SERVE)
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2",

@@ -10,7 +10,7 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import epl
-from epl.plan import LayoutError
+from epl.core.layout import LayoutError
 from tests import models
 
 STEPS, BATCH = 3, 4

@@ -18,7 +18,7 @@ import uuid
 import numpy as np
 import pytest
 
-from epl import launcher
+from epl.launch import launcher
 from tests import models, netns
 from tests.mw_train import BATCH, STEPS
 
@@ -58,7 +58,7 @@ class Launch(object):
         env.pop("EPL_JOB_ID", None)
         env.pop("EPL_COMM_TRANSPORT", None)
         self.rank, self.net = rank, net
-        self.proc = net.popen(rank, [sys.executable, "-m", "epl.launcher", "--num_workers",
+        self.proc = net.popen(rank, [sys.executable, "-m", "epl.launch.launcher", "--num_workers",
                                      str(net.hosts), "--gpu_per_worker", "1",
                                      "--machine_list", machines, "--machine_rank", str(rank),
                                      "--log_dir", str(tmp_path / ("logs%d" % rank))]
@@ -300,7 +300,7 @@ def test_the_launcher_names_the_message_of_a_tf2_graph_execution_error(tmp_path)
     """TF 2.x prints 'XError: Graph execution error:' and the op's message lines later
     (after "Node: 'name'"): the launcher's summary shows that message, which names the
     unreachable host, not 'Graph execution error:'."""
-    from epl.launcher import exception_line
+    from epl.launch.launcher import exception_line
     log = tmp_path / "worker_0.log"
     log.write_text("step 3\n"
                    "tensorflow.python.framework.errors_impl.DeadlineExceededError: Graph "

@@ -54,7 +54,7 @@ def test_wheel_carries_only_its_own_line_and_installs(tmp_path):
     assert lib.exists(), proc.stdout.decode()[-3000:]
     assert (target / "epl" / "_csrc" / "build.py").exists()
     assert (target / "epl" / "_csrc" / "nccl" / "nccl_ops.cc").exists()
-    report = subprocess.run([sys.executable, "-m", "epl.native"], stdout=subprocess.PIPE,
+    report = subprocess.run([sys.executable, "-m", "epl.communicators.op_library"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, cwd=str(tmp_path), timeout=300,
                             env=dict(os.environ, PYTHONPATH=str(target)))
     text = report.stdout.decode()

@@ -19,7 +19,7 @@ import tensorflow.compat.v1 as tf
 
 import epl
 from epl import ir
-from epl.env import Env
+from epl.core.process_state import Env
 from epl.rewrite import PASSES, RewriteResult, prepare_state
 from epl.rewrite.pipeline import PassContext, PassPipeline
 from epl.tf_adapter import graph as tfg
@@ -509,7 +509,7 @@ def test_order_global_step_makes_the_advance_wait_for_its_readers_not_a_savers_s
 def _worker_graph(index, initial, workers=2):
     """Worker ``index`` of a job of ``workers`` workers (2 devices each): its graph
     rewritten up to broadcast_initial_values.  Returns (state, w, the passes that ran)."""
-    from epl.cluster import Cluster
+    from epl.core.cluster import Cluster
     hosts = ["localhost:%d" % (2222 + i) for i in range(workers)]
     cluster = Cluster(Env.get().config, visible_gpus=0, tf_config={
         "cluster": {"worker": hosts}, "task": {"type": "worker", "index": index}}
@@ -534,9 +534,9 @@ def test_broadcast_initial_values_initializes_every_worker_from_worker_0(monkeyp
 
     (Structure only: two ranks of one cross-process collective cannot run in one process,
     their ops queue behind each other; the multi-worker tests run it.)"""
-    from epl import native
-    if not native.available():
-        pytest.skip("needs EPL's C++ op library: %s" % native.missing_reason())
+    from epl.communicators import op_library
+    if not op_library.available():
+        pytest.skip("needs EPL's C++ op library: %s" % op_library.missing_reason())
     monkeypatch.setenv("EPL_JOB_ID", "test_passes_" + uuid.uuid4().hex[:12])
     _init(2)
     epl.set_default_strategy(epl.replicate(1))

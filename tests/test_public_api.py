@@ -6,7 +6,7 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import epl
-from epl.config import Config
+from epl.core.config import Config
 from tests import models
 
 
@@ -90,7 +90,7 @@ def test_run_config_distribution_strategy_is_ignored_with_a_warning(tmp_path, ca
     est = tf.estimator.Estimator(model_fn, model_dir=str(tmp_path / "est"), config=config)
     est.train(lambda: tf.data.Dataset.from_tensor_slices((x, y)).batch(batch), steps=steps)
     got = {k: est.get_variable_value(k) for k in models.initial_weights()}
-    from epl.env import Env
+    from epl.core.process_state import Env
     Env._instance = None  # pylint: disable=protected-access
     want, _ = models.train_local(x, y, n * batch, steps, "momentum")
     models.assert_weights_close(got, want)

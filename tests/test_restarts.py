@@ -44,7 +44,7 @@ def _launch(args, env_extra=None, timeout=150):
     env.pop("EPL_JOB_ID", None)
     env.update(env_extra or {})
     try:
-        out = subprocess.run([sys.executable, "-m", "epl.launcher"] + args, env=env,
+        out = subprocess.run([sys.executable, "-m", "epl.launch.launcher"] + args, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              timeout=timeout)
     except subprocess.TimeoutExpired as e:
@@ -126,7 +126,7 @@ def test_the_restart_window_resets_the_count(tmp_path):
 
 
 def test_restart_flags_are_checked(capsys):
-    from epl import launcher
+    from epl.launch import launcher
     for args, says in ((["--max_restarts", "-1"], "--max_restarts must be >= 0"),
                        (["--restart_window", "0"], "--restart_window must be > 0"),
                        (["--min_workers", "3"], "--min_workers must be between 1 and"),
@@ -257,7 +257,7 @@ def _state_program(config, ckpt_dir, runs):
     ``runs`` runs of the train op.  Returns (global step and EPL's own variables right
     after the session restored or initialized, the same after the runs, the weights)."""
     import epl
-    from epl import internal_state
+    from epl.ir import internal_state
     models.reset()
     epl.init(epl.Config(dict(config, **{"cluster.devices_per_worker": 2})))
     if "pipeline.num_micro_batch" not in config:   # (accumulation across runs: no annotation)
@@ -308,7 +308,7 @@ def test_epl_state_starts_again_when_a_checkpoint_is_restored(tmp_path, feature)
 def _machines(count):
     """A --machine_list of ``count`` 'hosts' on 127.0.0.2, 127.0.0.3, ... with 3 free
     ports each (1 worker: TensorFlow's port, EPL's, and on machine 0 the coordinator's)."""
-    from epl.launcher import free_port_block
+    from epl.launch.launcher import free_port_block
     return ",".join("127.0.0.%d:%d" % (2 + m, free_port_block(3, "127.0.0.%d" % (2 + m)))
                     for m in range(count))
 
@@ -329,7 +329,7 @@ class _Launchers(object):
         self.env, self.procs, self.outs, self.cmds = env, [None, None], [[], []], []
         for r in (0, 1):
             self.cmds.append(
-                [sys.executable, "-m", "epl.launcher", "--num_workers", "2", "--machine_list",
+                [sys.executable, "-m", "epl.launch.launcher", "--num_workers", "2", "--machine_list",
                  machines, "--machine_rank", str(r), "--log_dir", str(tmp_path / ("logs%d" % r)),
                  "--log_json", str(tmp_path / ("progress%d.json" % r))]
                 + args + [os.path.join(HERE, "restart_train.py"), str(tmp_path), str(data)])
@@ -479,7 +479,7 @@ def test_a_launcher_with_another_secret_is_refused(tmp_path):
         env = dict(os.environ, PYTHONPATH=ROOT, EPL_JOB_SECRET=secret)
         env.pop("EPL_JOB_ID", None)
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "epl.launcher", "--num_workers", "2", "--machine_list",
+            [sys.executable, "-m", "epl.launch.launcher", "--num_workers", "2", "--machine_list",
              machines, "--machine_rank", str(r), "--max_restarts", "1", "--host_timeout", "4",
              "--log_dir", str(tmp_path / ("logs%d" % r)), str(script)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
@@ -519,7 +519,7 @@ def test_sigterm_ends_a_restarting_job_on_every_machine(tmp_path):
     env.pop("EPL_JOB_ID", None)
 
     def start(args, log):
-        return subprocess.Popen([sys.executable, "-m", "epl.launcher", "--num_workers", "2",
+        return subprocess.Popen([sys.executable, "-m", "epl.launch.launcher", "--num_workers", "2",
                                  "--max_restarts", "3", "--log_dir", str(tmp_path / log)] +
                                 args + [str(script), str(tmp_path)],
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -10,7 +10,7 @@ from google.protobuf import text_format
 
 import epl
 from epl import ir
-from epl.env import Env
+from epl.core.process_state import Env
 from epl.rewrite import PASSES, prepare_state
 from epl.rewrite.pipeline import Pass, PassContext, PassOrderError, PassPipeline
 from epl.rewrite.state import CLONE_MAPS, CloneMaps, UndeclaredProduct

@@ -14,7 +14,7 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import epl
-from epl.plan import LayoutError
+from epl.core.layout import LayoutError
 from tests import split_models as sm
 
 STEPS, BATCH = 3, 12
@@ -468,8 +468,8 @@ def test_moe_split_equals_local_experts(n, experts, top_k):
         np.testing.assert_allclose(lg, lw, rtol=1e-5)
         np.testing.assert_allclose(og, ow, rtol=1e-5, atol=1e-6)
     types = [op.type for op in tf.get_default_graph().get_operations()]
-    from epl import native
-    if native.available():
+    from epl.communicators import op_library
+    if op_library.available():
         assert types.count("EplAllToAll") >= 2 * n   # dispatch + combine, and their gradients
     shards = [var for var in tf.global_variables() if "experts_w1" in var.op.name]
     assert [int(s.shape[0]) for s in shards] == [len(a) for a in

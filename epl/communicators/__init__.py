@@ -5,10 +5,13 @@ calls its methods with one tensor per device (list index = rank); every rank's
 result must be consumed (or waited for), since a collective completes only
 when all its ranks run.  Swapping the transport is a change of the class
 :func:`create` returns.
+
+Communicators layer (3): the C++ op library (``op_library``, ``native_ops``) and the
+communicator classes over it; may import ``ir``, ``core`` and the adapter.
 """
 from epl.communicators.base import Communicator  # noqa: F401
 # (named apart: importing the submodule epl.communicators.native binds `native` here)
-from epl import native as native_library
+from epl.communicators import op_library as native_library
 from epl.communicators.hierarchical import HierarchicalCommunicator
 from epl.communicators.in_graph import InGraphCommunicator
 from epl.communicators.native import NativeCommunicator
@@ -24,7 +27,7 @@ def create(devices, name="epl_comm", timeout_seconds=600, cluster=None, placer=N
     if cluster is not None and cluster.worker_num > 1:
         if not native_library.available():
             raise RuntimeError("multi-worker training needs EPL's C++ op library (%s); run "
-                               "`make setup` or `python -m epl.native --build`."
+                               "`make setup` or `python -m epl.communicators.op_library --build`."
                                % native_library.missing_reason())
         return HierarchicalCommunicator(devices, name, timeout_seconds, cluster.worker_index,
                                         cluster.worker_num, cluster.job_id,
@@ -46,5 +49,5 @@ def _warn_fallback(reason):
     import tensorflow as tf
     tf.compat.v1.logging.warning(
         "EPL: collectives run as TensorFlow ops (in-graph communicator), not EPL's C++ "
-        "library: %s. Run `python -m epl.native --build` (needs g++) for the fast backends.",
+        "library: %s. Run `python -m epl.communicators.op_library --build` (needs g++) for the fast backends.",
         reason)

@@ -8,7 +8,7 @@ sizes), broadcast with reduce, and all-to-all with all-to-all.
 import tensorflow as tf
 from tensorflow.python.framework import ops
 
-from epl import native
+from epl.communicators import op_library
 from epl.tf_adapter import deferred
 
 DTYPES = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
@@ -21,7 +21,7 @@ def _common(group, rank, size, timeout_seconds, transport):
 
 def all_reduce(x, group, rank, size, reduce_op="sum", timeout_seconds=600,
                transport="inprocess", name=None):
-    return native.ops().epl_all_reduce(x, reduce_op=reduce_op, name=name,
+    return op_library.ops().epl_all_reduce(x, reduce_op=reduce_op, name=name,
                                        **_common(group, rank, size, timeout_seconds, transport))
 
 
@@ -50,7 +50,7 @@ def all_reduce_n(xs, group, rank, size, reduce_op="sum", timeout_seconds=600,
     if _deferred(xs, device):
         return _create("EplAllReduceN", [xs], xs[0].dtype,
                        dict(common, N=len(xs), reduce_op=reduce_op), device, name)
-    return native.ops().epl_all_reduce_n(xs, reduce_op=reduce_op, name=name, **common)
+    return op_library.ops().epl_all_reduce_n(xs, reduce_op=reduce_op, name=name, **common)
 
 
 def all_gather(x, group, rank, size, timeout_seconds=600, transport="inprocess", name=None,
@@ -60,28 +60,28 @@ def all_gather(x, group, rank, size, timeout_seconds=600, transport="inprocess",
     common = _common(group, rank, size, timeout_seconds, transport)
     if _deferred([x], device):
         return _create("EplAllGather", [x], x.dtype, common, device, name)[0]
-    out, _ = native.ops().epl_all_gather(x, name=name, **common)
+    out, _ = op_library.ops().epl_all_gather(x, name=name, **common)
     return out
 
 
 def reduce_scatter(x, group, rank, size, reduce_op="sum", timeout_seconds=600,
                    transport="inprocess", name=None):
     """This rank's rows of the reduction, rows split like numpy.array_split."""
-    return native.ops().epl_reduce_scatter(x, reduce_op=reduce_op, name=name,
+    return op_library.ops().epl_reduce_scatter(x, reduce_op=reduce_op, name=name,
                                            **_common(group, rank, size, timeout_seconds,
                                                      transport))
 
 
 def broadcast(x, group, rank, size, root=0, timeout_seconds=600, transport="inprocess",
               name=None):
-    return native.ops().epl_broadcast(x, root=root, name=name,
+    return op_library.ops().epl_broadcast(x, root=root, name=name,
                                       **_common(group, rank, size, timeout_seconds, transport))
 
 
 def reduce(x, group, rank, size, root=0, reduce_op="sum", timeout_seconds=600,
            transport="inprocess", name=None):
     """The reduction on ``root``; zeros on the other ranks."""
-    return native.ops().epl_reduce(x, root=root, reduce_op=reduce_op, name=name,
+    return op_library.ops().epl_reduce(x, root=root, reduce_op=reduce_op, name=name,
                                    **_common(group, rank, size, timeout_seconds, transport))
 
 
@@ -91,7 +91,7 @@ def all_to_all(x, group, rank, size, split_sizes=None, timeout_seconds=600,
     if split_sizes is None:
         split_sizes = tf.zeros([0], tf.int64)
     split_sizes = tf.cast(split_sizes, tf.int64)
-    return native.ops().epl_all_to_all(x, split_sizes, name=name,
+    return op_library.ops().epl_all_to_all(x, split_sizes, name=name,
                                        **_common(group, rank, size, timeout_seconds, transport))
 
 
@@ -132,7 +132,7 @@ def _all_reduce_grad(op, grad):
     how = op.get_attr("reduce_op").decode()
     if how not in ("sum", "mean"):
         return [None]
-    return [native.ops().epl_all_reduce(grad, reduce_op=how, **_attrs(op))]
+    return [op_library.ops().epl_all_reduce(grad, reduce_op=how, **_attrs(op))]
 
 
 @ops.RegisterGradient("EplAllReduceN")
@@ -141,12 +141,12 @@ def _all_reduce_n_grad(op, *grads):
     if how not in ("sum", "mean"):
         return [None] * len(grads)
     grads = [g if g is not None else tf.zeros_like(x) for g, x in zip(grads, op.inputs)]
-    return native.ops().epl_all_reduce_n(grads, reduce_op=how, **_attrs(op))
+    return op_library.ops().epl_all_reduce_n(grads, reduce_op=how, **_attrs(op))
 
 
 @ops.RegisterGradient("EplAllGather")
 def _all_gather_grad(op, grad, _):
-    total = native.ops().epl_all_reduce(grad, reduce_op="sum", **_attrs(op))
+    total = op_library.ops().epl_all_reduce(grad, reduce_op="sum", **_attrs(op))
     sizes = op.outputs[1]
     rank = op.get_attr("rank")
     start = tf.reduce_sum(sizes[:rank])
@@ -157,7 +157,7 @@ def _all_gather_grad(op, grad, _):
 def _reduce_scatter_grad(op, grad):
     if op.get_attr("reduce_op").decode() not in ("sum", "mean"):
         return [None]
-    out, _ = native.ops().epl_all_gather(grad, **_attrs(op))
+    out, _ = op_library.ops().epl_all_gather(grad, **_attrs(op))
     if op.get_attr("reduce_op").decode() == "mean":
         out = out / tf.cast(op.get_attr("size"), out.dtype)
     return [out]
@@ -165,7 +165,7 @@ def _reduce_scatter_grad(op, grad):
 
 @ops.RegisterGradient("EplBroadcast")
 def _broadcast_grad(op, grad):
-    return [native.ops().epl_reduce(grad, root=op.get_attr("root"), reduce_op="sum",
+    return [op_library.ops().epl_reduce(grad, root=op.get_attr("root"), reduce_op="sum",
                                     **_attrs(op))]
 
 
@@ -174,7 +174,7 @@ def _reduce_grad(op, grad):
     how = op.get_attr("reduce_op").decode()
     if how not in ("sum", "mean"):
         return [None]
-    out = native.ops().epl_broadcast(grad, root=op.get_attr("root"), **_attrs(op))
+    out = op_library.ops().epl_broadcast(grad, root=op.get_attr("root"), **_attrs(op))
     if how == "mean":
         out = out / tf.cast(op.get_attr("size"), out.dtype)
     return [out]
@@ -182,5 +182,5 @@ def _reduce_grad(op, grad):
 
 @ops.RegisterGradient("EplAllToAll")
 def _all_to_all_grad(op, grad, _):
-    back, _ = native.ops().epl_all_to_all(grad, op.outputs[1], **_attrs(op))
+    back, _ = op_library.ops().epl_all_to_all(grad, op.outputs[1], **_attrs(op))
     return [back, None]

@@ -12,5 +12,5 @@
 
     python -m epl.profile DIR      # prints the breakdown, writes DIR/profile.png
 
-See docs/profiling.md.
+See docs/profiling.md.  Runtime layer (6): may import ``rewrite`` and the layers below.
 """

@@ -7,7 +7,7 @@ on TensorFlow's clock).  Read through ctypes on the library TensorFlow already l
 import collections
 import ctypes
 
-from epl import native
+from epl.communicators import op_library
 
 Record = collections.namedtuple(
     "Record", "node what group transport rank size bytes start_us ready_us end_us")
@@ -19,8 +19,8 @@ def _library():
     """The loaded op library's C entry points, or None without the library."""
     if not _lib:
         lib = None
-        if native.available():
-            lib = ctypes.CDLL(native.library_path())
+        if op_library.available():
+            lib = ctypes.CDLL(op_library.library_path())
             lib.epl_trace_enable.argtypes = [ctypes.c_int]
             lib.epl_trace_take.argtypes = [ctypes.c_char_p, ctypes.c_longlong]
             lib.epl_trace_take.restype = ctypes.c_longlong

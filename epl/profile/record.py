@@ -1,10 +1,10 @@
 """Tracing the training steps ``profile.steps`` names (and the runs ``profile.runs``
 names) into ``profile.dir`` (Chrome trace JSON).
 
-``start`` is asked before every ``Session.run`` of a graph (``epl.integration``), and
+``start`` is asked before every ``Session.run`` of a graph (``epl.runtime.integration``), and
 every call of a callable made from options (tf.keras, ``watch_callable``).  It counts the
 graph's runs (from 1, initialization runs included) and its *training steps*, as the
-progress line does (``epl.progress``: a run whose fetches reach the gradients of the
+progress line does (``epl.runtime.progress``: a run whose fetches reach the gradients of the
 program's loss; initializers, evaluations, checkpoint saves are not steps).  Step ``n``
 is the run that takes ``global_step`` to ``n`` (the variable is read, one extra run of it,
 at the first two training runs and around the steps asked for), or, without a
@@ -45,9 +45,10 @@ import socket
 import time
 import weakref
 
-from epl import ir, progress, rewrite
-from epl.config import parse_steps
-from epl.env import Env
+from epl import ir, rewrite
+from epl.runtime import progress
+from epl.core.config import parse_steps
+from epl.core.process_state import Env
 from epl.profile import collectives
 from epl.tf_adapter import patching
 from epl.tf_adapter import trace as tftrace
@@ -87,7 +88,7 @@ class _GraphRuns(object):
 
     def __init__(self):
         self.runs = 0             # every run
-        self.training_runs = 0    # the runs that train (epl.progress's definition)
+        self.training_runs = 0    # the runs that train (epl.runtime.progress's definition)
         self.anchor = None        # (training runs before a read, global_step it read)
         self.rate = None          # global_step per training run (0: it does not advance)
         self.first = None         # the first and last training step seen
@@ -147,7 +148,7 @@ class Traced(object):
 
 def _classify(graph, fetches):
     """(is a training run, the graph's global_step tensor or None) of a run fetching
-    ``fetches`` (epl.progress's definition of a training step)."""
+    ``fetches`` (epl.runtime.progress's definition of a training step)."""
     facts = progress.tracker().graph_facts(graph)
     if facts is None:
         return False, None

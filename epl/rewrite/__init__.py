@@ -3,7 +3,7 @@
 Runs from ``Graph.finalize`` (MonitoredTrainingSession, Estimator) or the
 first ``Session.run`` of a plain session.  Passes, in order, each with one job:
 
-1. plan          layout of replicas on devices (``epl.plan``)
+1. plan          layout of replicas on devices (``epl.core.layout``)
 2. select        which ops form the replica (``selection.py``), which gradients
                  every variable update consumes (``updates.py``)
 3. place         the user's ops on clone 0's device; split shards on their
@@ -20,19 +20,24 @@ first ``Session.run`` of a plain session.  Passes, in order, each with one job:
 8. mirror        initial values come from worker 0; initializers / restores /
                  assigns reach every variable copy
 9. merge         merged fetches for epl.GraphKeys
+
+Rewrite layer (5): may import capture, features, tensor parallelism and the layers below;
+the runtime calls it.
 """
 import logging
 import time
 
-from epl import amp, apply_gate, ir
-from epl import plan as planner
-from epl.env import Env
+from epl import ir
+from epl.features import amp
+from epl.features import apply_gate
+from epl.core import layout as planner
+from epl.core.process_state import Env
 from epl.rewrite import (control_flow, inputs, merge, metrics, micro_batch_state, mirror,
                          placement, replicate, schedule, selection, split, step, zero)
 from epl.rewrite.pipeline import Pass, PassContext, PassPipeline
 from epl.rewrite.state import CLONE_MAPS, CloneMaps, Rewrite, RewritePlan, share_variables
 from epl.tf_adapter import graph as tfg
-from epl.variable_writes import VARIABLE_OPS, hand_written_update, written_variable
+from epl.ir.variable_writes import VARIABLE_OPS, hand_written_update, written_variable
 
 log = logging.getLogger("epl")
 
@@ -86,7 +91,7 @@ def rewrite_if_needed(graph):
 
 def _refuse_unannotated_accumulation(epl_graph, config):
     """pipeline.num_micro_batch > 1 on a model with no annotation accumulates across
-    session runs what ``apply_gradients`` applies (``epl.accumulate``).  A trainable
+    session runs what ``apply_gradients`` applies (``epl.features.accumulate``).  A trainable
     variable written some other way (an ``assign_sub`` of a gradient by hand) would
     be updated on every run: refused, not silently trained per micro-batch."""
     m = config.get("pipeline.num_micro_batch")

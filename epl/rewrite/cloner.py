@@ -17,7 +17,7 @@ Two ways, one per need:
 """
 import tensorflow as tf
 
-from epl import capture_context
+from epl.ir import capture_context
 from epl.rewrite.control_flow import context_of
 from epl.tf_adapter import c_graph, deferred
 from epl.tf_adapter import graph as tfg

@@ -39,7 +39,7 @@ from tensorflow.python.ops import control_flow_ops
 from epl import ir
 from epl.tf_adapter import functions
 from epl.tf_adapter import graph as tfg
-from epl.variable_writes import VARIABLE_OPS
+from epl.ir.variable_writes import VARIABLE_OPS
 
 _COLLECTIONS = (tf.compat.v1.GraphKeys.WHILE_CONTEXT, tf.compat.v1.GraphKeys.COND_CONTEXT)
 
@@ -181,7 +181,7 @@ def check_split_scopes(ir_graph):
       it into nodes tied to them), a loop of a split scope whose body reads the shards
       of split variables (on several devices) cannot be placed: refused.
     * A v2 loop or condition of a scope that runs on another number of rows than it
-      is built for (``epl.rebatch``: a split scope, ``replicate(k > 1)``) whose input
+      is built for (``epl.capture.rebatch``: a split scope, ``replicate(k > 1)``) whose input
       has a fixed batch dimension is refused: its bodies were traced for that batch
       before the op was made and its input relaxed (a loop's accumulators hold
       elements of that shape).  (``_check_rows``)"""
@@ -220,7 +220,7 @@ def check_split_scopes(ir_graph):
 def _check_rows(ir_graph, tg, op):
     """A call op of a re-batching scope does not read a relaxed view of a fixed-batch
     tensor (its bodies were built for the fixed batch)."""
-    if tg.kind != "split" and tg.device_count <= 1:     # (``epl.rebatch.rebatches``)
+    if tg.kind != "split" and tg.device_count <= 1:     # (``epl.capture.rebatch.rebatches``)
         return
     for t in op.inputs:
         fixed = ir_graph.relaxed.get(t.op.name)

@@ -16,7 +16,7 @@ from epl.rewrite.cloner import clone_op, new_ops
 def _split(graph, t, n, device, name, why):
     """``n`` equal shards of ``t``'s rows.  The shards' batch dimension is left unknown:
     the ops that read them were built for the whole batch (in place of the user's
-    tensor, clone 0 reads a shard) and, where the batch is fixed, by ``epl.rebatch``
+    tensor, clone 0 reads a shard) and, where the batch is fixed, by ``epl.capture.rebatch``
     for any number of rows."""
     rows = tf.compat.dimension_value(t.shape[0]) if t.shape.ndims else None
     if rows is not None and rows % n:

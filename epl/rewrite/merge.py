@@ -22,7 +22,7 @@ import logging
 import tensorflow as tf
 
 from epl import ir
-from epl.collections import GraphKeys, merge_kind
+from epl.ir.graph_keys import GraphKeys, merge_kind
 from epl.communicators import native_ops
 from epl.communicators.hierarchical import host_device
 from epl.rewrite import metrics

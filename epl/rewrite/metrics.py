@@ -45,7 +45,7 @@ from epl.communicators.hierarchical import host_device
 from epl.rewrite.cloner import new_ops
 from epl.tf_adapter import deferred
 from epl.tf_adapter import graph as tfg
-from epl.variable_writes import variable_of
+from epl.ir.variable_writes import variable_of
 
 # Writes that add their value to the variable (dense: the value is the input after the
 # variable's).

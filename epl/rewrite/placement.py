@@ -1,4 +1,4 @@
-"""Where this worker's clones run: the layout (``epl.plan``) read for one worker.
+"""Where this worker's clones run: the layout (``epl.core.layout``) read for one worker.
 
 An analysis: :func:`place` reads the layout, the cluster and the config and returns a
 :class:`Placement` (no graph is read or edited); the passes read it through
@@ -7,7 +7,7 @@ this worker cannot run are refused.
 """
 import logging
 
-from epl.plan import LayoutError, how_to_get_devices, in_graph, spans_workers
+from epl.core.layout import LayoutError, how_to_get_devices, in_graph, spans_workers
 
 log = logging.getLogger("epl")
 

@@ -23,7 +23,7 @@ fetches, every (update, read) pair of one variable that nothing orders.
 """
 from epl import ir
 from epl.tf_adapter import graph as tfg
-from epl.variable_writes import VARIABLE_OPS, written_variable
+from epl.ir.variable_writes import VARIABLE_OPS, written_variable
 
 # Ops that hand a variable's ref or handle on (reading through them reads the variable).
 _FORWARD_REF = frozenset(["Identity", "RefIdentity", "Enter", "RefEnter", "Switch",

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from epl import ir
 from epl.rewrite import metrics, updates
-from epl.variable_writes import ASSIGN_OPS, VARIABLE_OPS  # noqa: F401 (mirror, split)
+from epl.ir.variable_writes import ASSIGN_OPS, VARIABLE_OPS  # noqa: F401 (mirror, split)
 from epl.tf_adapter import graph as tfg
 SOURCE_OPS = ir.SOURCE_OPS
 is_batch_placeholder = ir.is_batch_placeholder

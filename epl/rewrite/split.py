@@ -33,7 +33,7 @@ from epl.rewrite.selection import downstream_of_batch
 from epl.rewrite.updates import loss_of_split
 from epl.tensor_parallel import einsum
 from epl.tf_adapter import graph as tfg, op_types
-from epl.variable_writes import ASSIGN_OPS, VARIABLE_OPS
+from epl.ir.variable_writes import ASSIGN_OPS, VARIABLE_OPS
 
 log = logging.getLogger("epl")
 
@@ -152,7 +152,7 @@ def bridge(state):
             if whole is t:
                 continue
             if op.name in relaxed:
-                # The scope reads the rows through a relaxed view (epl.rebatch), built
+                # The scope reads the rows through a relaxed view (epl.capture.rebatch), built
                 # for any batch: its readers take every clone's rows.
                 tfg.rewire(op.outputs[0], whole)
             else:

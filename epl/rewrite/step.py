@@ -18,7 +18,7 @@ readers would read an uninitialized variable (BERT's warm start from a checkpoin
 holding ``global_step``).
 """
 from epl import ir
-from epl.variable_writes import advances, written_variable  # noqa: F401 (apply_gate)
+from epl.ir.variable_writes import advances, written_variable  # noqa: F401 (apply_gate)
 from epl.tf_adapter import graph as tfg
 # How a step's value is read: the read of a ref variable, ReadVariableOp of a resource.
 _VALUE_READS = frozenset(["Identity", "ReadVariableOp"])

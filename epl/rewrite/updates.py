@@ -31,7 +31,7 @@ import collections
 from epl import ir
 from epl.rewrite import metrics
 from epl.tf_adapter import graph as tfg
-from epl.variable_writes import (  # noqa: F401  (the names the passes import from here)
+from epl.ir.variable_writes import (  # noqa: F401  (the names the passes import from here)
     VARIABLE_OPS, variable_behind, written_variable)
 
 class ReductionSite(object):

@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from epl import communicators
 from epl.communicators.in_graph import InGraphCommunicator
-from epl.env import Env
+from epl.core.process_state import Env
 from epl.tensor_parallel import sharding
 
 _calls = [0]

@@ -11,9 +11,10 @@ import threading
 
 import tensorflow as tf
 
-from epl import ir, plan
-from epl.env import Env
-from epl.strategies import current_strategy
+from epl import ir
+from epl.core import layout
+from epl.core.process_state import Env
+from epl.ir.strategies import current_strategy
 from epl.tf_adapter import graph as tfg
 
 _local = threading.local()
@@ -84,7 +85,7 @@ def split_count(strategy):
             "%r: the split needs %d devices but the job has %d (%d worker(s) x %d); use "
             "device_count <= %d or add devices. %s"
             % (strategy, n, cluster.total_gpu_num, cluster.worker_num,
-               cluster.gpu_num_per_worker, cluster.total_gpu_num, plan.how_to_get_devices()))
+               cluster.gpu_num_per_worker, cluster.total_gpu_num, layout.how_to_get_devices()))
     return n
 
 

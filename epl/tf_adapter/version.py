@@ -11,7 +11,7 @@ IS_TF2 = VERSION[0] >= 2
 
 
 def describe():
-    """One line for logs and ``python -m epl.native``."""
+    """One line for logs and ``python -m epl.communicators.op_library``."""
     return "TensorFlow %s (%s line)" % (_tf.__version__, "2.x" if IS_TF2 else "1.15")
 
 

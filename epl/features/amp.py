@@ -18,7 +18,7 @@ Three pieces, each applied where the user's program builds the part it changes:
    2,000 clean steps.
 3. *Skipping overflowed steps* (``SkipOnOverflow``, around ``apply_gradients``,
    dynamic scale only): the optimizer's update is gated on "every gradient is
-   finite" (``epl.apply_gate``); on an overflow its updates (``global_step``
+   finite" (``epl.features.apply_gate``); on an overflow its updates (``global_step``
    included) do not run, like the untaken branch of a ``tf.cond``.  The flag is
    computed from the gradients the update reads — with data parallelism the
    all-reduced ones — so every replica and micro-batch takes the same decision.
@@ -31,11 +31,14 @@ import logging
 import tensorflow as tf
 from tensorflow.python.util import nest
 
-from epl import apply_gate, backward_hooks, capture_context, ir
-from epl.env import Env
-from epl.internal_state import variable
+from epl import ir
+from epl.features import apply_gate
+from epl.capture import backward_hooks
+from epl.ir import capture_context
+from epl.core.process_state import Env
+from epl.ir.internal_state import variable
 from epl.tf_adapter import graph as tfg, op_types
-from epl.variable_writes import hand_written_update, written_variable
+from epl.ir.variable_writes import hand_written_update, written_variable
 
 log = logging.getLogger("epl")
 

@@ -33,7 +33,9 @@ import logging
 
 from tensorflow.python.util import nest
 
-from epl import backward_hooks, capture_context, ir
+from epl import ir
+from epl.capture import backward_hooks
+from epl.ir import capture_context
 from epl.tf_adapter import graph as tfg
 
 log = logging.getLogger("epl")

@@ -25,7 +25,7 @@ most every ``INTERVAL`` seconds (and after the first step):
 
 Under epl-launch (``EPL_LAUNCH_DIR`` set) each sample is appended as a JSON line to
 ``worker_<i>.progress.jsonl`` in the launch's folder, and a last one (``"final": true``)
-when the process exits; ``epl.progress_display`` in the launcher reads them.  On the
+when the process exits; ``epl.launch.display`` in the launcher reads them.  On the
 chief, when the program writes summaries (the first ``tf.summary.FileWriter`` it adds an
 event to: MonitoredTrainingSession's ``checkpoint_dir`` / ``summary_dir``, an
 Estimator's ``model_dir``, or the program's own writer), every sample also goes to that
@@ -47,8 +47,8 @@ import numpy as np
 import tensorflow as tf
 
 from epl import ir
-from epl.env import Env
-from epl.launch_marks import LAUNCH_DIR_ENV
+from epl.core.process_state import Env
+from epl.core.worker_files import LAUNCH_DIR_ENV
 from epl.rewrite import fusion
 from epl.tf_adapter import functions, patching
 

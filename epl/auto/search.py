@@ -25,7 +25,7 @@ Fully automatic mode tries candidates built from the methods not ``excluded``;
 each is *dry-run* for a few steps in a process of its own (graphs, sessions and
 memory do not leak between candidates), measured for samples/s and for the bytes
 of its fullest device during a step (the variables placed there plus the step's
-peak there, ``epl.memory_trace``), and is infeasible above
+peak there, ``epl.ir.memory_trace``), and is infeasible above
 ``memory_limit_bytes``; the fastest feasible one wins.  Candidates are tried in a
 fixed order until ``time_limit`` seconds have passed.  Semi-automatic mode
 (``load_strategy``: the list, its JSON, or a file holding it) skips the search.
@@ -42,9 +42,12 @@ import os
 import time
 
 import epl
-from epl import capture_context, ir, strategies, tf_patches
-from epl.env import Env
-from epl.memory_trace import peak_bytes, traced_run
+from epl import ir
+from epl.ir import capture_context
+from epl.ir import strategies
+from epl.capture import patches
+from epl.core.process_state import Env
+from epl.ir.memory_trace import peak_bytes, traced_run
 from epl.tf_adapter import behavior
 
 log = logging.getLogger("epl")
@@ -209,7 +212,7 @@ def split_head(model_fn, dataset_fn):
     """The build-order index of the model's largest Dense layer when it is the last
     one built (a head worth splitting), else None.  Probed in a scratch graph."""
     import tensorflow as tf
-    tf_patches.install()    # (idempotent; the probe needs the Dense observers)
+    patches.install()    # (idempotent; the probe needs the Dense observers)
     probe = _DenseLayers()
     saved = strategies.current_strategy()
     strategies.reset()

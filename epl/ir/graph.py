@@ -239,7 +239,7 @@ class Graph(object):
         self.relax_cache = {}       # (tensor name, taskgraph index) -> relaxed view
         self._batch_memo = {}       # op name -> computed from a batch (capture time)
         # (tensor, {state variable op name: aggregation}): values computed from per-replica
-        # state (tf.keras metric results, epl.keras_reports); merged by epl.rewrite.merge
+        # state (tf.keras metric results, epl.capture.keras_reports); merged by epl.rewrite.merge
         self.state_results = []
         self.lifecycle = RewriteLifecycle()
         self._features = {}
@@ -247,7 +247,7 @@ class Graph(object):
     def feature(self, cls):
         """The state of one feature for this graph: an instance of ``cls`` (the
         feature's own small class, made with no arguments on first use).  Features keep
-        what they need per graph here (``epl.amp.AmpState``...), typed and named by
+        what they need per graph here (``epl.features.amp.AmpState``...), typed and named by
         their class, instead of attributes set on the IR."""
         state = self._features.get(cls)
         if state is None:

@@ -6,7 +6,7 @@ own training loop at run time.
   fetches of merged tensors are mapped (``epl.runtime``); the first run also fetches
   the gradient-checkpoint checks.
 * A session of a job whose model spans workers runs on the chief's TF server; the other
-  workers serve (``epl.distributed_runtime``).
+  workers serve (``epl.runtime.distributed``).
 * Only the chief writes checkpoints and summaries; every worker creates its session as
   a chief would (EPL trains between-graph); an Estimator's distribution settings and
   TF_CONFIG are EPL's, not the RunConfig's, and only the chief evaluates.
@@ -18,8 +18,13 @@ import os
 
 import tensorflow as tf
 
-from epl import distributed_runtime, gradient_checkpoint, ir, progress, rewrite, runtime, tf_patches
-from epl.env import Env
+from epl import ir, rewrite
+from epl.runtime import distributed
+from epl.features import gradient_checkpoint
+from epl.runtime import progress
+from epl.runtime import session_run
+from epl.capture import patches
+from epl.core.process_state import Env
 from epl.profile import record as profile_record
 from epl.tf_adapter import objects, patching
 
@@ -95,16 +100,16 @@ def _finalize(self):
 
 
 def _session_init(self, target="", graph=None, config=None):
-    config = runtime.session_config(config)
-    if not target and distributed_runtime.needed(graph or tf.compat.v1.get_default_graph()):
+    config = session_run.session_config(config)
+    if not target and distributed.needed(graph or tf.compat.v1.get_default_graph()):
         if not Env.get().cluster.is_chief:
-            distributed_runtime.serve_until_chief_exits()
-        target = distributed_runtime.server().target
+            distributed.serve_until_chief_exits()
+        target = distributed.server().target
     return original("session.init")(self, target, graph, config)
 
 
 def _session_run(self, fetches, feed_dict=None, options=None, run_metadata=None):
-    runtime.before_run(self)
+    session_run.before_run(self)
     traced = profile_record.start(self.graph, options, run_metadata, self, fetches)
     if traced is None:
         return _run(self, fetches, feed_dict, options, run_metadata)
@@ -119,7 +124,7 @@ def _session_run(self, fetches, feed_dict=None, options=None, run_metadata=None)
 
 def _run(self, fetches, feed_dict, options, run_metadata):
     given = fetches
-    fetches = runtime.map_fetches(self.graph, fetches)
+    fetches = session_run.map_fetches(self.graph, fetches)
     when, checks = gradient_checkpoint.pending_checks(self, fetches)
     if when == "before":
         gradient_checkpoint.report(original("session.run")(self, checks, feed_dict))
@@ -135,19 +140,19 @@ def _run(self, fetches, feed_dict, options, run_metadata):
 
 
 def _make_callable(self, fetches, feed_list=None, accept_options=False):
-    runtime.before_run(self)
-    return original("session.make_callable")(self, runtime.map_fetches(self.graph, fetches), feed_list,
+    session_run.before_run(self)
+    return original("session.make_callable")(self, session_run.map_fetches(self.graph, fetches), feed_list,
                                        accept_options)
 
 
 def _make_callable_from_options(self, callable_options):
     """tf.keras runs its train, test and predict functions through callables."""
-    runtime.before_run(self)
+    session_run.before_run(self)
 
     def make(options):
         return original("session.make_callable_from_options")(self, options)
     return progress.watch_callable(self, callable_options, profile_record.watch_callable(
-        self.graph, runtime.map_callable(self.graph, callable_options), make, self))
+        self.graph, session_run.map_callable(self.graph, callable_options), make, self))
 
 
 # point (epl.tf_adapter.patching) -> the hook that replaces it.
@@ -172,5 +177,5 @@ def install():
     ran."""
     for point, hook in HOOKS:
         patching.install(point, hook)
-    if rewrite.on_new_op not in tf_patches.NEW_OP_LISTENERS:
-        tf_patches.NEW_OP_LISTENERS.append(rewrite.on_new_op)
+    if rewrite.on_new_op not in patches.NEW_OP_LISTENERS:
+        patches.NEW_OP_LISTENERS.append(rewrite.on_new_op)

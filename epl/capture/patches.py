@@ -3,8 +3,8 @@
 Each hook replaces one point of the adapter's patch table (``epl.tf_adapter.patching``;
 the ``CAPTURE`` list at the end, installed by :func:`install`, idempotent).  The
 run-time hooks (Session, finalize, Saver.save, summaries, Estimator) are in
-``epl.integration``; the lazy-wrapper graph hooks in ``epl.tf_adapter.deferred``; the
-thread's capture flags in ``epl.capture_context``.  What each point does (numbered as
+``epl.runtime.integration``; the lazy-wrapper graph hooks in ``epl.tf_adapter.deferred``; the
+thread's capture flags in ``epl.ir.capture_context``.  What each point does (numbered as
 before the split; 5-9 and 16 now live in those modules):
 
 1. ``ops.Graph._create_op_helper``: every new op is recorded in the IR with its
@@ -17,11 +17,11 @@ before the split; 5-9 and 16 now live in those modules):
    forward op go to the loss's TaskGraph); each call is recorded
    (``ir.GradientRecord``) so the rewriter can find the gradients a variable
    update consumes, however the update is written.  The features that change a
-   user's backward pass register a hook in ``epl.backward_hooks`` (with the hooks
-   they run after) and run from there, in that order: AMP (``epl.amp``: float16
+   user's backward pass register a hook in ``epl.capture.backward_hooks`` (with the hooks
+   they run after) and run from there, in that order: AMP (``epl.features.amp``: float16
    forward products, a loss-scaled backward pass; a tape's gradient is then
-   computed through tf.gradients), the automatic stages (``epl.auto_stages``, with
-   ``auto.auto_parallel``), gradient checkpointing (``epl.gradient_checkpoint``).
+   computed through tf.gradients), the automatic stages (``epl.features.auto_stages``, with
+   ``auto.auto_parallel``), gradient checkpointing (``epl.features.gradient_checkpoint``).
 4. ``optimizer.Optimizer.apply_gradients`` (and ``OptimizerV2.apply_gradients``
    of tf.keras), plus ``Optimizer.__init__`` / ``OptimizerV2.__init__``, which
    route a subclass's own ``apply_gradients`` override through the same
@@ -29,24 +29,24 @@ before the split; 5-9 and 16 now live in those modules):
    (where ``communication.clip_after_allreduce = False`` reduces them),
    densifies sparse gradients when ``communication.sparse_as_dense`` is set, and
    orders the updates in groups with ``optimizer.num_apply_group``
-   (``epl.grouped_apply``); with ``pipeline.num_micro_batch > 1`` on a model
+   (``epl.features.grouped_apply``); with ``pipeline.num_micro_batch > 1`` on a model
    without annotation, the optimizer applies gradients accumulated across runs
-   (``epl.accumulate``); with a dynamic AMP loss scale, an overflowed step's
-   updates are skipped (``epl.amp``).
+   (``epl.features.accumulate``); with a dynamic AMP loss scale, an overflowed step's
+   updates are skipped (``epl.features.amp``).
 5. ``saver.Saver.build``: save/restore ops (a default Saver leaves EPL's own
-   state out, ``epl.internal_state``); ``saver.Saver.save`` writes only on the chief.
+   state out, ``epl.ir.internal_state``); ``saver.Saver.save`` writes only on the chief.
 6. ``ops.Graph.finalize``: rewrite before the graph is frozen
    (MonitoredTrainingSession, Estimator).
 7. ``session.BaseSession.__init__``: the session sees EPL's devices; for a pipeline
    spanning workers the chief's session runs on its TF server and the other
-   workers serve (``epl.distributed_runtime``).
+   workers serve (``epl.runtime.distributed``).
 8. ``session.BaseSession.run``, ``make_callable`` and ``_make_callable_from_options``
    (tf.keras): rewrite before the first run, and the ops built since before a later
-   one (``epl.runtime.before_run``); map fetches of merged tensors (epl.GraphKeys);
+   one (``epl.runtime.session_run.before_run``); map fetches of merged tensors (epl.GraphKeys);
    the first ``run`` of a session also fetches the gradient checkpoint checks.
 9. ``writer.FileWriter.add_event``: summaries are written only by the chief.
 10. ``readers.{TFRecord,TextLine,FixedLengthRecord}DatasetV2.__init__``: with
-    ``io.slicing`` each worker reads its share of the files (``epl.io_slicing``).
+    ``io.slicing`` each worker reads its share of the files (``epl.capture.readers``).
 11. ``monitored_session.WorkerSessionCreator.create_session``: in an EPL job every
     worker runs its own local session, so a non-chief session that would wait for
     someone else to initialize it fails at once with the fix instead of hanging.
@@ -71,7 +71,7 @@ before the split; 5-9 and 16 now live in those modules):
 15. ``ops.Graph._create_op_internal``: before a user op of a scope that runs on
     another number of rows than it is built for (``replicate(k > 1)``, ``split``)
     is created, its fixed-batch inputs entering the scope are replaced by relaxed
-    views with an unknown batch dimension (``epl.rebatch``).
+    views with an unknown batch dimension (``epl.capture.rebatch``).
 16. ``ops.Graph._get_operation_by_name_unsafe`` (so also ``_get_operation_by_tf_operation``:
     an op's inputs, consumers and control edges), ``_as_graph_element_locked`` (names,
     fetches), ``get_operations``, ``_add_new_tf_operations`` and ``_as_graph_def``: the
@@ -79,7 +79,7 @@ before the split; 5-9 and 16 now live in those modules):
     (``epl.tf_adapter.deferred``).
 17. tf.keras ``Model._prepare_total_loss``, ``Metric.__call__`` and
     ``Model._make_predict_function``: the loss, the metrics and the predictions keras
-    fetches are the global batch's, not clone 0's (``epl.keras_reports``).
+    fetches are the global batch's, not clone 0's (``epl.capture.keras_reports``).
 
 Everything else reads and edits graphs through :mod:`epl.ir` and the rewriter.
 """
@@ -91,13 +91,19 @@ import tensorflow as tf
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import nest, object_identity
 
-from epl import (accumulate, amp, backward_hooks, grouped_apply, internal_state, ir, keras_reports,
-                 rebatch)
-from epl.capture_context import creating_for, observing_dense, rewriting  # noqa: F401
-from epl.capture_context import state as _c
-from epl.env import Env
-from epl.io_slicing import sliced_filenames
-from epl.strategies import current_strategy
+from epl import ir
+from epl.features import accumulate
+from epl.features import amp
+from epl.capture import backward_hooks
+from epl.features import grouped_apply
+from epl.ir import internal_state
+from epl.capture import keras_reports
+from epl.capture import rebatch
+from epl.ir.capture_context import creating_for, observing_dense, rewriting  # noqa: F401
+from epl.ir.capture_context import state as _c
+from epl.core.process_state import Env
+from epl.capture.readers import sliced_filenames
+from epl.ir.strategies import current_strategy
 from epl.tensor_parallel import einsum, layers, losses, sharding, variables
 from epl.tf_adapter import deferred, objects, patching
 from epl.tf_adapter import graph as tfg
@@ -218,12 +224,12 @@ def _maybe_colocate_with(op, gradient_uid, colocate_gradients_with_ops):
 
 def _backward_call(kind, ys, xs, compute, bind=None):
     """Run ``compute(call)`` (a tf.gradients or GradientTape.gradient call; ``call`` is
-    the :class:`epl.backward_hooks.BackwardCall` the hooks share, or None) as the
+    the :class:`epl.capture.backward_hooks.BackwardCall` the hooks share, or None) as the
     backward phase of the loss ``ys`` and record which gradients it returned.
 
     A user's call (not one EPL builds, nor one inside another backward pass or an
     apply_gradients) goes through the registered backward hooks
-    (``epl.backward_hooks``), in their order: every ``prepare``, then ``compute``
+    (``epl.capture.backward_hooks``), in their order: every ``prepare``, then ``compute``
     wrapped by every ``wrap`` (the first hook outermost) inside the backward phase,
     then every ``finish``."""
     c = _c()

@@ -9,8 +9,8 @@ pipeline) are rewritten before the next run that follows them.
 import tensorflow as tf
 
 from epl import ir
-from epl.env import Env
-from epl.launch_marks import mark_joined
+from epl.core.process_state import Env
+from epl.core.worker_files import mark_joined
 from epl.rewrite import rewrite_if_needed
 
 

@@ -3,7 +3,7 @@
 A feature that changes how the gradients of a user's ``tf.gradients`` /
 ``GradientTape.gradient`` call are built (automatic stages, AMP, gradient
 checkpointing) registers a :class:`BackwardHook` here when its module is imported,
-with the hooks it must run after.  The capture hook (``epl.tf_patches``) asks
+with the hooks it must run after.  The capture hook (``epl.capture.patches``) asks
 :func:`active` for the hooks that apply to a call, in that order, and runs their three
 parts around the call; it names no feature, so a new one is one ``register`` call in
 its own module, with its own ordering constraint.

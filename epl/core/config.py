@@ -280,7 +280,7 @@ class Config(object):
 def markdown():
     """The configuration reference as Markdown (docs/config.md)."""
     lines = ["# EPL configuration", "",
-             "Generated from `epl/config.py` by `make docs`; do not edit.",
+             "Generated from `epl/core/config.py` by `make docs`; do not edit.",
              "", "Every key can also be set by the environment variable `EPL_<SECTION>_<KEY>` "
              "(e.g. `EPL_PIPELINE_NUM_MICRO_BATCH=4`); a key given to `epl.Config` wins.", "",
              "| Param Key | Type | Default | Choices | Environment variable | Description |",

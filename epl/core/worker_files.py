@@ -2,9 +2,9 @@
 
 A worker writes ``worker_<i>.joined`` into ``EPL_LAUNCH_DIR`` when it first runs the
 job's rewritten graph (from then on its peers may wait for it in collectives); the
-launcher reads them.  Kept apart from epl.launcher so that a worker (through
+launcher reads them.  Kept apart from epl.launch.launcher so that a worker (through
 epl.runtime) does not import the launcher's command-line module: ``python -m
-epl.launcher`` would then find it already imported and warn.
+epl.launch.launcher`` would then find it already imported and warn.
 """
 import os
 

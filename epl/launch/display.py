@@ -1,7 +1,7 @@
 """epl-launch's live view of its workers' progress, and the table at the end of a job.
 
 Each worker appends JSON samples to ``worker_<i>.progress.jsonl`` in the launch's folder
-(``epl.progress``); the launcher's watch loop calls ``poll()``, which reads what is new
+(``epl.runtime.progress``); the launcher's watch loop calls ``poll()``, which reads what is new
 and shows one status line per worker (step, steps/s, samples/s, loss):
 
 * on a terminal, the lines are redrawn in place (ANSI cursor-up) below the workers'
@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 
-FILE_PATTERN = "worker_%s.progress.jsonl"   # (epl.progress writes them)
+FILE_PATTERN = "worker_%s.progress.jsonl"   # (epl.runtime.progress writes them)
 TTY_INTERVAL = 0.5
 LOG_INTERVAL = 10.0
 

@@ -8,7 +8,7 @@ batches).  Together the workers read every file, except that
 shares are equal; ``io.unbalanced_io_slicing`` allows unequal shares (and
 fewer files than workers) instead of failing.
 """
-from epl.env import Env
+from epl.core.process_state import Env
 
 
 def slice_files(files, num_shards, index, unbalanced=False, drop_last=False):

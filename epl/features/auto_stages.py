@@ -18,8 +18,9 @@ same for every layer.
 """
 import logging
 
-from epl import backward_hooks, ir
-from epl.strategies import replicate
+from epl import ir
+from epl.capture import backward_hooks
+from epl.ir.strategies import replicate
 from epl.tf_adapter import graph as tfg
 
 log = logging.getLogger("epl")

@@ -30,15 +30,16 @@ import sys
 import time
 import traceback
 
-from epl import ir, plan
-from epl.env import Env
+from epl import ir
+from epl.core import layout
+from epl.core.process_state import Env
 
 log = logging.getLogger("epl")
 _server = [None]
 
 
 def needed(graph):
-    """True when ``graph``'s layout needs one in-graph driver (``plan.in_graph``)."""
+    """True when ``graph``'s layout needs one in-graph driver (``layout.in_graph``)."""
     if not Env.initialized():
         return False
     cluster = Env.get().cluster
@@ -48,8 +49,8 @@ def needed(graph):
     if not taskgraphs:
         return False
     config = Env.get().config
-    layout = plan.plan(cluster, taskgraphs, config)   # pure Python, cheap
-    return plan.in_graph(layout, cluster, config)
+    layout = layout.plan(cluster, taskgraphs, config)   # pure Python, cheap
+    return layout.in_graph(layout, cluster, config)
 
 
 def server():

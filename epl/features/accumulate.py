@@ -12,19 +12,19 @@ The graph holds one copy of the model whatever m is (annotated models instead ru
 all m micro-batches inside each run, as copies).
 
 How: built when ``apply_gradients`` is called (``tf_patches._capture_apply``); the
-optimizer's update is gated on "this run is the m-th" (``epl.apply_gate``).  The
+optimizer's update is gated on "this run is the m-th" (``epl.features.apply_gate``).  The
 op ``apply_gradients`` returns always runs: after the accumulation, and on the
 m-th run after the update and the reset.
 
-The accumulators and the run counter are EPL's own state (``epl.internal_state``):
+The accumulators and the run counter are EPL's own state (``epl.ir.internal_state``):
 initialized with the other global variables but left out of checkpoints written by
 a default ``tf.train.Saver``, so checkpoints interchange with the same program
 trained without accumulation.
 """
 import tensorflow as tf
 
-from epl import apply_gate
-from epl.internal_state import variable as _state
+from epl.features import apply_gate
+from epl.ir.internal_state import variable as _state
 
 
 class AcrossRuns(object):

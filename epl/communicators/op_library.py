@@ -8,9 +8,9 @@ travel with the package, into epl/lib if writable, else ~/.cache/epl.  When it c
 built either (no C++ compiler), EPL falls back to collectives made of TensorFlow ops, in
 one process only, and says so once.
 
-    python -m epl.native            # which library, which backends, why not the others,
+    python -m epl.communicators.op_library            # which library, which backends, why not the others,
                                     # the CPU target it was compiled for
-    python -m epl.native --build    # build it now
+    python -m epl.communicators.op_library --build    # build it now
 """
 import fcntl
 import json
@@ -18,7 +18,8 @@ import os
 import subprocess
 import sys
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+# The epl/ package folder: the library lives in epl/lib, a pip build's sources in epl/_csrc.
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _module = None
 _missing_reason = None
 
@@ -142,7 +143,7 @@ def report():
                 meta.get("target_flags", ())) or "no -march"))
         else:
             lines.append("target: not recorded (built before EPL recorded it; delete %s "
-                         "and run `python -m epl.native --build`)" % path)
+                         "and run `python -m epl.communicators.op_library --build`)" % path)
     return lines
 
 

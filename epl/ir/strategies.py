@@ -7,7 +7,7 @@ strategy (the MoE recipe does exactly that).
 """
 import threading
 
-from epl.env import Env
+from epl.core.process_state import Env
 
 _state = threading.local()
 

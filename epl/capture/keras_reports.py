@@ -29,8 +29,8 @@ combined across workers too (a collective): every worker must call ``fit`` /
 import tensorflow as tf
 
 from epl import ir
-from epl.collections import GraphKeys
-from epl.env import Env
+from epl.ir.graph_keys import GraphKeys
+from epl.core.process_state import Env
 
 
 def loss_built(total_loss):

@@ -1,5 +1,5 @@
 """Process-wide EPL state: the config and the cluster, set by ``epl.init``."""
-from epl.config import Config
+from epl.core.config import Config
 
 
 class Env(object):

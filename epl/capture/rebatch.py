@@ -22,7 +22,8 @@ and pipelines keep every static shape (each clone pulls a whole batch).
 """
 import tensorflow as tf
 
-from epl import capture_context, ir
+from epl import ir
+from epl.ir import capture_context
 from epl.tf_adapter import graph as tfg
 
 

@@ -24,7 +24,7 @@ Every launch is a new run (EPL_RUN_ID, printed as "epl-launch: attempt K: run ID
 workers start): its shared-memory segments, /dev/shm/epl-ID-*, are its own, and
 the launcher removes them when the job ends, however it ends (Ctrl-C and SIGTERM stop the
 workers too; a launcher killed outright takes its workers, and whatever they started,
-with it: each worker runs under a supervisor, epl.processes).  The workers' TCP
+with it: each worker runs under a supervisor, epl.launch.processes).  The workers' TCP
 collectives authenticate each other with the job's secret (EPL_JOB_SECRET): a random
 one per launch on one machine; with --machine_list, export the same random value on
 every machine before launching.
@@ -41,7 +41,7 @@ TF_CONFIG (see docs/cluster.md, "Restarts", for the batch and learning-rate rule
 With --machine_list, machine 0's launcher coordinates the restarts of every machine's
 launcher (see "restarts across machines" below); a machine whose launcher stays away
 longer than --host_timeout is dropped the same way.  With --machine_list each machine's
-launcher shows the progress of its own workers (epl.progress_display).
+launcher shows the progress of its own workers (epl.launch.display).
 """
 import argparse
 import glob
@@ -61,9 +61,9 @@ import tempfile
 import threading
 import time
 
-from epl.launch_marks import LAUNCH_DIR_ENV, joined, mark_joined  # noqa: F401 (re-exported)
-from epl.processes import dies_with_parent
-from epl.progress_display import ProgressDisplay
+from epl.core.worker_files import LAUNCH_DIR_ENV, joined, mark_joined  # noqa: F401 (re-exported)
+from epl.launch.processes import dies_with_parent
+from epl.launch.display import ProgressDisplay
 
 GRACE_SECONDS = 10
 # --restart_window's default: an hour of running before a failure resets the restart count.
@@ -488,7 +488,7 @@ class _HeldSignals(object):
     print a line instead of raising: a second Ctrl-C used to end the launcher with a
     traceback in the middle of ``stop``, before its SIGKILL of the workers that ignore
     SIGTERM and before the summary.  (The workers cannot outlive the launcher anyway:
-    epl.processes ends them when it dies, but then without the summary and root cause.)
+    epl.launch.processes ends them when it dies, but then without the summary and root cause.)
     Nests; only in the main thread (the only one signals reach); ``release`` restores
     the handlers found at ``hold``."""
 

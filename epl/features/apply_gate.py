@@ -6,8 +6,8 @@ The optimizer receives each gradient through a ``Switch`` on the predicate
 run, nor does anything that waits for them (``global_step``, Adam's beta powers),
 like the untaken branch of a ``tf.cond``.  ``done`` is the always-live op to hand
 back to the user: after the update (and whatever follows it) when the predicate
-holds, at once otherwise.  Used by accumulation across runs (``epl.accumulate``)
-and AMP's overflow skip (``epl.amp``).
+holds, at once otherwise.  Used by accumulation across runs (``epl.features.accumulate``)
+and AMP's overflow skip (``epl.features.amp``).
 
 A ``global_step`` advanced by hand outside ``apply_gradients`` (BERT's
 ``tf.group(train_op, step.assign(step + 1))``) is not behind the gate: every gate
@@ -20,9 +20,10 @@ import logging
 
 import tensorflow as tf
 
-from epl import capture_context, ir
+from epl import ir
+from epl.ir import capture_context
 from epl.tf_adapter import graph as tfg
-from epl.variable_writes import advances, written_variable
+from epl.ir.variable_writes import advances, written_variable
 
 log = logging.getLogger("epl")
 

@@ -175,7 +175,7 @@ def _plan_split(cluster, splits, replicas, config):
     With ``cluster.colocate_split_and_replicate`` the split uses the first devices
     that the replicas also use; without it the replicas get the first devices and
     the split the last ``n``.  In a job of several workers the whole model runs
-    in-graph on the chief (``epl.distributed_runtime``), so a split may span workers.
+    in-graph on the chief (``epl.runtime.distributed``), so a split may span workers.
     """
     per = cluster.gpu_num_per_worker
     total = cluster.total_gpu_num
