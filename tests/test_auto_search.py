@@ -1,4 +1,4 @@
-"""epl.search.accelerate: candidates dry-run in processes of their own, the fastest
+"""epl.auto.accelerate: candidates dry-run in processes of their own, the fastest
 feasible one built; load_strategy skips the search; excluded / time_limit /
 memory_limit_bytes are honoured.  (Which candidate is fastest is the benchmark's
 business: here the choice must follow the figures measured.)"""
@@ -49,7 +49,7 @@ def test_load_strategy_builds_without_searching():
     config written by hand."""
     strategy = ["data_parallel", "zero"]
     start = time.time()
-    ok, result, chosen = epl.search.accelerate(auto_models.model, auto_models.dataset,
+    ok, result, chosen = epl.auto.accelerate(auto_models.model, auto_models.dataset,
                                              auto_models.optimizer, devices=2,
                                              load_strategy=json.dumps(strategy))
     assert ok and result.report == [] and chosen == search.normalize(strategy)
@@ -72,7 +72,7 @@ def test_search_picks_the_fastest_feasible_and_honours_limits(tmp_path):
     those under the memory limit; the strategy file reproduces it."""
     path = str(tmp_path / "best.json")
     excluded = ["accumulation", "pipeline", "amp", "offload", "zero"]
-    ok, result, chosen = epl.search.accelerate(
+    ok, result, chosen = epl.auto.accelerate(
         auto_models.model, auto_models.dataset, auto_models.optimizer, devices=2,
         excluded=excluded, save_strategy_to_file=path, dry_run_steps=2)
     assert ok
@@ -100,7 +100,7 @@ def test_memory_limit_makes_candidates_infeasible(monkeypatch, limit, want):
         return "ok", {"samples_per_s": speed, "peak_bytes": peak, "step_s": 1.0,
                       "rows_per_step": 32}
     monkeypatch.setattr(auto, "measure", fake)
-    ok, result, chosen = epl.search.accelerate(
+    ok, result, chosen = epl.auto.accelerate(
         auto_models.model, auto_models.dataset, auto_models.optimizer, devices=2,
         excluded=["accumulation", "pipeline", "amp", "offload", "zero"],
         memory_limit_bytes=limit)
@@ -112,7 +112,7 @@ def test_memory_limit_makes_candidates_infeasible(monkeypatch, limit, want):
 
 def test_time_limit_stops_the_search():
     start = time.time()
-    ok, result, chosen = epl.search.accelerate(
+    ok, result, chosen = epl.auto.accelerate(
         auto_models.model, auto_models.dataset, auto_models.optimizer, devices=2,
         excluded=["accumulation", "amp", "offload", "zero"], time_limit=0.0)
     assert not ok and result is None and chosen is None
@@ -143,7 +143,7 @@ def test_split_strategy_equals_the_local_model():
     """["split"]: the backbone data parallel on 2 devices, the head split over both; the
     local model on the global batch (2 x 16 rows) gives the same losses."""
     models.reset()
-    ok, result, chosen = epl.search.accelerate(
+    ok, result, chosen = epl.auto.accelerate(
         auto_models.big_head_model, auto_models.dataset, auto_models.optimizer, devices=2,
         load_strategy=["split"])
     assert ok and chosen == [["split", None]]
@@ -164,7 +164,7 @@ def test_split_strategy_equals_the_local_model():
 def test_search_picks_split_when_only_the_split_head_fits():
     """A memory limit between the split head's figure and data parallelism's: the
     search measures, finds plain DP (whole head on one device) infeasible, picks split."""
-    ok, result, chosen = epl.search.accelerate(
+    ok, result, chosen = epl.auto.accelerate(
         auto_models.big_head_model, auto_models.dataset, auto_models.optimizer, devices=2,
         excluded=["pipeline", "gradient_checkpoint", "zero", "amp", "offload"],
         memory_limit_bytes=int(3.8 * (1 << 20)))
