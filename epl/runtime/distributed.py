@@ -49,8 +49,8 @@ def needed(graph):
     if not taskgraphs:
         return False
     config = Env.get().config
-    layout = layout.plan(cluster, taskgraphs, config)   # pure Python, cheap
-    return layout.in_graph(layout, cluster, config)
+    plan = layout.plan(cluster, taskgraphs, config)   # pure Python, cheap
+    return layout.in_graph(plan, cluster, config)
 
 
 def server():
