@@ -6,9 +6,12 @@ upwards to do so.
 """
 import tensorflow as tf
 
-# amp and gradient_checkpoint: imported to register their backward-pass hooks
+# The features register their backward-pass and apply-path hooks when imported.
+from epl.features import accumulate  # noqa: F401
 from epl.features import amp
 from epl.features import gradient_checkpoint  # noqa: F401
+from epl.features import grouped_apply  # noqa: F401
+from epl.features import sparse_as_dense  # noqa: F401
 from epl.features import auto_stages
 from epl.runtime import integration
 from epl.ir import strategies

@@ -12,7 +12,7 @@ from tensorflow.python.autograph.impl import conversion
 
 import epl
 from epl import ir
-from epl.capture import patches
+from epl.capture import tensor_parallel_routing
 from epl.tensor_parallel import sharding
 
 
@@ -25,7 +25,7 @@ def _left_alone(f):
 
 def test_epl_functions_are_not_converted_once_epl_is_initialized():
     epl.init()
-    for f in (patches._einsum, sharding.lookup, ir.Graph.get, ir.TensorMap.get):
+    for f in (tensor_parallel_routing.einsum, sharding.lookup, ir.Graph.get, ir.TensorMap.get):
         assert _left_alone(f), f
 
 

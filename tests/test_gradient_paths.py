@@ -51,7 +51,7 @@ def test_fusion_splits_and_communicators(splits, comms, copies):
 
 def test_in_graph_communicator_fallback(monkeypatch):
     from epl.communicators import op_library
-    monkeypatch.setattr(native, "available", lambda: False)
+    monkeypatch.setattr(op_library, "available", lambda: False)
     want = _local()
     got, types = _dp_weights()
     assert "EplAllReduceN" not in types

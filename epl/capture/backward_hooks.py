@@ -3,7 +3,7 @@
 A feature that changes how the gradients of a user's ``tf.gradients`` /
 ``GradientTape.gradient`` call are built (automatic stages, AMP, gradient
 checkpointing) registers a :class:`BackwardHook` here when its module is imported,
-with the hooks it must run after.  The capture hook (``epl.capture.patches``) asks
+with the hooks it must run after.  The capture hook (``epl.capture.backward``) asks
 :func:`active` for the hooks that apply to a call, in that order, and runs their three
 parts around the call; it names no feature, so a new one is one ``register`` call in
 its own module, with its own ordering constraint.
@@ -12,8 +12,9 @@ Order: ``after`` names the hooks that run before this one (every part: ``prepare
 first, the outermost ``wrap``, ``finish`` first).  The order is the topological order
 of those constraints, ties broken by name (so it does not depend on which module was
 imported first); an unknown name or a cycle is refused when the order is asked for,
-naming the hooks.
+naming the hooks (``epl.capture.hook_order``, shared with the apply-path hooks).
 """
+from epl.capture import hook_order
 
 
 class BackwardHook(object):
@@ -78,63 +79,10 @@ class BackwardCall(object):
         return self.bound.arguments
 
 
-class Registry(object):
-    """Backward hooks by name, and their order."""
+class Registry(hook_order.Registry):
+    """Backward hooks by name, and their order (``epl.capture.hook_order``)."""
 
-    def __init__(self):
-        self._hooks = {}
-        self._order = None
-
-    def register(self, hook):
-        """Add ``hook`` (a :class:`BackwardHook`); a second hook of the same name is
-        refused.  Returns the hook."""
-        if not hook.name or not isinstance(hook.name, str):
-            raise ValueError("a backward hook needs a name (a str), got %r" % (hook.name,))
-        if hook.name in self._hooks and self._hooks[hook.name] is not hook:
-            raise ValueError("a backward hook named %r is already registered (%r); give the "
-                             "new one another name" % (hook.name, self._hooks[hook.name]))
-        self._hooks[hook.name] = hook
-        self._order = None
-        return hook
-
-    def unregister(self, name):
-        self._hooks.pop(name, None)
-        self._order = None
-
-    def order(self):
-        """Every hook, each after those its ``after`` names (ties by name)."""
-        if self._order is None:
-            self._order = _topological(self._hooks)
-        return list(self._order)
-
-    def active(self, call):
-        """The hooks that apply to ``call``, in order."""
-        return [h for h in self.order() if h.applies(call)]
-
-
-def _topological(hooks):
-    for h in sorted(hooks.values(), key=lambda h: h.name):
-        unknown = [n for n in h.after if n not in hooks]
-        if unknown:
-            raise ValueError(
-                "backward hook %r runs after %s, which no module registered (registered: "
-                "%s); import the feature that registers it, or fix the name"
-                % (h.name, ", ".join(repr(n) for n in unknown), sorted(hooks)))
-    waiting = {name: set(h.after) for name, h in hooks.items()}
-    order = []
-    while waiting:
-        ready = sorted(n for n, deps in waiting.items() if not deps)
-        if not ready:
-            raise ValueError(
-                "backward hooks %s each run after another of them (a cycle in their 'after' "
-                "constraints): %s" % (sorted(waiting), "; ".join(
-                    "%r after %s" % (n, sorted(deps)) for n, deps in sorted(waiting.items()))))
-        first = ready[0]
-        order.append(hooks[first])
-        del waiting[first]
-        for deps in waiting.values():
-            deps.discard(first)
-    return order
+    kind = "backward hook"
 
 
 # The process's registry: features register here when imported.

@@ -25,12 +25,17 @@ EarlyStopping or ReduceLROnPlateau act on, ``evaluate``'s and ``predict``'s resu
 In a job of several workers that each run their own graph, the loss and the metrics are
 combined across workers too (a collective): every worker must call ``fit`` /
 ``evaluate`` for the same steps, as with ``MultiWorkerMirroredStrategy``.
+
+Patch point 17 of ``epl.capture.patches``: tf.keras ``Model._prepare_total_loss``,
+``Metric.__call__`` and ``Model._make_predict_function`` (:func:`total_loss_hook`,
+:func:`metric_call_hook`, :func:`predict_function_hook`) report what they built here.
 """
 import tensorflow as tf
 
 from epl import ir
 from epl.ir.graph_keys import GraphKeys
 from epl.core.process_state import Env
+from epl.tf_adapter.patching import original
 
 
 def loss_built(total_loss):
@@ -85,3 +90,21 @@ def _add(t, key):
         t.graph.add_to_collection(key, t)
         epl_graph = ir.Graph.get(t.graph)
         epl_graph.pending = epl_graph.pending or epl_graph.rewritten
+
+
+def total_loss_hook(self, *args, **kwargs):
+    total_loss = original("keras.total_loss")(self, *args, **kwargs)
+    loss_built(total_loss)
+    return total_loss
+
+
+def metric_call_hook(self, *args, **kwargs):
+    result = original("keras.metric_call")(self, *args, **kwargs)
+    metric_called(self, result)
+    return result
+
+
+def predict_function_hook(self, *args, **kwargs):
+    out = original("keras.predict_function")(self, *args, **kwargs)
+    predict_function_made(self)
+    return out

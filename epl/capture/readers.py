@@ -7,8 +7,13 @@ batches).  Together the workers read every file, except that
 ``io.drop_last_files`` drops the last ``n % workers`` files so that the
 shares are equal; ``io.unbalanced_io_slicing`` allows unequal shares (and
 fewer files than workers) instead of failing.
+
+Patch point 10 of ``epl.capture.patches``:
+``readers.{TFRecord,TextLine,FixedLengthRecord}DatasetV2.__init__`` read
+:func:`sliced_filenames` (:func:`reader_init`).
 """
 from epl.core.process_state import Env
+from epl.tf_adapter.patching import original
 
 
 def slice_files(files, num_shards, index, unbalanced=False, drop_last=False):
@@ -51,3 +56,10 @@ def sliced_filenames(filenames):
     return slice_files(filenames, env.cluster.worker_num, env.cluster.worker_index,
                        env.config.get("io.unbalanced_io_slicing"),
                        env.config.get("io.drop_last_files"))
+
+
+def reader_init(point):
+    """The ``__init__`` of the reader dataset at patch ``point``, on this worker's files."""
+    def init(self, filenames, *args, **kwargs):
+        return original(point)(self, sliced_filenames(filenames), *args, **kwargs)
+    return init

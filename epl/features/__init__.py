@@ -2,8 +2,8 @@
 
 Mixed precision (``amp``), gradient checkpointing (``gradient_checkpoint``), gradient
 accumulation across runs (``accumulate``), an update gated by a predicate
-(``apply_gate``), grouped apply (``grouped_apply``) and automatic pipeline stages
-(``auto_stages``).  Each registers on capture's backward-pass or apply-path registry
-when imported (``epl.api`` imports them all).  May import ``capture`` and the layers
-below it.
+(``apply_gate``), grouped apply (``grouped_apply``), sparse gradients made dense for
+the optimizer (``sparse_as_dense``) and automatic pipeline stages (``auto_stages``).
+Each registers on capture's backward-pass or apply-path registry when imported
+(``epl.api`` imports them all).  May import ``capture`` and the layers below it.
 """

@@ -11,7 +11,8 @@ so does a ``global_step`` incremented by hand beside the train op
 The graph holds one copy of the model whatever m is (annotated models instead run
 all m micro-batches inside each run, as copies).
 
-How: built when ``apply_gradients`` is called (``tf_patches._capture_apply``); the
+How: an apply-path hook (``epl.capture.apply_hooks``, named "accumulate", after
+"sparse_as_dense") builds it around each user ``apply_gradients`` call; the
 optimizer's update is gated on "this run is the m-th" (``epl.features.apply_gate``).  The
 op ``apply_gradients`` returns always runs: after the accumulation, and on the
 m-th run after the update and the reset.
@@ -23,6 +24,7 @@ trained without accumulation.
 """
 import tensorflow as tf
 
+from epl.capture import apply_hooks
 from epl.features import apply_gate
 from epl.ir.internal_state import variable as _state
 
@@ -65,3 +67,28 @@ def _zeros_like(v, g):
     if g.shape.is_fully_defined():
         return lambda: tf.zeros(g.shape, g.dtype)
     return lambda: tf.zeros(tf.shape(v.initialized_value()), g.dtype)
+
+
+class _Hook(apply_hooks.ApplyHook):
+    """Accumulation's part in a user's ``apply_gradients`` (``pipeline.num_micro_batch >
+    1`` on a model without annotation): the optimizer gets the accumulated gradients,
+    gated on the m-th run, and the call returns the gate's always-live op."""
+
+    name = "accumulate"
+    after = ("sparse_as_dense",)    # accumulates the gradients as the optimizer gets them
+
+    def applies(self, call):
+        return call.config.get("pipeline.num_micro_batch") > 1 and not call.epl_graph.taskgraphs
+
+    def prepare(self, call):
+        call.across_runs = True
+
+    def wrap(self, call, apply):
+        def accumulated(grads_and_vars):
+            gate = AcrossRuns(grads_and_vars, call.config.get("pipeline.num_micro_batch"),
+                              call.config.get("communication.gradients_reduce_method"))
+            return gate.finish(apply(gate.grads_and_vars))
+        return accumulated
+
+
+apply_hooks.register(_Hook())

@@ -16,7 +16,8 @@ Three pieces, each applied where the user's program builds the part it changes:
    it, so small float16 gradients do not flush to zero.  ``amp.loss_scale``: a
    number (fixed) or ``"dynamic"``: start 2^15, halve on overflow, double after
    2,000 clean steps.
-3. *Skipping overflowed steps* (``SkipOnOverflow``, around ``apply_gradients``,
+3. *Skipping overflowed steps* (``SkipOnOverflow``, around ``apply_gradients``: an
+   apply-path hook, ``epl.capture.apply_hooks``, named "amp", after "accumulate";
    dynamic scale only): the optimizer's update is gated on "every gradient is
    finite" (``epl.features.apply_gate``); on an overflow its updates (``global_step``
    included) do not run, like the untaken branch of a ``tf.cond``.  The flag is
@@ -29,10 +30,10 @@ Three pieces, each applied where the user's program builds the part it changes:
 import logging
 
 import tensorflow as tf
-from tensorflow.python.util import nest
 
 from epl import ir
 from epl.features import apply_gate
+from epl.capture import apply_hooks
 from epl.capture import backward_hooks
 from epl.ir import capture_context
 from epl.core.process_state import Env
@@ -185,9 +186,8 @@ def loss_scale(graph, config):
 def scaled_grad_ys(ys, grad_ys, scale):
     """The ``grad_ys`` that start the backward pass of ``ys`` from ``scale``
     (``grad_ys`` times the scale, or the scale itself)."""
-    from tensorflow.python.util import nest
-    ys_list = nest.flatten(ys)
-    given = nest.flatten(grad_ys) if grad_ys is not None else [None] * len(ys_list)
+    ys_list = tf.nest.flatten(ys)
+    given = tf.nest.flatten(grad_ys) if grad_ys is not None else [None] * len(ys_list)
     start = []
     for y, g in zip(ys_list, given):
         s = tf.cast(scale, y.dtype)
@@ -293,7 +293,8 @@ class _Hook(backward_hooks.BackwardHook):
         given = call.arguments
         given["grad_ys"] = scaled_grad_ys(given["ys"], given.get("grad_ys"), scale)
         if given.get("stop_gradients") is not None:
-            given["stop_gradients"] = rebuilt(call.graph, nest.flatten(given["stop_gradients"]))
+            given["stop_gradients"] = rebuilt(call.graph,
+                                              tf.nest.flatten(given["stop_gradients"]))
 
     def wrap(self, call, compute):
         scale = call.scratch[self.name]
@@ -307,6 +308,37 @@ class _Hook(backward_hooks.BackwardHook):
 
 
 backward_hooks.register(_Hook())
+
+
+class _SkipHook(apply_hooks.ApplyHook):
+    """AMP's part in a user's ``apply_gradients`` (a dynamic loss scale): the optimizer
+    gets the gradients gated on "all finite", and the call returns the op that also
+    steers the loss scale."""
+
+    name = "amp"
+    after = ("accumulate",)     # refuses a call that accumulates across runs
+
+    def applies(self, call):
+        return state_of(call.epl_graph).dynamic is not None
+
+    def prepare(self, call):
+        if call.across_runs:
+            raise NotImplementedError(
+                "epl.Config: 'amp.loss_scale' = 'dynamic' with 'pipeline.num_micro_batch' = "
+                "%d on a model without annotation (accumulation across runs) is not "
+                "implemented yet: use a fixed amp.loss_scale, or annotate the model to "
+                "accumulate inside each run." % call.config.get("pipeline.num_micro_batch"))
+
+    def wrap(self, call, apply):
+        state = state_of(call.epl_graph).dynamic
+
+        def skipping(grads_and_vars):
+            gate = SkipOnOverflow(grads_and_vars, state, call.config.get("amp.debug_log"))
+            return gate.finish(apply(gate.grads_and_vars))
+        return skipping
+
+
+apply_hooks.register(_SkipHook())
 
 
 def _values(g):

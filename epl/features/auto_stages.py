@@ -3,9 +3,9 @@ K``): an unannotated model is cut into K contiguous stages, as if the user had
 written K ``epl.replicate(1)`` scopes.
 
 It runs when the first ``tf.gradients`` call (``minimize``...) is about to build
-the backward pass (``tf_patches._backward_call``): the forward pass is complete
-then, and the backward and update ops that follow are attributed to the stages
-like those of hand-written scopes.
+the backward pass (a backward-pass hook, ``epl.capture.backward_hooks``): the forward
+pass is complete then, and the backward and update ops that follow are attributed to
+the stages like those of hand-written scopes.
 
 The cut: the forward ops the loss depends on, in creation (= topological) order,
 may only be cut at a *separator* (``ir.separators``: a tensor that alone carries

@@ -2,8 +2,8 @@
 activations from a few kept tensors instead of holding all of them.
 
 It runs when a ``tf.gradients`` call (``compute_gradients``, ``minimize``, keras)
-has built its backward ops (``tf_patches._backward_call``), not among the rewrite
-passes: the recomputed ops then belong to that call like the gradients do, so
+has built its backward ops (a backward-pass hook, ``epl.capture.backward_hooks``), not
+among the rewrite passes: the recomputed ops then belong to that call like the gradients do, so
 data parallelism, gradient accumulation and pipelines copy and schedule them as
 backward ops of their stage with nothing special.
 
@@ -31,7 +31,7 @@ What it does to the backward ops just built:
 """
 import logging
 
-from tensorflow.python.util import nest
+import tensorflow as tf
 
 from epl import ir
 from epl.capture import backward_hooks
@@ -144,7 +144,7 @@ class _Hook(backward_hooks.BackwardHook):
         apply(call.graph, call.ys, call.first_id, call.config)
         if call.config.get("gradient_checkpoint.check_gradients"):
             # The same gradients without recomputation, compared once.
-            add_check(call.graph, nest.flatten(result), nest.flatten(recompute()))
+            add_check(call.graph, tf.nest.flatten(result), tf.nest.flatten(recompute()))
 
 
 backward_hooks.register(_Hook())
@@ -156,7 +156,6 @@ def add_check(graph, recomputed, plain):
     kept activations, fetched with the first run of each session (``pending_checks``)
     and logged.  The plain gradients run only then: with the first run that computes
     the recomputed ones (a training step, not the initializer)."""
-    import tensorflow as tf
     diffs = []
     # EPL's own ops: they read the replica's gradients, not the all-reduced ones.
     with tf.compat.v1.name_scope("EPL_GC_CHECK"), capture_context.rewriting():

@@ -3,8 +3,9 @@ updates run in groups, one group after another, so the temporaries one group
 allocates are freed before the next allocates its own.  Numbers do not change:
 each update reads the same gradient, variable and slots as before.
 
-It runs when an ``apply_gradients`` call has built its ops
-(``tf_patches._capture_apply``), on whatever ops the optimizer made (its own
+It runs when an ``apply_gradients`` call has built its ops (an apply-path hook,
+``epl.capture.apply_hooks``, named "grouped_apply", after "accumulate" and "amp"), on
+whatever ops the optimizer made (its own
 ``_apply_dense``, a user's override computing its update by hand, a keras
 optimizer): the ops of a group are the ones computed from that group's gradients
 only, and the ops only those read; ops computed from several groups' gradients
@@ -14,6 +15,7 @@ only, and the ops only those read; ops computed from several groups' gradients
 import logging
 
 from epl import ir
+from epl.capture import apply_hooks
 from epl.tf_adapter import graph as tfg
 
 log = logging.getLogger("epl")
@@ -98,3 +100,22 @@ def _balanced(pairs, num_groups):
     if cur:
         groups.append(cur)
     return groups
+
+
+class _Hook(apply_hooks.ApplyHook):
+    """Grouped apply's part in a user's ``apply_gradients`` (``optimizer.num_apply_group >
+    1``): once the call's ops are built (the gates of the hooks before it included),
+    they run in groups."""
+
+    name = "grouped_apply"
+    after = ("accumulate", "amp")   # groups the ops they build too
+
+    def applies(self, call):
+        return call.config.get("optimizer.num_apply_group") > 1
+
+    def finish(self, call):
+        apply(call.graph, call.grads_and_vars, call.first_id,
+              call.config.get("optimizer.num_apply_group"))
+
+
+apply_hooks.register(_Hook())

@@ -1,6 +1,6 @@
 """What EPL is doing in this thread while ops are made: the capture contexts.
 
-The capture hooks (``epl.capture.patches``) classify every new op by these flags: ops made
+The capture hooks (``epl.capture.ops``) classify every new op by these flags: ops made
 inside ``rewriting()`` are EPL's own, inside ``creating_for(tg, phase)`` they belong to a
 TaskGraph EPL builds for, and so on.  The flags live here, below the hooks and the
 features that set them (AMP, gradient checkpointing, the cloner...), so those never

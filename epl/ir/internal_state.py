@@ -3,7 +3,7 @@
 They are initialized with the global variables (the user's
 ``global_variables_initializer`` covers them, and tf.keras, which initializes the
 variables it tracks, tracks them) but are not part of the model: a
-default ``tf.train.Saver`` leaves them out (``tf_patches`` patch 5), so checkpoints
+default ``tf.train.Saver`` leaves them out (``epl.capture.savers``), so checkpoints
 interchange with the same program trained without the feature.
 """
 import tensorflow as tf

@@ -23,7 +23,7 @@ from epl.runtime import distributed
 from epl.features import gradient_checkpoint
 from epl.runtime import progress
 from epl.runtime import session_run
-from epl.capture import patches
+from epl.capture import ops as capture_ops
 from epl.core.process_state import Env
 from epl.profile import record as profile_record
 from epl.tf_adapter import objects, patching
@@ -177,5 +177,5 @@ def install():
     ran."""
     for point, hook in HOOKS:
         patching.install(point, hook)
-    if rewrite.on_new_op not in patches.NEW_OP_LISTENERS:
-        patches.NEW_OP_LISTENERS.append(rewrite.on_new_op)
+    if rewrite.on_new_op not in capture_ops.NEW_OP_LISTENERS:
+        capture_ops.NEW_OP_LISTENERS.append(rewrite.on_new_op)
