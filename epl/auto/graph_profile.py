@@ -1,0 +1,327 @@
+"""What the planner reads from a model: the TF1 graph is built (never run) and its ops
+give the FLOPs, parameters, optimizer slots and activations of each repeated block.
+
+``profile(model_fn, dataset_fn, optimizer_fn)`` builds the forward pass, the optimizer
+(``minimize``: the backward pass and the slot variables) in a fresh ``tf.Graph`` and
+returns a ``Profile``: three kinds of *regions*: ``pre`` (before the first block: the
+embedding), the blocks (name scopes ``layer_<i>``, ``block_<i>``, ``h_<i>``...), and
+``post`` (after the last block: the head and the loss).  Figures that grow with the
+batch are per row (the graph's batch is its first input's first dimension), so a graph
+built with a small batch prices any batch, and a model built with a few blocks prices
+any number of them (``Profile.layers``: the built blocks are templates).
+
+Tensor parallelism is read from the graph too (Megatron's pattern): starting from a
+replicated block input, a product with a weight whose input is replicated is
+column-parallel (its output is sharded), one whose input is sharded is row-parallel (its
+output is summed by an all-reduce); other ops shard their output when an input is.
+"""
+import re
+
+import tensorflow as tf
+
+v1 = tf.compat.v1
+
+BLOCK_PATTERN = r"(?:^|/)(?:layer|layers|block|blocks|h|transformer_block|decoder_layer|" \
+                r"encoder_layer)_?(\d+)(?:/|$)"
+_MATMULS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv2D")
+_VARIABLES = ("VariableV2", "VarHandleOp", "Variable")
+_PASS = ("Identity", "ReadVariableOp", "Cast", "Enter", "Reshape", "Transpose")
+_VIEWS = ("Reshape", "Identity", "Squeeze", "ExpandDims", "StridedSlice", "Slice",
+          "StopGradient", "Unpack", "Split")
+_SHAPE_OPS = ("Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs")
+_GRAD_OF = re.compile(r"gradients(?:_\d+)?/(.*?)_grad/")
+_GATHERS = ("GatherV2", "Gather", "ResourceGather")
+
+
+class Region(object):
+    """Figures of one region, per row of the batch where they scale with it."""
+
+    def __init__(self, name):
+        self.name = name
+        self.flops = 0.0            # forward FLOPs of matrix products, per row
+        self.flops_split = 0.0      # ... of those sharded by tensor parallelism
+        self.saved = 0.0            # bytes per row the backward pass reads (activations)
+        self.saved_split = 0.0      # ... of those sharded
+        self.saved_float32 = 0.0    # ... of those float32 (AMP halves them)
+        self.input_bytes = 0.0      # bytes per row entering the region (kept by GC, sent)
+        self.allreduce_bytes = []   # per row, each all-reduce of the forward pass
+        self.pointwise = 0.0        # bytes per row written by the other ops (roofline)
+        self.pointwise_split = 0.0  # ... of those sharded
+        self.params = 0             # parameters (elements)
+        self.params_split = 0       # ... of 2-D or larger variables (sharded by t)
+        self.variables = []         # names
+
+    def to_dict(self):
+        return {k: v for k, v in self.__dict__.items() if k != "variables"}
+
+
+class Profile(object):
+    """The model as the planner sees it (``profile``'s result)."""
+
+    def __init__(self, rows, pre, blocks, post, slots_per_param, heads, built_seconds):
+        self.rows = rows
+        self.pre, self.blocks, self.post = pre, blocks, post
+        self.slots_per_param = slots_per_param
+        self.heads = heads
+        self.built_seconds = built_seconds
+        self.layers = len(blocks)
+        self.shared = {}            # variable name -> regions using it (tied weights)
+
+    def repeated(self, layers):
+        """The same model with ``layers`` blocks: the built ones are templates, block
+        i costs like built block i mod len(built)."""
+        out = Profile(self.rows, self.pre, self.blocks, self.post, self.slots_per_param,
+                      self.heads, self.built_seconds)
+        out.layers = int(layers)
+        out.shared = self.shared
+        return out
+
+    def block(self, i):
+        return self.blocks[i % len(self.blocks)]
+
+    def params(self):
+        """Parameters of the model (a weight shared by two regions counted once)."""
+        dup = sum(n * (len(where) - 1) for n, where in self.shared.values())
+        return self.pre.params + self.post.params - dup + sum(
+            self.block(i).params for i in range(self.layers))
+
+    def forward_flops(self, rows):
+        """Forward FLOPs of matrix products over ``rows`` rows."""
+        per_row = self.pre.flops + self.post.flops + sum(
+            self.block(i).flops for i in range(self.layers))
+        return per_row * rows
+
+
+def _elements(shape):
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _dims(t, rows):
+    return [rows if d is None else int(d) for d in t.shape.as_list()] \
+        if t.shape.rank is not None else None
+
+
+def _bytes(t, rows):
+    dims = _dims(t, rows)
+    if dims is None:
+        return 0
+    return _elements(dims) * t.dtype.size
+
+
+def op_flops(op, rows):
+    """Multiply-add FLOPs (2 per multiply-add) of a matrix product from static shapes."""
+    t = op.type
+    out = _dims(op.outputs[0], rows)
+    if out is None:
+        return 0.0
+    if t == "MatMul":
+        a = _dims(op.inputs[0], rows)
+        k = a[0] if op.get_attr("transpose_a") else a[1]
+        return 2.0 * out[0] * out[1] * k
+    if t.startswith("BatchMatMul"):
+        a = _dims(op.inputs[0], rows)
+        adj = op.get_attr("adj_x") if "adj_x" in op.node_def.attr else False
+        k = a[-2] if adj else a[-1]
+        return 2.0 * _elements(out) * k
+    if t == "Einsum":
+        eq = op.get_attr("equation").decode().replace(" ", "")
+        ins = eq.split("->")[0].split(",")
+        sizes = {}
+        for letters, tensor in zip(ins, op.inputs):
+            dims = _dims(tensor, rows)
+            if dims is None or "." in letters or len(letters) != len(dims):
+                return 0.0
+            sizes.update(zip(letters, dims))
+        return 2.0 * _elements(sizes.values())
+    if t == "Conv2D":
+        w = _dims(op.inputs[1], rows)
+        return 2.0 * _elements(out) * w[0] * w[1] * w[2]
+    return 0.0
+
+
+def _variable_of(tensor):
+    """The variable op a tensor reads (through identities and casts), or None."""
+    op = tensor.op
+    for _ in range(8):
+        if op.type in _VARIABLES:
+            return op
+        if op.type not in _PASS or not op.inputs:
+            return None
+        op = op.inputs[0].op
+    return None
+
+
+def _slots_per_param(optimizer, trainable, new_variables):
+    total = sum(_elements(v.shape.as_list()) for v in trainable) or 1
+    if hasattr(optimizer, "get_slot_names") and hasattr(optimizer, "get_slot"):
+        n = 0
+        for v in trainable:
+            for name in optimizer.get_slot_names():
+                if optimizer.get_slot(v, name) is not None:
+                    n += _elements(v.shape.as_list())
+        return n / float(total)
+    shapes = {tuple(v.shape.as_list()) for v in trainable}
+    n = sum(_elements(v.shape.as_list()) for v in new_variables
+            if tuple(v.shape.as_list()) in shapes)
+    return n / float(total)
+
+
+def _first_input(features):
+    flat = tf.nest.flatten(features)
+    return flat[0]
+
+
+def profile(model_fn, dataset_fn, optimizer_fn, block_pattern=BLOCK_PATTERN):
+    """Build the model (never run it) and read its Profile."""
+    import time
+    start = time.time()
+    graph = tf.Graph()
+    with graph.as_default():
+        dataset = dataset_fn()
+        features = v1.data.make_one_shot_iterator(dataset).get_next()
+        first = _first_input(features)
+        rows = first.shape.as_list()[0] if first.shape.rank else None
+        if rows is None:
+            raise ValueError("epl.auto: the dataset's batch dimension is unknown; batch with "
+                             "drop_remainder=True so that shapes are static")
+        n_input_ops = len(graph.get_operations())
+        loss = model_fn(features)
+        forward = graph.get_operations()[n_input_ops:]
+        trainable = v1.trainable_variables()
+        before = set(v.name for v in v1.global_variables())
+        optimizer = optimizer_fn()
+        optimizer.minimize(loss)
+        new_vars = [v for v in v1.global_variables() if v.name not in before]
+        backward = graph.get_operations()[n_input_ops + len(forward):]
+        slots = _slots_per_param(optimizer, trainable, new_vars)
+        prof = _read(graph, features, forward, backward, trainable, rows, block_pattern)
+    prof.slots_per_param = slots
+    prof.built_seconds = time.time() - start
+    return prof
+
+
+def _read(graph, features, forward, backward, trainable, rows, block_pattern):
+    pattern = re.compile(block_pattern)
+    fwd_names = set(op.name for op in forward)
+    # batch-dependent forward ops: downstream of the input
+    batch_ops = set(t.op.name for t in tf.nest.flatten(features))
+    for op in forward:
+        if any(t.op.name in batch_ops for t in op.inputs):
+            batch_ops.add(op.name)
+    # regions: blocks by name scope; the rest before the first block is pre, after is post
+    region_of = {}
+    block_ids = []
+    for op in forward:
+        m = pattern.search(op.name)
+        if m:
+            k = int(m.group(1))
+            region_of[op.name] = k
+            if k not in block_ids:
+                block_ids.append(k)
+    if block_ids:
+        first_block_ops = set(n for n, r in region_of.items() if r == block_ids[0])
+        seen_first = False
+        for op in forward:
+            if op.name in first_block_ops:
+                seen_first = True
+            if op.name not in region_of:
+                region_of[op.name] = "post" if seen_first and op.name in batch_ops else "pre"
+    else:
+        for op in forward:
+            region_of[op.name] = "post"   # no blocks: the whole model is one region
+    regions = {"pre": Region("pre"), "post": Region("post")}
+    for k in block_ids:
+        regions[k] = Region("layer_%d" % k)
+
+    consumers = {}                # saved tensor -> regions whose backward reads it
+    for op in backward:
+        if op.type in _SHAPE_OPS:
+            continue
+        m = pattern.search(op.name)
+        grad_of = _GRAD_OF.match(op.name)
+        for t in op.inputs:
+            if t.op.name in batch_ops:
+                if m and int(m.group(1)) in regions:
+                    where = int(m.group(1))
+                else:
+                    where = region_of.get(grad_of.group(1) if grad_of else None,
+                                          region_of.get(t.op.name, "pre"))
+                consumers.setdefault(t.name, set()).add(where)
+    split = set()                 # tensor names sharded under tensor parallelism
+    heads = None
+    var_regions = {}
+    entered = set()
+    for op in forward:
+        reg = regions[region_of[op.name]]
+        if op.name not in batch_ops:
+            continue
+        var_inputs = [(_variable_of(t), t) for t in op.inputs]
+        for var_op, _ in var_inputs:
+            if var_op is not None and op.type not in _PASS:
+                var_regions.setdefault(var_op.name, set()).add(region_of[op.name])
+        in_split = any(t.name in split for t in op.inputs
+                       if t.op.name in batch_ops and region_of.get(t.op.name) == region_of[op.name])
+        weight = any(v is not None for v, _ in var_inputs)
+        out_split = in_split
+        if op.type in _MATMULS:
+            flops = op_flops(op, rows) / rows
+            reg.flops += flops
+            if weight:
+                out_split = not in_split
+                if in_split:
+                    reg.allreduce_bytes.append(_bytes(op.outputs[0], rows) / float(rows))
+                reg.flops_split += flops
+            elif in_split:
+                reg.flops_split += flops
+            dims = _dims(op.outputs[0], rows)
+            if op.type.startswith("BatchMatMul") and dims and len(dims) == 4 and heads is None:
+                heads = dims[1]
+        elif op.type in _GATHERS and weight and reg.name == "pre":
+            out_split = False
+            reg.allreduce_bytes.append(_bytes(op.outputs[0], rows) / float(rows))
+        for t in op.outputs:
+            if out_split:
+                split.add(t.name)
+            if op.type not in _MATMULS and op.type not in _VIEWS and t.dtype.is_floating:
+                b = _bytes(t, rows) / float(rows)
+                reg.pointwise += b
+                if out_split:
+                    reg.pointwise_split += b
+            if t.name not in consumers or not t.dtype.is_floating or t.op.name not in fwd_names:
+                continue
+            b = _bytes(t, rows) / float(rows)
+            for where in consumers[t.name]:
+                saver = regions[where]
+                saver.saved += b
+                if out_split and where == region_of[op.name]:
+                    saver.saved_split += b
+                if t.dtype == tf.float32:
+                    saver.saved_float32 += b
+        for t in op.inputs:
+            if t.op.name in batch_ops and region_of.get(t.op.name) != region_of[op.name] \
+                    and t.dtype.is_floating and t.name not in entered:
+                entered.add(t.name)
+                reg.input_bytes += _bytes(t, rows) / float(rows)
+
+    shared = {}
+    for v in trainable:
+        name = v.op.name
+        where = var_regions.get(name) or {region_of.get(name, "pre")}
+        m = pattern.search(name)
+        if m and int(m.group(1)) in regions:
+            where = {int(m.group(1))}
+        n = _elements(v.shape.as_list())
+        if len(where) > 1:
+            shared[name] = (n, sorted(str(w) for w in where))
+        for w in where:
+            regions[w].params += n
+            regions[w].variables.append(name)
+            if len(v.shape.as_list()) >= 2:
+                regions[w].params_split += n
+    blocks = [regions[k] for k in block_ids]
+    prof = Profile(rows, regions["pre"], blocks, regions["post"], 0.0, heads, 0.0)
+    prof.shared = shared
+    return prof

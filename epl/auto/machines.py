@@ -1,0 +1,179 @@
+"""The machines a plan is made for: ``epl.auto.Cluster`` (not ``epl.core.cluster``, which
+is the job's TF_CONFIG cluster).
+
+A cluster is ``nodes`` x ``devices_per_node`` identical devices.  A device has a peak
+FLOP/s per dtype, an efficiency per dtype (the one calibration constant of the
+time model, docs/plan.md), memory and memory bandwidth, and a host link (PCIe, for
+offload).  Links: ``intra`` (NVLink/NVSwitch inside a node) and ``inter`` (InfiniBand:
+``nics_per_node`` ports of ``bandwidth`` each).  Bandwidths are bytes/s in one
+direction; latencies seconds per ring step.
+
+Presets follow the vendors' datasheets (dense tensor-core peaks, no sparsity):
+V100-SXM2-32GB, A100-SXM4-40GB/80GB (8 x HDR 200 Gb/s), H100-SXM5-80GB (8 x NDR 400
+Gb/s), in DGX-style nodes of 8 GPUs on NVSwitch.
+"""
+import copy
+import json
+
+DTYPES = ("fp32", "tf32", "fp16", "bf16")
+GB = 1e9
+TFLOPS = 1e12
+
+# One efficiency constant per device type and dtype: the fraction of peak that matrix
+# products reach.  A100 fp16/bf16 is fitted on two rows of Megatron-LM's Table 1
+# (benchmarks/plan_megatron.py --fit); the other devices and dtypes reuse that value
+# (not fitted: no published table of theirs is used here).
+FITTED_EFFICIENCY = 0.6405
+
+_PRESETS = {
+    "v100-32gb": dict(
+        name="V100-SXM2-32GB",
+        peak={"fp32": 15.7 * TFLOPS, "tf32": 15.7 * TFLOPS, "fp16": 125 * TFLOPS,
+              "bf16": 15.7 * TFLOPS},
+        memory=32 * 2 ** 30, memory_bandwidth=900 * GB, host_bandwidth=16 * GB,
+        intra=dict(kind="nvlink", bandwidth=150 * GB, latency=3e-6),
+        inter=dict(kind="ib-hdr", bandwidth=25 * GB, latency=5e-6, nics_per_node=8)),
+    "a100-40gb": dict(
+        name="A100-SXM4-40GB",
+        peak={"fp32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS, "fp16": 312 * TFLOPS,
+              "bf16": 312 * TFLOPS},
+        memory=40 * 2 ** 30, memory_bandwidth=1555 * GB, host_bandwidth=32 * GB,
+        intra=dict(kind="nvswitch", bandwidth=300 * GB, latency=3e-6),
+        inter=dict(kind="ib-hdr", bandwidth=25 * GB, latency=5e-6, nics_per_node=8)),
+    "a100-80gb": dict(
+        name="A100-SXM4-80GB",
+        peak={"fp32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS, "fp16": 312 * TFLOPS,
+              "bf16": 312 * TFLOPS},
+        memory=80 * 2 ** 30, memory_bandwidth=2039 * GB, host_bandwidth=32 * GB,
+        intra=dict(kind="nvswitch", bandwidth=300 * GB, latency=3e-6),
+        inter=dict(kind="ib-hdr", bandwidth=25 * GB, latency=5e-6, nics_per_node=8)),
+    "h100-80gb": dict(
+        name="H100-SXM5-80GB",
+        peak={"fp32": 67 * TFLOPS, "tf32": 495 * TFLOPS, "fp16": 989 * TFLOPS,
+              "bf16": 989 * TFLOPS},
+        memory=80 * 2 ** 30, memory_bandwidth=3350 * GB, host_bandwidth=64 * GB,
+        intra=dict(kind="nvswitch", bandwidth=450 * GB, latency=3e-6),
+        inter=dict(kind="ib-ndr", bandwidth=50 * GB, latency=5e-6, nics_per_node=8)),
+}
+PRESETS = tuple(sorted(_PRESETS))
+
+
+class Device(object):
+    """One accelerator: peak FLOP/s and efficiency per dtype, memory, bandwidths."""
+
+    def __init__(self, name, peak, memory, memory_bandwidth, host_bandwidth=16 * GB,
+                 efficiency=None):
+        self.name = name
+        self.peak = {k: float(v) for k, v in peak.items()}
+        missing = [d for d in DTYPES if d not in self.peak]
+        if missing:
+            raise ValueError("epl.auto.Cluster: device %r lacks a peak for %s (give peak "
+                             "FLOP/s for each of %s)" % (name, missing, ", ".join(DTYPES)))
+        self.memory = int(memory)
+        self.memory_bandwidth = float(memory_bandwidth)
+        self.host_bandwidth = float(host_bandwidth)
+        eff = dict.fromkeys(DTYPES, FITTED_EFFICIENCY)
+        eff.update(efficiency or {})
+        self.efficiency = {k: float(v) for k, v in eff.items()}
+
+    def flops(self, dtype):
+        """Sustained FLOP/s of matrix products in ``dtype``: peak x efficiency."""
+        return self.peak[dtype] * self.efficiency[dtype]
+
+    def to_dict(self):
+        return dict(name=self.name, peak=self.peak, memory=self.memory,
+                    memory_bandwidth=self.memory_bandwidth,
+                    host_bandwidth=self.host_bandwidth, efficiency=self.efficiency)
+
+
+class Link(object):
+    """A network: bandwidth (bytes/s, one direction, per port) and latency per step."""
+
+    def __init__(self, kind, bandwidth, latency, nics_per_node=None):
+        self.kind = kind
+        self.bandwidth = float(bandwidth)
+        self.latency = float(latency)
+        self.nics_per_node = nics_per_node
+
+    def to_dict(self):
+        out = dict(kind=self.kind, bandwidth=self.bandwidth, latency=self.latency)
+        if self.nics_per_node is not None:
+            out["nics_per_node"] = self.nics_per_node
+        return out
+
+
+class Cluster(object):
+    """``nodes`` x ``devices_per_node`` devices, an intra-node and an inter-node link."""
+
+    def __init__(self, device, nodes, devices_per_node, intra, inter, name=None):
+        if nodes < 1 or devices_per_node < 1:
+            raise ValueError("epl.auto.Cluster: nodes and devices_per_node must be >= 1, "
+                             "got %r and %r" % (nodes, devices_per_node))
+        self.device = device
+        self.nodes = int(nodes)
+        self.devices_per_node = int(devices_per_node)
+        self.intra = intra
+        self.inter = inter
+        self.name = name or device.name
+
+    @property
+    def num_devices(self):
+        return self.nodes * self.devices_per_node
+
+    def nic_bandwidth_per_device(self):
+        """Inter-node bytes/s one device gets when every device of a node sends at once."""
+        nics = self.inter.nics_per_node or 1
+        return self.inter.bandwidth * nics / float(self.devices_per_node)
+
+    @classmethod
+    def preset(cls, name, nodes=1):
+        """``v100-32gb``, ``a100-40gb``, ``a100-80gb`` or ``h100-80gb``: 8-GPU nodes."""
+        key = name.lower()
+        if key not in _PRESETS:
+            raise ValueError("epl.auto.Cluster.preset: unknown %r; the presets are %s"
+                             % (name, ", ".join(PRESETS)))
+        spec = copy.deepcopy(_PRESETS[key])
+        device = Device(spec["name"], spec["peak"], spec["memory"],
+                        spec["memory_bandwidth"], spec["host_bandwidth"])
+        return cls(device, nodes, 8, Link(**spec["intra"]), Link(**spec["inter"]),
+                   name="%s x %d nodes" % (key, nodes))
+
+    def with_nodes(self, nodes):
+        out = copy.copy(self)
+        out.nodes = int(nodes)
+        return out
+
+    def to_dict(self):
+        return dict(name=self.name, nodes=self.nodes, devices_per_node=self.devices_per_node,
+                    device=self.device.to_dict(), intra=self.intra.to_dict(),
+                    inter=self.inter.to_dict())
+
+    def to_json(self, path=None):
+        text = json.dumps(self.to_dict(), indent=2, sort_keys=True)
+        if path:
+            with open(path, "w") as f:
+                f.write(text + "\n")
+        return text
+
+    @classmethod
+    def from_dict(cls, d):
+        if "preset" in d:
+            return cls.preset(d["preset"], nodes=d.get("nodes", 1))
+        dev = d["device"]
+        device = Device(dev["name"], dev["peak"], dev["memory"], dev["memory_bandwidth"],
+                        dev.get("host_bandwidth", 16 * GB), dev.get("efficiency"))
+        return cls(device, d["nodes"], d["devices_per_node"], Link(**d["intra"]),
+                   Link(**d["inter"]), name=d.get("name"))
+
+    @classmethod
+    def from_json(cls, path_or_text):
+        """A cluster from a JSON file (or text): ``to_json``'s form, or
+        ``{"preset": "a100-80gb", "nodes": 4}``."""
+        text = path_or_text
+        if not text.lstrip().startswith("{"):
+            with open(path_or_text) as f:
+                text = f.read()
+        return cls.from_dict(json.loads(text))
+
+    def __repr__(self):
+        return "Cluster(%s, %d x %d)" % (self.device.name, self.nodes, self.devices_per_node)

@@ -1,0 +1,261 @@
+"""``epl.auto.predict``: memory per device and step time of a layout on a cluster, from
+the model's graph (``graph_profile``), never from a run.  The formulas are in
+docs/plan.md; in short, per pipeline stage and micro-batch:
+
+* compute = matrix-product FLOPs / (peak x efficiency); backward = 2 x forward;
+  recomputation adds the blocks' forward;
+* tensor parallelism: the graph's row-parallel all-reduces (2 per transformer block
+  forward, as many backward and in the recomputed forward), ring over the node's links;
+* pipeline: (m - 1) x slowest stage + sum of the stages (1F1B, GPipe); the interleaved
+  schedule divides the fill and drain by its chunks; sends of the boundary tensors;
+* data parallelism: the gradient all-reduce of the fullest stage (hierarchical: within
+  a node, then across nodes over the node's NICs), less what hides behind the last
+  micro-batch's backward; the optimizer's update at memory bandwidth; offload's copies.
+"""
+import math
+
+from epl.auto import graph_profile
+from epl.auto.layout import Layout
+
+BUCKET_BYTES = 64 << 20       # gradient fusion bucket (communication.max_splits aside)
+_WIDTH = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2}
+
+
+class Prediction(object):
+    """What ``predict`` returns: ``step_time_s``, ``samples_per_s``, ``mfu``,
+    ``tflops_per_gpu`` (executed FLOPs incl. recomputation, Megatron's metric),
+    ``memory_bytes`` (one entry per pipeline stage: every device of a stage holds the
+    same), ``peak_memory_bytes``, ``fits``, ``breakdown`` (seconds and bytes)."""
+
+    def __init__(self, layout, **kw):
+        self.layout = layout
+        self.__dict__.update(kw)
+
+    def to_dict(self):
+        out = {k: v for k, v in self.__dict__.items() if k != "layout"}
+        out["layout"] = self.layout.describe()
+        return out
+
+    def __repr__(self):
+        return ("Prediction(%s: %.4g s/step, %.4g samples/s, MFU %.3f, peak %.3g GiB)"
+                % (self.layout.describe(), self.step_time_s, self.samples_per_s, self.mfu,
+                   self.peak_memory_bytes / 2.0 ** 30))
+
+
+def ring_allreduce_s(nbytes, members, bandwidth, latency):
+    """Ring all-reduce: 2 (n-1)/n of the bytes over each member's link."""
+    if members <= 1 or nbytes <= 0:
+        return 0.0
+    return 2.0 * (members - 1) / members * nbytes / bandwidth + 2 * (members - 1) * latency
+
+
+def tp_allreduce_s(nbytes, cluster, t):
+    if t <= cluster.devices_per_node:
+        return ring_allreduce_s(nbytes, t, cluster.intra.bandwidth, cluster.intra.latency)
+    return ring_allreduce_s(nbytes, t, cluster.nic_bandwidth_per_device(),
+                            cluster.inter.latency)
+
+
+def dp_allreduce_s(nbytes, cluster, t, d):
+    """Gradient all-reduce over the d replicas (ranks: t fastest, then d, then p): the
+    replicas on one node reduce-scatter over NVSwitch, the nodes all-reduce their shard
+    over the NICs, then all-gather within the node."""
+    local = max(1, min(d, cluster.devices_per_node // t)) if t < cluster.devices_per_node \
+        else 1
+    nodes = d // local
+    intra = ring_allreduce_s(nbytes, local, cluster.intra.bandwidth, cluster.intra.latency)
+    inter = ring_allreduce_s(nbytes / float(local), nodes, cluster.nic_bandwidth_per_device(),
+                             cluster.inter.latency)
+    return intra + inter
+
+
+def stages_of(layers, p):
+    """Blocks of each stage: contiguous, as even as can be (the first stages get one
+    more when p does not divide the blocks)."""
+    base, extra = divmod(layers, p)
+    out, start = [], 0
+    for k in range(p):
+        n = base + (1 if k < extra else 0)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def _resolve(layout, profile, cluster, global_batch):
+    lay = Layout(**{k: getattr(layout, k) for k in (
+        "t", "p", "d", "micro_batch_size", "num_micro_batch", "schedule", "chunks",
+        "recompute", "zero", "offload", "dtype")})
+    n = cluster.num_devices
+    if lay.d is None:
+        if n % (lay.t * lay.p):
+            raise ValueError("epl.auto: t x p = %d does not divide the cluster's %d devices"
+                             % (lay.t * lay.p, n))
+        lay.d = n // (lay.t * lay.p)
+    if lay.t * lay.p * lay.d > n:
+        raise ValueError("epl.auto: t x p x d = %d > %d devices" % (lay.t * lay.p * lay.d, n))
+    if global_batch is None:
+        mb = lay.micro_batch_size or profile.rows
+        global_batch = mb * (lay.num_micro_batch or 1) * lay.d
+    if global_batch % lay.d:
+        raise ValueError("epl.auto: global batch %d is not a multiple of d = %d"
+                         % (global_batch, lay.d))
+    per = global_batch // lay.d
+    if lay.micro_batch_size:
+        lay.num_micro_batch = per // lay.micro_batch_size
+    elif lay.num_micro_batch:
+        lay.micro_batch_size = per // lay.num_micro_batch
+    else:
+        lay.micro_batch_size = min(profile.rows, per)
+        lay.num_micro_batch = per // lay.micro_batch_size
+    if lay.micro_batch_size * lay.num_micro_batch != per or lay.num_micro_batch < 1:
+        raise ValueError("epl.auto: %d rows per replica do not make whole micro-batches of "
+                         "%s" % (per, lay.micro_batch_size))
+    return lay, global_batch
+
+
+def _in_flight(lay, k):
+    """Micro-batches whose activations stage k holds at the schedule's peak (in units
+    of the whole stage's activations)."""
+    m, p = lay.num_micro_batch, lay.p
+    if lay.schedule == "gpipe":
+        return m
+    if lay.schedule == "interleaved" and p > 1:
+        v = lay.chunks
+        return min(m * v, 2 * (p - k - 1) + (v - 1) * p + 1) / float(v)
+    return min(m, p - k)
+
+
+def price(profile, layout, cluster, global_batch=None):
+    """The Prediction of a resolved Profile (``graph_profile.profile``) and Layout."""
+    lay, global_batch = _resolve(layout, profile, cluster, global_batch)
+    t, p, d, mb, m = lay.t, lay.p, lay.d, lay.micro_batch_size, lay.num_micro_batch
+    dev = cluster.device
+    flops_s = dev.flops(lay.dtype)
+    amp = lay.dtype in ("fp16", "bf16")
+    width = _WIDTH[lay.dtype]
+    act_scale = 0.5 if amp else 1.0            # float32 tensors become 16-bit under AMP
+
+    def saved(r):
+        """Activation bytes per row the backward pass reads, on one device."""
+        if not r.saved:
+            return 0.0
+        b = (r.saved - r.saved_split) + r.saved_split / float(t)
+        return b * (1.0 - r.saved_float32 / r.saved * (1.0 - act_scale))
+
+    def pw(r):
+        """Bytes per row the non-product ops write, on one device (AMP: 16-bit)."""
+        return ((r.pointwise - r.pointwise_split) + r.pointwise_split / float(t)) * act_scale
+
+    def flops(r):
+        return (r.flops - r.flops_split) + r.flops_split / float(t)
+
+    def params(r):
+        return (r.params - r.params_split) + r.params_split / float(t)
+
+    groups = stages_of(profile.layers, p)
+    stage_crosses_nodes = t * d >= cluster.devices_per_node and p > 1
+    send_bw = cluster.nic_bandwidth_per_device() if stage_crosses_nodes \
+        else cluster.intra.bandwidth
+    send_lat = cluster.inter.latency if stage_crosses_nodes else cluster.intra.latency
+    per_stage, memory, details = [], [], []
+    model_flops = 3 * profile.forward_flops(global_batch)
+    executed = model_flops
+    for k, blocks in enumerate(groups):
+        regions = [profile.block(i) for i in blocks]
+        extra = ([profile.pre] if k == 0 else []) + ([profile.post] if k == p - 1 else [])
+        fwd_block = sum(flops(r) for r in regions) * mb
+        fwd = fwd_block + sum(flops(r) for r in extra) * mb
+        recompute = fwd_block if lay.recompute else 0.0
+        pointwise = sum(pw(r) for r in regions + extra) * mb
+        compute = (3 * fwd + recompute) / flops_s + (3 * pointwise + (
+            sum(pw(r) for r in regions) * mb if lay.recompute else 0.0)) / dev.memory_bandwidth
+        ar = [b * mb * act_scale for r in regions + extra for b in r.allreduce_bytes]
+        ar_block = [b * mb * act_scale for r in regions for b in r.allreduce_bytes]
+        tp = 2 * sum(tp_allreduce_s(b, cluster, t) for b in ar) if t > 1 else 0.0
+        if lay.recompute and t > 1:
+            tp += sum(tp_allreduce_s(b, cluster, t) for b in ar_block)
+        send = 0.0
+        if k < p - 1:
+            nbytes = profile.block(groups[k + 1][0]).input_bytes * mb * act_scale \
+                if len(groups[k + 1]) else profile.post.input_bytes * mb * act_scale
+            one = nbytes / t / send_bw + send_lat + (
+                (t - 1.0) / t * nbytes / cluster.intra.bandwidth if t > 1 else 0.0)
+            send = 2 * one * lay.chunks
+        per_stage.append((compute, tp, send))
+        # memory
+        n_params = sum(params(r) for r in regions + extra)
+        if k == 0 and k == p - 1:   # a weight tied between embedding and head, held once
+            for n_var, where in profile.shared.values():
+                if set(where) <= {"pre", "post"}:
+                    n_params -= n_var * (len(where) - 1) / float(t)
+        weights = n_params * (2 if amp else 4)
+        grads = n_params * width if amp else n_params * 4
+        master = n_params * 4 if amp else 0.0
+        slots = n_params * 4 * profile.slots_per_param
+        states = master + slots
+        if lay.zero:
+            states /= d
+        if lay.offload:
+            states = 0.0
+        flight = _in_flight(lay, k)
+        if lay.recompute:
+            kept = sum(r.input_bytes for r in regions) * act_scale * mb * flight
+            working = max([saved(r) for r in regions] or [0.0]) * mb
+            acts = kept + working + sum(saved(r) for r in extra) * mb * flight
+        else:
+            acts = sum(saved(r) for r in regions + extra) * mb * flight
+        buffers = min(grads, BUCKET_BYTES) + max(ar or [0.0])
+        mem = weights + grads + states + acts + buffers
+        memory.append(int(mem))
+        details.append(dict(stage=k, blocks=len(blocks), params=n_params, weights=weights,
+                            gradients=grads, optimizer_states=states, activations=acts,
+                            buffers=buffers, in_flight=flight))
+        executed += recompute * m * d * t
+    totals = [sum(x) for x in per_stage]
+    slowest = max(totals)
+    v = lay.chunks if p > 1 else 1
+    makespan = m * slowest + (sum(totals) - slowest) / v
+    # data-parallel all-reduce, the update, offload
+    dp_exposed, dp_total, update, offload = 0.0, 0.0, 0.0, 0.0
+    for k, det in enumerate(details):
+        compute_k = per_stage[k][0]
+        ar_s = dp_allreduce_s(det["gradients"], cluster, t, d) if d > 1 else 0.0
+        bucket_s = ar_s * min(1.0, BUCKET_BYTES / max(det["gradients"], 1.0))
+        exposed = max(bucket_s, ar_s - compute_k * 2.0 / 3) if ar_s else 0.0
+        dp_total = max(dp_total, ar_s)
+        dp_exposed = max(dp_exposed, exposed)
+        state_bytes = det["params"] * (4 + 4 * profile.slots_per_param) / (d if lay.zero else 1)
+        if not lay.offload:
+            update = max(update, (2 * state_bytes + det["gradients"] + det["weights"])
+                         / dev.memory_bandwidth)
+        else:
+            offload = max(offload, (det["gradients"] + det["weights"]) / dev.host_bandwidth)
+    step = makespan + dp_exposed + update + offload
+    n_dev = t * p * d
+    slow = totals.index(slowest)
+    breakdown = dict(
+        compute_s=m * per_stage[slow][0], tp_comm_s=m * per_stage[slow][1],
+        pp_send_s=m * per_stage[slow][2], bubble_s=makespan - m * slowest,
+        dp_allreduce_s=dp_total, dp_exposed_s=dp_exposed, optimizer_s=update,
+        offload_s=offload, stages=details, global_batch=global_batch,
+        model_flops=model_flops, executed_flops=executed)
+    return Prediction(
+        lay, step_time_s=step, samples_per_s=global_batch / step,
+        mfu=model_flops / (step * n_dev * dev.peak[lay.dtype]),
+        tflops_per_gpu=executed / (step * n_dev) / 1e12,
+        memory_bytes=memory, peak_memory_bytes=max(memory),
+        fits=max(memory) <= dev.memory, devices=n_dev, breakdown=breakdown)
+
+
+def predict(model_fn, dataset_fn, optimizer_fn, strategy, cluster, global_batch=None,
+            layers=None, profile=None):
+    """Predict one strategy (docs/auto.md's list, extended: ``layout``) on ``cluster``.
+
+    The graph is built in a fresh ``tf.Graph`` and never run.  ``layers``: price the
+    model with this many blocks (the built ones repeated).  ``profile``: a
+    ``graph_profile.profile`` result to reuse instead of building again."""
+    prof = profile or graph_profile.profile(model_fn, dataset_fn, optimizer_fn)
+    if layers:
+        prof = prof.repeated(layers)
+    layout = strategy if isinstance(strategy, Layout) else Layout.from_strategy(strategy)
+    return price(prof, layout, cluster, global_batch)

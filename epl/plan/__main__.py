@@ -1,0 +1,83 @@
+"""``python -m epl.plan``: rank the layouts of a model on a cluster (docs/plan.md).
+
+    python -m epl.plan --gpt 96,12288,96 --cluster a100-80gb --nodes 128 \\
+        --global-batch 1536 --amp float16 --json plan.json
+    python -m epl.plan --model mypkg.models:my_model --cluster cluster.json ...
+
+``--model module:attr`` names an object with ``model_fn``, ``dataset_fn`` and
+``optimizer_fn`` (or ``--model_fn/--dataset_fn/--optimizer_fn module:fn`` each);
+``--gpt L,H,A[,S,V]`` the built-in GPT decoder (2 blocks built, repeated to L).
+``--cluster``: a preset name (``--nodes``) or a JSON file (``Cluster.to_json``'s form).
+"""
+import argparse
+import importlib
+import sys
+
+from epl.auto import Cluster, plan
+from epl.auto.gpt import GPT
+
+
+def _load(spec):
+    module, _, attr = spec.partition(":")
+    obj = importlib.import_module(module)
+    for part in attr.split(".") if attr else []:
+        obj = getattr(obj, part)
+    return obj
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m epl.plan", description=__doc__.split("\n")[0])
+    ap.add_argument("--gpt", help="L,H,A[,S,V]: the built-in GPT decoder")
+    ap.add_argument("--model", help="module:attr with model_fn, dataset_fn, optimizer_fn")
+    ap.add_argument("--model_fn")
+    ap.add_argument("--dataset_fn")
+    ap.add_argument("--optimizer_fn")
+    ap.add_argument("--layers", type=int, help="blocks of the model when fewer are built")
+    ap.add_argument("--cluster", default="a100-80gb", help="preset name or JSON file")
+    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--global-batch", type=int, required=True)
+    ap.add_argument("--amp", choices=("float16", "bfloat16"))
+    ap.add_argument("--offload", action="store_true", help="also try optimizer offload")
+    ap.add_argument("--interleaved", action="store_true",
+                    help="also price the interleaved schedule (EPL does not run it)")
+    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--json", help="write the ranked candidates here")
+    args = ap.parse_args(argv)
+
+    layers = args.layers
+    if args.gpt:
+        dims = [int(x) for x in args.gpt.split(",")]
+        model = GPT(min(2, dims[0]), dims[1], dims[2], *dims[3:])
+        layers = layers or dims[0]
+        fns = (model.model_fn, model.dataset_fn, model.optimizer_fn)
+    elif args.model:
+        obj = _load(args.model)
+        fns = (obj.model_fn, obj.dataset_fn, obj.optimizer_fn)
+    elif args.model_fn and args.dataset_fn and args.optimizer_fn:
+        fns = (_load(args.model_fn), _load(args.dataset_fn), _load(args.optimizer_fn))
+    else:
+        ap.error("give --gpt, --model, or all of --model_fn --dataset_fn --optimizer_fn")
+    if args.cluster.endswith(".json"):
+        cluster = Cluster.from_json(args.cluster)
+    else:
+        cluster = Cluster.preset(args.cluster, nodes=args.nodes)
+    options = {}
+    if args.offload:
+        options["offload"] = (False, True)
+    if args.interleaved:
+        options["schedules"] = ("1f1b", "interleaved")
+    report = plan(fns[0], fns[1], fns[2], cluster, args.global_batch, layers=layers,
+                  amp=args.amp, **options)
+    print("%s, %d devices, %.4g parameters, global batch %d" % (
+        cluster, cluster.num_devices, report.profile.params(), args.global_batch))
+    print(report.table(args.top))
+    if report.best is not None:
+        print("best strategy: %s" % (report.best.strategy,))
+    if args.json:
+        report.to_json(args.json)
+        print("wrote %s" % args.json)
+    return 0 if report.best is not None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
