@@ -20,9 +20,11 @@ import tensorflow.compat.v1 as tf
 import epl
 from epl import ir
 from epl.core.process_state import Env
-from epl.rewrite import PASSES, RewriteResult, prepare_state
+from epl.rewrite import PASSES, RewriteResult, function_bodies, prepare_state
 from epl.rewrite.pipeline import PassContext, PassPipeline
+from epl.tf_adapter import functions
 from epl.tf_adapter import graph as tfg
+from tests.test_control_flow_v2 import v2  # noqa: F401  (the fixture)
 
 X = (np.arange(12, dtype=np.float32).reshape(4, 3) - 5.0) / 4.0    # 4 rows: 2 per clone
 Y = np.array([[1.0], [-2.0], [0.5], [3.0]], np.float32)
@@ -250,6 +252,103 @@ def test_clone_replicas_copies_the_replica_per_device_and_reduces_its_gradient()
         sess.run(tf.global_variables_initializer())
         got = sess.run([reduced] + ready, {m.x: X, m.y: Y})[0]
     np.testing.assert_allclose(got, _grad_w(X, Y, W), rtol=1e-5)
+
+
+def _looped(device=None):
+    """out = tanh(tanh(x w)) by a tf.while_loop of two steps (its body's tanh placed on
+    ``device``), in the default strategy replicate(1); (x, w, out, the loop's op)."""
+    epl.set_default_strategy(epl.replicate(1))
+    x = tf.placeholder(tf.float32, [None, 3], name="x")
+    w = tf.get_variable("w", initializer=W)
+
+    def body(i, h):
+        with tf.device(device) if device else contextlib.nullcontext():
+            return i + 1, tf.tanh(h)
+    _, out = tf.while_loop(lambda i, h: i < 2, body, [tf.constant(0), tf.matmul(x, w)],
+                           name="loop")
+    loop = [op for op in tf.get_default_graph().get_operations()
+            if op.type in ("While", "StatelessWhile", "Exit")]
+    return x, w, out, loop[0]
+
+
+def _body_devices(graph, names):
+    """The devices set on the nodes of the functions ``names`` and those they call."""
+    library = {f.signature.name: f for f in graph.as_graph_def().library.function}
+    found, stack, seen = [], list(names), set()
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for n in library[name].node_def:
+            found += [n.device] if n.device else []
+            stack.extend(v.func.name for v in n.attr.values() if v.HasField("func"))
+    return found
+
+
+def test_place_original_bodies_gives_the_users_loop_bodies_without_devices(v2):  # noqa: F811
+    """A v2 loop whose body sets a device (the user's tf.device inside it) has it on the
+    body's nodes; after the pass the user's While calls copies without devices (its
+    bodies run on the op's own device) and computes what it computed."""
+    _init(2)
+    x, _, out, loop = _looped("/device:CPU:0")
+    assert loop.type in ("While", "StatelessWhile")
+    g = tf.get_default_graph()
+    called = [n for _, v in functions.function_attrs(loop)
+              for n in functions.attr_function_names(v)]
+    assert _body_devices(g, called)          # (the pin reached the bodies)
+    state = _prepare()
+    assert _run(state, "place_original_bodies") == ["place_originals", "place_original_bodies"]
+    now = [n for _, v in functions.function_attrs(loop) for n in functions.attr_function_names(v)]
+    assert now == [n + "_EPL_CLONE_0" if _body_devices(g, [n]) else n for n in called]
+    assert not _body_devices(g, now)
+    assert _body_devices(g, called)          # (the user's functions are as they were)
+    assert not _clone_ops()
+    with _session(state) as sess:
+        sess.run(tf.global_variables_initializer())
+        got = sess.run(out, {x: X})
+    np.testing.assert_allclose(got, np.tanh(np.tanh(X.dot(W))), rtol=1e-5)
+
+
+def test_copy_loop_contexts_gives_each_clones_loop_a_context_of_its_own():
+    """A v1 loop copied for clone 1: after the pass its copy's ops belong to a context of
+    their own (named EPL_REPLICA_1/...), in the WHILE_CONTEXT collection like the
+    user's; the copy computes the loop on clone 1's rows."""
+    _init(2)
+    x, _, out, exit_op = _looped()
+    assert exit_op.type == "Exit"
+    g = tf.get_default_graph()
+    users = g.get_collection(tf.GraphKeys.WHILE_CONTEXT)
+    state = _prepare()
+    before = _run(state, "clone_replicas")
+    copy = state.op(1, exit_op)
+    assert tfg.control_flow_context(copy) is None
+    assert _run(state, "copy_loop_contexts", done=before) == ["copy_loop_contexts"]
+    contexts = g.get_collection(tf.GraphKeys.WHILE_CONTEXT)
+    assert contexts[:len(users)] == users and len(contexts) == 2 * len(users)
+    mine = tfg.control_flow_context(copy)
+    assert mine in contexts[len(users):] and mine.name.startswith("EPL_REPLICA_1/")
+    assert tfg.control_flow_context(exit_op) in users
+    with _session(state) as sess:
+        sess.run(tf.global_variables_initializer())
+        got = sess.run(state.copies(out)[1], {x: X})
+    np.testing.assert_allclose(got, np.tanh(np.tanh(X[2:].dot(W))), rtol=1e-5)
+
+
+def test_note_copied_calls_lets_a_later_rewrite_refuse_a_loop_changed_since(v2):  # noqa: F811
+    """The pass remembers each v2 loop as the clones copied it: a gradient built
+    afterwards extends the forward While (its accumulators), which the check of a later
+    rewrite refuses by name."""
+    _init(2)
+    _, w, out, loop = _looped()
+    state = _prepare()
+    before = _run(state, "clone_replicas")
+    assert _run(state, "note_copied_calls", done=before) == ["note_copied_calls"]
+    function_bodies.check_calls_unchanged(state)        # (as copied)
+    tf.gradients(tf.reduce_sum(out), [w])
+    with pytest.raises(RuntimeError, match="the tf.while_loop '%s' changed after the graph "
+                                           "was rewritten for 2 clones" % loop.name):
+        function_bodies.check_calls_unchanged(state)
 
 
 W0 = np.array([[1.0, 0.5, -0.5, 0.0], [0.0, 1.0, 0.5, -1.0], [0.5, 0.0, 1.0, 0.5]], np.float32)

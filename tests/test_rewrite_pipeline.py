@@ -44,8 +44,8 @@ def test_first_only_passes_skip_later_rewrites_and_every_pass_is_timed():
 def test_the_default_order_holds_its_contracts():
     # Built at import; rebuilding it checks every requires against the passes before it.
     rebuilt = PassPipeline(PASSES.passes)
-    assert rebuilt.names()[:4] == ["place_originals", "reinstall", "shard_inputs",
-                                   "clone_replicas"]
+    assert rebuilt.names()[:5] == ["place_originals", "place_original_bodies", "reinstall",
+                                   "shard_inputs", "clone_replicas"]
     clone = rebuilt.names().index("clone_replicas")
     for later in ("bridge_split", "schedule_pipeline", "join_clones", "merge_outputs"):
         assert rebuilt.names().index(later) > clone

@@ -263,13 +263,16 @@ def dry_run(model_fn, dataset_fn, optimizer_fn, strategy, devices, steps):
 
 def _variable_bytes(graph, devices):
     """{device: bytes of the variables placed there} (unplaced ones: the first)."""
-    from tensorflow.python.framework import device as pydev
+    import tensorflow as tf
+
+    def canonical(name):
+        return tf.DeviceSpec.from_string(name).to_string()
     out = dict((d, 0) for d in devices)
-    canon = dict((pydev.canonical_name(d), d) for d in devices)
+    canon = dict((canonical(d), d) for d in devices)
     for op in graph.get_operations():
         if op.type not in ("VariableV2", "VarHandleOp"):
             continue
-        dev = canon.get(pydev.canonical_name(op.device)) if op.device else devices[0]
+        dev = canon.get(canonical(op.device)) if op.device else devices[0]
         if dev is not None:
             out[dev] += ir.variable_bytes(op)
     return out

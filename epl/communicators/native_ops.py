@@ -6,7 +6,6 @@ reduce-scatter (here: all-reduce + own slice, which also handles unequal
 sizes), broadcast with reduce, and all-to-all with all-to-all.
 """
 import tensorflow as tf
-from tensorflow.python.framework import ops
 
 from epl.communicators import op_library
 from epl.tf_adapter import deferred
@@ -116,7 +115,7 @@ def _gradient_group(op):
     built in the same order on every worker, so the names agree across workers).
     ``op`` may be a GradientTape's stand-in for the op: only its attributes are read.
     """
-    graph = ops.get_default_graph()
+    graph = tf.compat.v1.get_default_graph()
     counts = getattr(graph, "_epl_collective_gradients", None)
     if counts is None:   # (an attribute: TF 2.x's Graph has no __dict__)
         counts = {}
@@ -127,7 +126,7 @@ def _gradient_group(op):
     return "%s/grad_%d" % (group, counts[key])
 
 
-@ops.RegisterGradient("EplAllReduce")
+@tf.RegisterGradient("EplAllReduce")
 def _all_reduce_grad(op, grad):
     how = op.get_attr("reduce_op").decode()
     if how not in ("sum", "mean"):
@@ -135,7 +134,7 @@ def _all_reduce_grad(op, grad):
     return [op_library.ops().epl_all_reduce(grad, reduce_op=how, **_attrs(op))]
 
 
-@ops.RegisterGradient("EplAllReduceN")
+@tf.RegisterGradient("EplAllReduceN")
 def _all_reduce_n_grad(op, *grads):
     how = op.get_attr("reduce_op").decode()
     if how not in ("sum", "mean"):
@@ -144,7 +143,7 @@ def _all_reduce_n_grad(op, *grads):
     return op_library.ops().epl_all_reduce_n(grads, reduce_op=how, **_attrs(op))
 
 
-@ops.RegisterGradient("EplAllGather")
+@tf.RegisterGradient("EplAllGather")
 def _all_gather_grad(op, grad, _):
     total = op_library.ops().epl_all_reduce(grad, reduce_op="sum", **_attrs(op))
     sizes = op.outputs[1]
@@ -153,7 +152,7 @@ def _all_gather_grad(op, grad, _):
     return [total[start:start + sizes[rank]]]
 
 
-@ops.RegisterGradient("EplReduceScatter")
+@tf.RegisterGradient("EplReduceScatter")
 def _reduce_scatter_grad(op, grad):
     if op.get_attr("reduce_op").decode() not in ("sum", "mean"):
         return [None]
@@ -163,13 +162,13 @@ def _reduce_scatter_grad(op, grad):
     return [out]
 
 
-@ops.RegisterGradient("EplBroadcast")
+@tf.RegisterGradient("EplBroadcast")
 def _broadcast_grad(op, grad):
     return [op_library.ops().epl_reduce(grad, root=op.get_attr("root"), reduce_op="sum",
                                     **_attrs(op))]
 
 
-@ops.RegisterGradient("EplReduce")
+@tf.RegisterGradient("EplReduce")
 def _reduce_grad(op, grad):
     how = op.get_attr("reduce_op").decode()
     if how not in ("sum", "mean"):
@@ -180,7 +179,7 @@ def _reduce_grad(op, grad):
     return [out]
 
 
-@ops.RegisterGradient("EplAllToAll")
+@tf.RegisterGradient("EplAllToAll")
 def _all_to_all_grad(op, grad, _):
     back, _ = op_library.ops().epl_all_to_all(grad, op.outputs[1], **_attrs(op))
     return [back, None]

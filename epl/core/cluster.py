@@ -7,6 +7,8 @@ laptop.  This module only describes the cluster; it builds no graph.
 import json
 import os
 
+from epl.tf_adapter import devices as tf_devices
+
 WORKER_JOBS = ("chief", "worker")
 
 
@@ -170,10 +172,9 @@ def _count_gpus():
     if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
         return 0
     try:
-        from tensorflow.python.client import device_lib
         if not _tf_built_with_cuda():
             return 0
-        return sum(1 for d in device_lib.list_local_devices() if d.device_type == "GPU")
+        return tf_devices.local_gpu_count()
     except Exception:  # pragma: no cover - no TF, broken driver
         return 0
 

@@ -4,13 +4,16 @@ Runs from ``Graph.finalize`` (MonitoredTrainingSession, Estimator) or the
 first ``Session.run`` of a plain session.  Passes, in order, each with one job:
 
 1. plan          layout of replicas on devices (``epl.core.layout``)
-2. select        which ops form the replica (``selection.py``), which gradients
+2. select        loops and conditions EPL cannot copy refused (``control_flow_checks.py``);
+                 which ops form the replica (``selection.py``), which gradients
                  every variable update consumes (``updates.py``)
-3. place         the user's ops on clone 0's device; split shards on their
-                 devices (``split.py``)
+3. place         the user's ops on clone 0's device, their v2 loops' bodies with
+                 them (``function_bodies.py``); split shards on their devices
+                 (``split.py``)
 4. shard inputs  every clone gets its own batch (``inputs.py``)
 5. clone         copies per clone; gradients reduced before the first apply
-                 op (``replicate.py``, ``gradients.py``)
+                 op (``replicate.py``, ``gradients.py``); v1 loops' contexts per clone
+                 (``loop_contexts.py``), v2 loops noted as copied (``function_bodies.py``)
 6. bridge        split scopes read every clone's batch; their gradients of a loss
                  the replicas compute are averaged like the replicas' (``split.py``)
    schedule      pipeline order of each stage's micro-batches (``schedule.py``)
@@ -32,8 +35,9 @@ from epl.features import amp
 from epl.features import apply_gate
 from epl.core import layout as planner
 from epl.core.process_state import Env
-from epl.rewrite import (control_flow, inputs, merge, metrics, micro_batch_state, mirror,
-                         placement, replicate, schedule, selection, split, step, zero)
+from epl.rewrite import (control_flow_checks, function_bodies, inputs, loop_contexts, merge,
+                         metrics, micro_batch_state, mirror, placement, replicate, schedule,
+                         selection, split, step, zero)
 from epl.rewrite.pipeline import Pass, PassContext, PassPipeline
 from epl.rewrite.state import CLONE_MAPS, CloneMaps, Rewrite, RewritePlan, share_variables
 from epl.tf_adapter import graph as tfg
@@ -130,7 +134,7 @@ def prepare_state(epl_graph, config, cluster):
     selection of the replica's ops and the update plan (``selection.select``), the
     placement of this worker's clones (``placement.place``), the ZeRO owners
     (``zero.plan_owners``); the state is made from them.  The checks of loops and
-    conditions across stages and split scopes (``control_flow.check_stages``) come
+    conditions across stages and split scopes (``control_flow_checks.check_stages``) come
     before the selection, the split shards' placement (``split.place``) after it: the
     plan is ready for ``PASSES``.  ``cluster``: this worker's (a test may pass another worker's)."""
     layout = planner.plan(cluster, epl_graph.taskgraphs, config)
@@ -147,7 +151,7 @@ def prepare_state(epl_graph, config, cluster):
             "model has annotations. Call epl.set_default_strategy / open the epl.replicate "
             "scopes before building the optimizer." % config.get("pipeline.num_micro_batch"))
     replicated = [tg for tg in epl_graph.taskgraphs if tg.kind != "split"]
-    control_flow.check_stages(epl_graph, replicated, layout.num_stages)
+    control_flow_checks.check_stages(epl_graph, replicated, layout.num_stages)
     sel = selection.select(epl_graph, replicated, share_variables(cluster, config),
                            config.get("communication.clip_after_allreduce"))
     stages = epl_graph.stage_order(replicated) if layout.num_stages > 1 else {}
@@ -203,6 +207,12 @@ def _default_pipeline():
              lambda c: replicate.place_originals(c.state, c.selection, c.make("templates", dict)),
              provides={"originals_placed", "templates"},
              doc="replica 0's ops (the originals) on their devices"),
+        Pass("place_original_bodies",
+             lambda c: function_bodies.place_original_bodies(
+                 c.state, replicate.originals(c.selection)),
+             requires={"originals_placed"}, provides={"original_bodies_placed"},
+             doc="replica 0's v2 loops and conditions call bodies without devices of their "
+                 "own (a body runs on its call op's device)"),
         Pass("reinstall", _open_clone_maps, requires={"originals_placed"},
              provides={"replacements_read", CLONE_MAPS},
              doc="the clone maps; ops made after a rewrite read the tensors it replaced"),
@@ -213,12 +223,22 @@ def _default_pipeline():
              provides={"inputs_sharded", "sharded_inputs"},
              doc="each clone pulls or slices its own batch"),
         Pass("clone_replicas",
-             lambda c: replicate.clone_replicas(c.state, c.selection, c.product("templates"),
-                                                c.make("copied_contexts", set, kept=True)),
+             lambda c: replicate.clone_replicas(c.state, c.selection, c.product("templates")),
              requires={"inputs_sharded", "replacements_read", "templates"},
              extends={CLONE_MAPS},
-             provides={"replicas_cloned", "gradients_reduced", "copied_contexts"},
+             provides={"replicas_cloned", "gradients_reduced"},
              doc="the copies of every clone, gradients reduced across them"),
+        Pass("copy_loop_contexts",
+             lambda c: loop_contexts.copy_contexts(c.state, c.selection.ops,
+                                                   c.make("copied_contexts", set, kept=True)),
+             requires={"replicas_cloned", CLONE_MAPS},
+             provides={"loop_contexts_copied", "copied_contexts"},
+             doc="each clone's copies of v1 loops and conditions get contexts of their own"),
+        Pass("note_copied_calls",
+             lambda c: function_bodies.note_calls(c.state, c.selection.ops),
+             requires={"replicas_cloned"}, provides={"copied_calls_noted"},
+             doc="the v2 loops and conditions as the clones copied them (a later rewrite "
+                 "refuses one changed since)"),
         Pass("bridge_split", lambda c: split.bridge(c.state), first_only=True,
              requires={"replicas_cloned", CLONE_MAPS}, provides={"split_bridged"},
              doc="rows cross between the replicas and the split scopes"),
@@ -306,6 +326,7 @@ def _extend(epl_graph, env, state):
                            env.config.get("communication.clip_after_allreduce"),
                            known=state.selection, since_id=since)
     state.selection.merge(sel)
+    function_bodies.check_calls_unchanged(state)
     _passes(state, sel, since, first=False)
 
 

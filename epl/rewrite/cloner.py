@@ -10,15 +10,15 @@ Two ways, one per need:
   fraction of creating the same ops one by one from Python, which matters at
   BERT scale (tens of thousands of ops per clone).  Ops inside TF1
   control flow keep their meaning: every clone's loops get their own frame
-  names and control-flow contexts (``control_flow.py``); a control-flow-v2 loop or
+  names and control-flow contexts (``loop_contexts.py``); a control-flow-v2 loop or
   condition is one op whose copies call the same bodies, or copies of them where a
-  clone needs its own (colocation, seeds, devices inside the bodies: also
-  ``control_flow.py``).
+  clone needs its own (colocation, seeds, devices inside the bodies:
+  ``function_bodies.py``).
 """
 import tensorflow as tf
 
 from epl.ir import capture_context
-from epl.rewrite.control_flow import context_of
+from epl.rewrite.loop_contexts import context_of
 from epl.tf_adapter import c_graph, deferred
 from epl.tf_adapter import graph as tfg
 

@@ -8,7 +8,6 @@ A fed placeholder with an unknown first dimension holds the global batch and
 is split into one shard per clone.
 """
 import tensorflow as tf
-from tensorflow.python.ops import gen_array_ops
 
 from epl.rewrite.cloner import clone_op, new_ops
 
@@ -26,7 +25,7 @@ def _split(graph, t, n, device, name, why):
     with new_ops(graph), tf.device(device):
         if rows is not None:
             t = tf.compat.v1.placeholder_with_default(t, [None] + t.shape.as_list()[1:])
-        size = gen_array_ops.shape(t)[0]   # (not folded into a constant: see above)
+        size = tf.raw_ops.Shape(input=t)[0]   # (not folded into a constant: see above)
         check = tf.compat.v1.debugging.assert_equal(
             tf.math.floormod(size, n), 0, data=[size],
             message="EPL: input %r has a batch that cannot be split into %d equal parts "

@@ -12,7 +12,7 @@ micro-batches run one after another, so the reads of such a variable in micro-ba
 ``m`` wait for micro-batch ``m - 1``'s writes of it.
 """
 from epl import ir
-from epl.rewrite import control_flow
+from epl.rewrite import loop_contexts
 from epl.rewrite.read_order import variable_readers
 from epl.tf_adapter import deferred
 
@@ -30,7 +30,7 @@ def order_micro_batch_state(state, sel):
     for w in plan.writes:
         if w in sel and plan.target[w] in plan.local_variables:
             writes.setdefault(plan.target[w], []).append(w)
-    safe = control_flow.edge_safe(state.selection.ops)
+    safe = loop_contexts.edge_safe(state.selection.ops)
     for var, ws in sorted(writes.items(), key=lambda kv: kv[0].name):
         if any(w not in safe for w in ws):
             continue   # (a write inside a loop or condition: no edge may reach it)

@@ -5,15 +5,15 @@ are cut into segments at the reduction sites (``updates.py``): just before the
 first op that reads a site's gradients, those gradients are reduced across
 clones (``gradients.py``), so every clone's update reads the reduced gradient.
 Each segment is copied for every clone at once, as one GraphDef import
-(``cloner.CopyPlan``); loops and conditions get per-clone frames and contexts
-(``control_flow.py``); v2 loops and conditions are ops like any other, whose copies
-call the same bodies or, where a clone needs its own, copies of them
-(``control_flow.function_attr``).
+(``cloner.CopyPlan``); v1 loops get per-clone frame names (``loop_contexts.frame_attr``;
+their contexts: the ``copy_loop_contexts`` pass); v2 loops and conditions are ops like
+any other, whose copies call the same bodies or, where a clone needs its own, copies of
+them (``function_bodies.function_attr``).
 """
 import tensorflow as tf
 
 from epl import ir
-from epl.rewrite import control_flow
+from epl.rewrite import function_bodies, loop_contexts
 from epl.rewrite.cloner import (PREFIX, SEED_STEP, CopyPlan, Hole, attr_entry, has_fixed_seed,
                                 import_copies, template)
 from epl.rewrite.gradients import reduce_gradients
@@ -27,21 +27,21 @@ def place_originals(state, sel, templates):
     single update too, when a worker shares one copy of its variables).  A write to
     a variable runs where the variable lives.  ``templates`` (this pass's product): each
     op's NodeDef template, taken before the placement changes it, for ``clone_replicas``."""
-    control_flow.check_calls_unchanged(state)
-    ops = sorted(list(sel.ops) + list(sel.shared), key=tfg.op_id)
-    for op in ops:
+    for op in originals(sel):
         # Our placement replaces TF's colocation hints: tf.gradients colocates a
         # gradient sum with its first input, which may live on another stage.
         templates[op] = base = template(op, _CLONE_ATTRS)     # (kept for the copies)
         if "_class" in base[1]:
             tfg.clear_colocation(op)
         tfg.set_device(op, _device_for(state, 0, op.inputs, op))
-        if functions.is_call(op):
-            # Devices set inside its bodies would override the op's own.
-            for k, v in functions.function_attrs(op):
-                if control_flow.needs_own_bodies(op, v, clone0=True):
-                    functions.set_attr(op, k, control_flow.function_attr(state, 0, v))
-    control_flow.add_pending_bodies(state.graph)
+    # (devices set inside the bodies of its loops and conditions: the
+    # ``place_original_bodies`` pass)
+
+
+def originals(sel):
+    """The user's ops ``place_originals`` places: the replica's and the shared ones, in
+    creation order."""
+    return sorted(list(sel.ops) + list(sel.shared), key=tfg.op_id)
 
 
 def _device_for(state, c, inputs, op):
@@ -73,11 +73,10 @@ def owned(state, op):
     return op.type in VARIABLE_OPS or op in state.selection.updates.run_once
 
 
-def clone_replicas(state, sel, templates, copied_contexts):
+def clone_replicas(state, sel, templates):
     """Copy ``sel``'s ops (the replica, or what was added to it) per clone.
-    ``templates``: ``place_originals``'s NodeDef templates (taken as used);
-    ``copied_contexts``: the loops / conditions the clones have copies of (this pass's
-    product, kept across rewrites)."""
+    ``templates``: ``place_originals``'s NodeDef templates (taken as used).  (The copies'
+    v1 contexts: the ``copy_loop_contexts`` pass; the v2 loops copied: ``note_copied_calls``.)"""
     # A site whose readers are not copied (shared variables) is reduced last.
     pending = sorted(((_first_id(sel, site), site) for site in sel.updates.sites),
                      key=lambda x: (x[0], x[1].index))
@@ -91,8 +90,6 @@ def clone_replicas(state, sel, templates, copied_contexts):
     _copy_segment(state, segment, templates)
     for _, rec in pending:
         reduce_gradients(state, rec)
-    control_flow.copy_contexts(state, sel.ops, copied_contexts)
-    control_flow.note_calls(state, sel.ops)
 
 
 def _copy_segment(state, ops, templates):
@@ -118,7 +115,7 @@ def _copy_segment(state, ops, templates):
         copies.append((c, seg, len(seg.plan.names)))
         seg.copy(c)
     segments = list(kinds.values())
-    control_flow.add_pending_bodies(state.graph)    # (bodies the copies call)
+    function_bodies.add_pending_bodies(state.graph)     # (the copies call them)
     made = dict(zip(segments, import_copies(state.graph, [seg.plan for seg in segments])))
     for c, seg, start in copies:
         seg.install(c, made[seg][start:start + len(seg.ops)])
@@ -153,7 +150,7 @@ def _constant(op):
     """A constant outside loops and conditions (those are tied to their frame by a
     control input)."""
     return (op.type == "Const" and not op.control_inputs
-            and control_flow.context_of(op) is None)
+            and loop_contexts.context_of(op) is None)
 
 
 class _Segment(object):
@@ -289,7 +286,7 @@ def _own_attrs(op, names):
         own["frame_name"] = op.get_attr("frame_name")
     if functions.is_call(op):
         for k, v in functions.function_attrs(op):
-            if k in _FUNCTION_ATTRS and control_flow.needs_own_bodies(op, v):
+            if k in _FUNCTION_ATTRS and function_bodies.needs_own_bodies(op, v):
                 own[k] = v
     return own
 
@@ -305,11 +302,11 @@ def _attrs(state, c, op, own):
         name = op.name if op.type == "VarHandleOp" else own["shared_name"].decode()
         attrs["shared_name"] = tf.compat.v1.AttrValue(s=state.clone_name(c, name).encode())
     if "frame_name" in own:
-        attrs["frame_name"] = control_flow.frame_attr(
+        attrs["frame_name"] = loop_contexts.frame_attr(
             c, state, tf.compat.v1.AttrValue(s=own["frame_name"]))
     for k in _FUNCTION_ATTRS:
         if k in own:
-            attrs[k] = control_flow.function_attr(state, c, own[k], SEED_STEP * c)
+            attrs[k] = function_bodies.function_attr(state, c, own[k], SEED_STEP * c)
     return attrs
 
 

@@ -15,7 +15,7 @@ phase of every op), not from op names.
 import tensorflow as tf
 
 from epl import ir
-from epl.rewrite import control_flow
+from epl.rewrite import loop_contexts
 from epl.rewrite.cloner import new_ops
 from epl.rewrite.selection import VARIABLE_OPS
 from epl.tf_adapter import deferred
@@ -107,7 +107,7 @@ def schedule_pipeline(state, orders):
     if layout.num_stages == 1 and layout.num_micro_batch == 1:
         return
     strategy = state.config.get("pipeline.strategy")
-    path = _training_path(state) & control_flow.edge_safe(state.selection.ops)
+    path = _training_path(state) & loop_contexts.edge_safe(state.selection.ops)
     tasks = _task_originals(state, path)
     replicas = {}
     cache = {}

@@ -25,7 +25,6 @@ replicated TaskGraph around them.
 import logging
 
 import tensorflow as tf
-from tensorflow.python.ops import gen_array_ops
 
 from epl import ir
 from epl.rewrite.cloner import clone_op, new_ops
@@ -214,7 +213,7 @@ def _equal_rows(t, n, reader, original):
             "EPL split: replicated op %r reads the scalar %r of the split scope, which has no "
             "rows to divide over the %d replicas; compute it inside one of the scopes."
             % (reader.name, original.name, n))
-    size = gen_array_ops.shape(t)[0]
+    size = tf.raw_ops.Shape(input=t)[0]
     check = tf.compat.v1.debugging.assert_equal(
         tf.math.floormod(size, n), 0, data=[size],
         message="EPL split: the %d replicas each read their rows of the split's output %r "
@@ -327,9 +326,9 @@ class _Gather(object):
                 if self.batch_rows is None and state.ir_graph.phase_of(reader) == ir.FORWARD:
                     # (forward only: the replicas' forward reads these rows, and a
                     # backward gather is computed from it.)
-                    # (gen_array_ops: a clone-0 tensor may still claim the fixed batch it
+                    # (the Shape op itself: a clone-0 tensor may still claim the fixed batch it
                     # was built with; tf.shape would fold that in)
-                    self.batch_rows = [gen_array_ops.shape(c)[0] for c in copies]
+                    self.batch_rows = [tf.raw_ops.Shape(input=c)[0] for c in copies]
             return whole
         up = t.op
         if (up in self.state.selection or up not in self.on_batch

@@ -18,10 +18,10 @@ einsum that contracts or drops the expert letter, uses an ellipsis, or reads no
 split operand runs unsplit (on the split's first device).
 """
 import tensorflow as tf
-from tensorflow.python.ops import variables as tf_variables
 
 from epl import ir
 from epl.tensor_parallel import sharding
+from epl.tf_adapter import variables as tf_variables
 
 
 def einsum(original, equation, *inputs, **kwargs):
@@ -37,7 +37,7 @@ def einsum(original, equation, *inputs, **kwargs):
     subscripts = _subscripts(equation)[0]
     name = kwargs.pop("name", None)
     source = [x for x, sub in zip(inputs, subscripts)
-              if isinstance(x, tf_variables.PartitionedVariable) and letter in sub][0]
+              if tf_variables.is_partitioned(x) and letter in sub][0]
     with sharding.raw():
         pieces = [_pieces(x, sub, letter, sizes) for x, sub in zip(inputs, subscripts)]
         for x, sub in zip(inputs, subscripts):
@@ -65,7 +65,7 @@ def _subscripts(equation):
 def _split_source(x, n):
     """(shard sizes along axis 0) of a split variable, or (axis, sizes) of a logical
     sharded tensor, as (axis, sizes); None for an ordinary operand."""
-    if isinstance(x, tf_variables.PartitionedVariable) and getattr(x, "_epl_split", False):
+    if tf_variables.is_partitioned(x) and getattr(x, "_epl_split", False):
         parts = list(x)
         full = x.get_shape().as_list()
         if len(parts) != n or any(p.shape.as_list()[1:] != full[1:] for p in parts):
@@ -96,7 +96,7 @@ def _plan(equation, inputs, n):
         if choice is not None and (choice[0] != letter or choice[1] != src[1]):
             return None   # two split operands that disagree
         choice = (letter, src[1])
-    if choice is None or not any(isinstance(x, tf_variables.PartitionedVariable)
+    if choice is None or not any(tf_variables.is_partitioned(x)
                                  for x in inputs):
         return None
     for x, sub in zip(inputs, subs):
@@ -112,7 +112,7 @@ def _pieces(x, sub, letter, sizes):
     """Operand ``x``'s part for each shard: its variable shards, its logical shards,
     its rows along ``letter`` (split once), or the whole operand."""
     n = len(sizes)
-    if isinstance(x, tf_variables.PartitionedVariable) and getattr(x, "_epl_split", False):
+    if tf_variables.is_partitioned(x) and getattr(x, "_epl_split", False):
         if letter in sub:
             return list(x)
         return [x] * n

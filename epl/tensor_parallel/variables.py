@@ -12,11 +12,11 @@ first device.
 import inspect
 
 import tensorflow as tf
-from tensorflow.python.ops import variables as tf_variables
 
 from epl import ir
 from epl.tensor_parallel import sharding
 from epl.tf_adapter import graph as tfg
+from epl.tf_adapter import variables as tf_variables
 
 
 def get_variable(original, scope, var_store, name, *args, **kwargs):
@@ -50,15 +50,14 @@ def get_variable(original, scope, var_store, name, *args, **kwargs):
     graph = tf.compat.v1.get_default_graph()
     first = tfg.last_op_id(graph) + 1
     var = original(*bound.args, **bound.kwargs)
-    if isinstance(var, tf_variables.PartitionedVariable):
+    if tf_variables.is_partitioned(var):
         var._epl_split = True  # pylint: disable=protected-access
         _tag_parts(graph, var, first)
     return var
 
 
 def _is_constant(init):
-    from tensorflow.python.ops import init_ops
-    return isinstance(init, init_ops.Constant)
+    return isinstance(init, tf.compat.v1.constant_initializer)   # (the class, both lines)
 
 
 def _sliced(init):

@@ -17,6 +17,10 @@ TensorFlow's internals).
     keras_state  the graph-mode keras backend that initializes EPL's own variables
     functions  control flow v2: the bodies of While / If ops in the function library
                (which captured variables they write, their FuncGraphs, adding copies)
+    contexts   control flow v1: the kind of a WhileContext / CondContext, one rebuilt
+               from its proto
+    devices    the devices TensorFlow makes in this process (GPUs counted)
+    variables  variable kinds without a public name (partitioned variables)
 
 It imports nothing else from EPL.
 """
