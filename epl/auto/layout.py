@@ -72,8 +72,8 @@ class Layout(object):
                 kw["p"] = int(arg.get("num_stages", 2))
                 if "micro_batch_size" in arg:
                     kw["micro_batch_size"] = int(arg["micro_batch_size"])
-                elif "num_micro_batch" in arg:
-                    kw["num_micro_batch"] = int(arg["num_micro_batch"])
+                else:
+                    kw["num_micro_batch"] = int(arg.get("num_micro_batch", 4))
                 kw["schedule"] = arg.get("schedule", "1f1b")
                 kw["chunks"] = int(arg.get("chunks", 2))
             elif name == "split":

@@ -104,9 +104,8 @@ def _resolve(layout, profile, cluster, global_batch):
         lay.num_micro_batch = per // lay.micro_batch_size
     elif lay.num_micro_batch:
         lay.micro_batch_size = per // lay.num_micro_batch
-    else:
-        lay.micro_batch_size = min(profile.rows, per)
-        lay.num_micro_batch = per // lay.micro_batch_size
+    else:                           # one micro-batch of the replica's rows
+        lay.micro_batch_size, lay.num_micro_batch = per, 1
     if lay.micro_batch_size * lay.num_micro_batch != per or lay.num_micro_batch < 1:
         raise ValueError("epl.auto: %d rows per replica do not make whole micro-batches of "
                          "%s" % (per, lay.micro_batch_size))
