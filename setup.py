@@ -72,7 +72,7 @@ setup(
         "gpu": ["tensorflow-gpu==1.15.5; " + _TF1,
                 "tensorflow[and-cuda]>=2.16; " + _TF2, "tf-keras>=2.16; " + _TF2],
     },
-    entry_points={"console_scripts": ["epl-launch=epl.launch.launcher:main"]},
+    entry_points={"console_scripts": ["epl-launch=epl.launch.cli:main"]},
     # (no package_data for epl/lib: the package carries the one library BuildWithOps
     # builds, never those of the checkout)
     cmdclass={"build_py": BuildWithOps},

@@ -231,7 +231,7 @@ def _run(impl, model, steps, timeout):
     env = dict(os.environ, PYTHONPATH=ROOT)
     if impl == "epl_2proc":
         logs = tempfile.mkdtemp(prefix="e2e_logs_")
-        cmd = [sys.executable, "-m", "epl.launch.launcher", "--num_workers", "2", "--gpu_per_worker",
+        cmd = [sys.executable, "-m", "epl.launch", "--num_workers", "2", "--gpu_per_worker",
                "1", "--log_dir", logs, "--timeout", str(timeout)] + me
     elif impl == "horovod":
         run = _horovodrun()

@@ -165,7 +165,7 @@ def e2e(net, impl, model, steps, timeout, tmp):
     procs, secret = [], uuid.uuid4().hex
     for r in range(len(HOSTS)):
         if impl == "epl":
-            cmd = [sys.executable, "-m", "epl.launch.launcher", "--num_workers", str(len(HOSTS)),
+            cmd = [sys.executable, "-m", "epl.launch", "--num_workers", str(len(HOSTS)),
                    "--gpu_per_worker", "1", "--machine_list",
                    ",".join("%s:%d" % (h, PORT) for h in HOSTS), "--machine_rank", str(r),
                    "--log_dir", os.path.join(tmp, "logs_%d" % r), "--timeout", str(timeout)] + me

@@ -58,7 +58,7 @@ def _tol(dtype):
 def test_all_ops_across_processes(size, transport, tmp_path):
     env = {}
     if transport == "tcp":
-        from epl.launch.launcher import free_ports
+        from epl.launch.ports import free_ports
         env["EPL_COMM_ADDRESSES"] = ",".join("127.0.0.1:%d" % p for p in free_ports(size))
     results, _ = run_ranks(size, tmp_path, os.path.join(HERE, "xproc_collectives_worker.py"),
                            extra=[transport], env_extra=env)

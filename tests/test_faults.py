@@ -22,7 +22,7 @@ def start_ranks(size, scenario, transport="shm", job=None, env_extra=None, only=
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2",
                EPL_COMMUNICATION_TIMEOUT_SECONDS="60")
     if transport == "tcp":
-        from epl.launch.launcher import free_ports
+        from epl.launch.ports import free_ports
         env.setdefault("EPL_COMM_ADDRESSES",
                        ",".join("127.0.0.1:%d" % p for p in free_ports(size)))
         env.setdefault("EPL_JOB_SECRET", "secret-of-" + job)   # (epl-launch sets one)
@@ -115,7 +115,7 @@ def test_a_thousand_groups_over_tcp_on_two_hosts():
     """One group per variable (the initial-value broadcast of a large model) over the TCP
     transport between two 'hosts' (127.0.0.2 and 127.0.0.3): one connection carries
     them all."""
-    from epl.launch.launcher import free_ports
+    from epl.launch.ports import free_ports
     addrs = "127.0.0.2:%d,127.0.0.3:%d" % (free_ports(1, "127.0.0.2")[0],
                                          free_ports(1, "127.0.0.3")[0])
     codes, outs, _ = finish(start_ranks(2, "broadcast_many", "tcp",
@@ -177,7 +177,7 @@ def test_kill_9_of_a_worker_mid_step(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("EPL_JOB_ID", None)
     env.pop("EPL_COMM_TRANSPORT", None)   # (one host: shared memory)
-    proc = subprocess.Popen([sys.executable, "-m", "epl.launch.launcher", "--num_workers", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "epl.launch", "--num_workers", "2",
                              "--gpu_per_worker", "1", "--log_dir", str(tmp_path / "logs"),
                              os.path.join(HERE, "fault_train.py")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
@@ -217,7 +217,7 @@ def _fnv1a(text):
 
 
 def _tcp_pair(env_extra):
-    from epl.launch.launcher import free_ports
+    from epl.launch.ports import free_ports
     ports = free_ports(2)
     env = {"EPL_COMM_ADDRESSES": "127.0.0.1:%d,127.0.0.1:%d" % tuple(ports)}
     env.update(env_extra)
@@ -276,12 +276,12 @@ def test_a_peer_with_another_secret_is_refused_with_a_clear_error():
 def test_launcher_gives_each_machines_workers_their_own_gpus():
     """With --machine_list, worker k of a machine gets that machine's GPUs k*n .. k*n+n-1
     (not numbered across machines)."""
-    from epl.launch import launcher
-    a = launcher.parse_args(["--num_workers", "4", "--gpu_per_worker", "2", "--machine_list",
+    from epl.launch import cli, ports, workers
+    a = cli.parse_args(["--num_workers", "4", "--gpu_per_worker", "2", "--machine_list",
                              "h1:7000,h2:7000", "--machine_rank", "1", __file__])
-    addrs, comm, mine = launcher.worker_addresses(a)
+    addrs, comm, mine = ports.worker_addresses(a)
     assert mine == [2, 3]
-    got = [launcher.worker_env(a, addrs, comm, i, "job", True, local)["CUDA_VISIBLE_DEVICES"]
+    got = [workers.worker_env(a, addrs, comm, i, "job", True, local)["CUDA_VISIBLE_DEVICES"]
            for local, i in enumerate(mine)]
     assert got == ["0,1", "2,3"]
 
@@ -300,7 +300,7 @@ def test_launcher_summary_names_the_root_cause_first(tmp_path):
         "time.sleep(0.5)\n"
         "raise RuntimeError('rank 1 reported: the real cause')\n")
     env = dict(os.environ, PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-m", "epl.launch.launcher", "--num_workers", "2",
+    out = subprocess.run([sys.executable, "-m", "epl.launch", "--num_workers", "2",
                           "--log_dir", str(tmp_path / "logs"), str(script)],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                          timeout=120).stdout.decode()

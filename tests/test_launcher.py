@@ -6,14 +6,15 @@ import sys
 
 import pytest
 
-from epl.launch import launcher
+from epl.core.worker_files import LAUNCH_DIR_PREFIX
+from epl.launch import channel, launch_dirs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _launch(args, cwd, env=None, timeout=120):
     env = dict(os.environ if env is None else env, PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-m", "epl.launch.launcher"] + args, cwd=cwd, env=env,
+    out = subprocess.run([sys.executable, "-m", "epl.launch"] + args, cwd=cwd, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
     return out.returncode, out.stdout.decode()
 
@@ -81,7 +82,7 @@ def _early_exit_job(tmp_path, mode, limit):
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2",
                EPL_COMMUNICATION_TIMEOUT_SECONDS="600")   # the default: no test shortcut
     env.pop("EPL_JOB_ID", None)
-    cmd = [sys.executable, "-m", "epl.launch.launcher", "--num_workers", "2", "--gpu_per_worker", "1",
+    cmd = [sys.executable, "-m", "epl.launch", "--num_workers", "2", "--gpu_per_worker", "1",
            "--log_dir", str(tmp_path / "logs"),
            os.path.join(ROOT, "tests", "mw_early_exit.py"), mode, str(tmp_path)]
     return _stream(cmd, env, ROOT, limit)
@@ -136,7 +137,7 @@ def test_stopping_the_launcher_stops_its_workers(tmp_path, how):
                       "open(path + '.tmp', 'w').write(str(os.getpid()))\n"
                       "os.rename(path + '.tmp', path)\ntime.sleep(600)\n")
     env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.Popen([sys.executable, "-m", "epl.launch.launcher", "--num_workers", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "epl.launch", "--num_workers", "2",
                              "--log_dir", str(tmp_path / "logs"), str(script), str(tmp_path)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     pids = []
@@ -176,25 +177,25 @@ def test_a_new_launch_removes_the_folders_of_launchers_that_were_killed(tmp_path
     launch removes it, and keeps the folder of a launcher that still runs."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    gone = tmp_path / (launcher.LAUNCH_DIR_PREFIX + "aaaa-1")
-    live = tmp_path / (launcher.LAUNCH_DIR_PREFIX + "bbbb-2")
-    unmarked = tmp_path / (launcher.LAUNCH_DIR_PREFIX + "cccc-3")
+    gone = tmp_path / (LAUNCH_DIR_PREFIX + "aaaa-1")
+    live = tmp_path / (LAUNCH_DIR_PREFIX + "bbbb-2")
+    unmarked = tmp_path / (LAUNCH_DIR_PREFIX + "cccc-3")
     for folder, pid in ((gone, dead.pid), (live, os.getpid()), (unmarked, None)):
         folder.mkdir()
         (folder / "worker_1.joined").write_text("")
         if pid is not None:
             (folder / "launcher.pid").write_text(str(pid))
-    assert launcher.sweep_launch_dirs(str(tmp_path)) == [str(gone)]
+    assert launch_dirs.sweep_launch_dirs(str(tmp_path)) == [str(gone)]
     assert not gone.exists() and live.exists() and unmarked.exists()
 
 
 def test_a_launch_folder_names_its_launcher():
-    folder = launcher.new_launch_dir("runid")
+    folder = launch_dirs.new_launch_dir("runid")
     try:
-        assert os.path.basename(folder).startswith(launcher.LAUNCH_DIR_PREFIX + "runid-")
+        assert os.path.basename(folder).startswith(LAUNCH_DIR_PREFIX + "runid-")
         with open(os.path.join(folder, "launcher.pid")) as f:
             assert int(f.read()) == os.getpid()
-        assert folder not in launcher.sweep_launch_dirs(os.path.dirname(folder))
+        assert folder not in launch_dirs.sweep_launch_dirs(os.path.dirname(folder))
         assert os.path.isdir(folder)
     finally:
         shutil.rmtree(folder)
@@ -213,14 +214,14 @@ def test_a_control_link_counts_a_silent_peer_as_gone():
     accepted, _ = server.accept()
     try:
         for sock in (client, accepted):
-            ch = launcher.Channel(sock)
+            ch = channel.Channel(sock)
             assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == \
-                launcher.LINK_DEAD_SECONDS * 1000
+                channel.LINK_DEAD_SECONDS * 1000
             probes = (sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) +
                       sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) *
                       sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT))
-            assert probes <= launcher.LINK_DEAD_SECONDS
+            assert probes <= channel.LINK_DEAD_SECONDS
             ch.reader.close()
     finally:
         client.close()

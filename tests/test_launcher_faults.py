@@ -19,7 +19,7 @@ import uuid
 
 import pytest
 
-from epl.launch import launcher
+from epl.launch import signals, triage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARK_ENV = "EPL_TEST_JOB_MARK"
@@ -95,7 +95,7 @@ class Job(object):
         env.pop("EPL_JOB_ID", None)
         with open(str(self.log), "wb") as f:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "epl.launch.launcher", "--num_workers", str(num_workers),
+                [sys.executable, "-m", "epl.launch", "--num_workers", str(num_workers),
                  "--log_dir", str(tmp_path / "logs"), str(script), str(self.out)] + args,
                 env=env, stdout=f, stderr=subprocess.STDOUT, cwd=str(tmp_path))
 
@@ -174,7 +174,7 @@ def test_a_killed_launcher_leaves_no_process_of_a_shell_script_job(tmp_path, how
     SIGKILL, and within the launcher's grace period of a SIGTERM or Ctrl-C."""
     job = _shell_job(tmp_path)
     job.proc.send_signal(getattr(signal, how))
-    code = job.wait_exit(launcher.GRACE_SECONDS + 20)
+    code = job.wait_exit(signals.GRACE_SECONDS + 20)
     assert code != 0, job.output()[-3000:]
     job.assert_no_process_left(5)
     if how != "SIGKILL":
@@ -195,7 +195,7 @@ def test_a_second_ctrl_c_while_stopping_does_not_cut_the_stop_short(tmp_path):
     job.proc.send_signal(signal.SIGINT)
     time.sleep(1.0)
     job.proc.send_signal(signal.SIGINT)
-    code = job.wait_exit(launcher.GRACE_SECONDS + 20)
+    code = job.wait_exit(signals.GRACE_SECONDS + 20)
     took = time.time() - start
     out = job.output()
     print(out[-2000:])
@@ -204,7 +204,7 @@ def test_a_second_ctrl_c_while_stopping_does_not_cut_the_stop_short(tmp_path):
     assert "KeyboardInterrupt" not in out, out[-3000:]
     assert "still stopping the workers" in out, out[-3000:]
     assert "epl-launch summary" in out and "interrupted (Ctrl-C)" in out, out[-3000:]
-    assert took >= launcher.GRACE_SECONDS - 1, "stopped after %.1f s:\n%s" % (took, out)
+    assert took >= signals.GRACE_SECONDS - 1, "stopped after %.1f s:\n%s" % (took, out)
     job.assert_no_process_left(5)
 
 
@@ -265,7 +265,7 @@ class FakeChief(object):
 
 
 def _serving_worker(tmp_path, chief, timeout_seconds):
-    from epl.launch.launcher import free_ports
+    from epl.launch.ports import free_ports
     script = tmp_path / "serve.py"
     script.write_text(SERVE)
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2",
@@ -342,7 +342,7 @@ def test_a_serving_worker_whose_chief_stays_unreachable_fails_naming_the_cause(t
         print(out[-1500:])
         assert code not in (0, None), out
         assert took >= 6, "gave up after %.1f s:\n%s" % (took, out)
-        cause = launcher.exception_line(str(log))
+        cause = triage.exception_line(str(log))
         assert "ChiefUnreachableError" in cause and "unreachable" in cause, out
         assert "6 s" in cause and chief.address in cause, cause
         assert "serve_until_chief_exits returned" not in out
@@ -373,8 +373,8 @@ def test_failure_triage_reads_only_the_tail_of_a_large_log(tmp_path):
     _large_log(path, 200 * 2 ** 20)
     tracemalloc.start()
     try:
-        cause = launcher.exception_line(path)
-        last = launcher.tail(path)
+        cause = triage.exception_line(path)
+        last = triage.tail(path)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -387,7 +387,7 @@ def test_failure_triage_reads_only_the_tail_of_a_large_log(tmp_path):
 def test_failure_triage_on_a_short_log_and_a_missing_one(tmp_path):
     path = tmp_path / "worker_0.log"
     path.write_text("line 1\nRuntimeError: first\nline 3\nKeyError: 'second'\nline 5\n")
-    assert launcher.exception_line(str(path)) == "KeyError: 'second'"
-    assert launcher.tail(str(path), 2) == "KeyError: 'second'\nline 5\n"
-    assert launcher.exception_line(str(tmp_path / "none.log")) == ""
-    assert launcher.tail(str(tmp_path / "none.log")) == ""
+    assert triage.exception_line(str(path)) == "KeyError: 'second'"
+    assert triage.tail(str(path), 2) == "KeyError: 'second'\nline 5\n"
+    assert triage.exception_line(str(tmp_path / "none.log")) == ""
+    assert triage.tail(str(tmp_path / "none.log")) == ""

@@ -16,7 +16,7 @@ ROOT = os.path.dirname(HERE)
 
 def launch(args, timeout=240, cwd=None):
     """Run epl-launch; on failure or hang show its output."""
-    cmd = [sys.executable, "-m", "epl.launch.launcher"] + args
+    cmd = [sys.executable, "-m", "epl.launch"] + args
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("EPL_JOB_ID", None)
     try:
@@ -162,7 +162,7 @@ def test_multi_host_loopback(tmp_path, transport):
     """Two 'hosts' on 127.0.0.2 and 127.0.0.3, one launcher each (machine_rank 0 and 1);
     once with the transport EPL picks (shared memory: both are this machine) and once
     through the TCP ring that hosts on different machines use."""
-    from epl.launch.launcher import free_port_block
+    from epl.launch.ports import free_port_block
     # Each machine uses port .. port + 1 (TensorFlow's and EPL's): reserve both.
     p2, p3 = free_port_block(2, "127.0.0.2"), free_port_block(2, "127.0.0.3")
     machines = "127.0.0.2:%d,127.0.0.3:%d" % (p2, p3)
@@ -171,7 +171,7 @@ def test_multi_host_loopback(tmp_path, transport):
     env.pop("EPL_JOB_ID", None)
     if transport == "tcp":
         env["EPL_COMM_TRANSPORT"] = "tcp"
-    procs = [subprocess.Popen([sys.executable, "-m", "epl.launch.launcher", "--num_workers", "2",
+    procs = [subprocess.Popen([sys.executable, "-m", "epl.launch", "--num_workers", "2",
                                "--gpu_per_worker", "1", "--machine_list", machines,
                                "--machine_rank", str(r), "--log_dir", str(tmp_path / ("logs%d" % r)),
                                os.path.join(HERE, "mw_train.py"), str(tmp_path)],

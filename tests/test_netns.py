@@ -18,7 +18,7 @@ import uuid
 import numpy as np
 import pytest
 
-from epl.launch import launcher
+from epl.launch import workers as launch_workers
 from tests import models, netns
 from tests.mw_train import BATCH, STEPS
 
@@ -58,7 +58,7 @@ class Launch(object):
         env.pop("EPL_JOB_ID", None)
         env.pop("EPL_COMM_TRANSPORT", None)
         self.rank, self.net = rank, net
-        self.proc = net.popen(rank, [sys.executable, "-m", "epl.launch.launcher", "--num_workers",
+        self.proc = net.popen(rank, [sys.executable, "-m", "epl.launch", "--num_workers",
                                      str(net.hosts), "--gpu_per_worker", "1",
                                      "--machine_list", machines, "--machine_rank", str(rank),
                                      "--log_dir", str(tmp_path / ("logs%d" % rank))]
@@ -68,8 +68,8 @@ class Launch(object):
         # The launch's run id (what its shared memory is named from), as the launchers of
         # a --machine_list job derive it: from the TF addresses (the job id) and the
         # secret (this job runs one attempt: 0).
-        job = launcher.job_id_of(["%s:%d" % (net.name(i), PORT) for i in range(net.hosts)])
-        net.add_run(launcher.shared_run_id(job, secret, 0))
+        job = launch_workers.job_id_of(["%s:%d" % (net.name(i), PORT) for i in range(net.hosts)])
+        net.add_run(launch_workers.shared_run_id(job, secret, 0))
         self.lines = []
         self.q = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -300,7 +300,7 @@ def test_the_launcher_names_the_message_of_a_tf2_graph_execution_error(tmp_path)
     """TF 2.x prints 'XError: Graph execution error:' and the op's message lines later
     (after "Node: 'name'"): the launcher's summary shows that message, which names the
     unreachable host, not 'Graph execution error:'."""
-    from epl.launch.launcher import exception_line
+    from epl.launch.triage import exception_line
     log = tmp_path / "worker_0.log"
     log.write_text("step 3\n"
                    "tensorflow.python.framework.errors_impl.DeadlineExceededError: Graph "

@@ -59,7 +59,7 @@ def test_profile_dir_must_be_a_string():
 # -- a 2-worker x 2-device data-parallel job ---------------------------------------------
 
 def _launch(args, env_extra, cwd, timeout=240):
-    cmd = [sys.executable, "-m", "epl.launch.launcher"] + args
+    cmd = [sys.executable, "-m", "epl.launch"] + args
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", **env_extra)
     env.pop("EPL_JOB_ID", None)
     try:

@@ -31,7 +31,7 @@ def _launch(args, timeout=240):
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("EPL_JOB_ID", None)
     try:
-        out = subprocess.run([sys.executable, "-m", "epl.launch.launcher"] + args, env=env,
+        out = subprocess.run([sys.executable, "-m", "epl.launch"] + args, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         pytest.fail("epl-launch hung:\n%s" % (e.output or b"").decode()[-5000:])
@@ -331,7 +331,7 @@ def _two_machines(tmp_path, extra_args, secret):
     """A 2-worker job of mw_progress.py on two loopback 'machines', 127.0.0.2 and
     127.0.0.3 (one worker each), one epl-launch each with its own --log_json: (the list
     of the machines, [(exit status, output)] by machine)."""
-    from epl.launch.launcher import free_port_block
+    from epl.launch.ports import free_port_block
     machines = ",".join("127.0.0.%d:%d" % (2 + m, free_port_block(3, "127.0.0.%d" % (2 + m)))
                         for m in range(2))
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", EPL_JOB_SECRET=secret)
@@ -340,7 +340,7 @@ def _two_machines(tmp_path, extra_args, secret):
     for r in (0, 1):
         outs.append(open(str(tmp_path / ("launcher%d.out" % r)), "w+b"))
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "epl.launch.launcher", "--num_workers", "2", "--gpu_per_worker",
+            [sys.executable, "-m", "epl.launch", "--num_workers", "2", "--gpu_per_worker",
              "1", "--machine_list", machines, "--machine_rank", str(r), "--log_dir",
              str(tmp_path / ("logs%d" % r)), "--log_json", str(tmp_path / ("progress%d.json" % r))]
             + extra_args + [os.path.join(HERE, "mw_progress.py"), str(tmp_path)],
@@ -367,8 +367,8 @@ def test_each_machine_shows_its_own_workers_progress(tmp_path, coordinated):
     each machine's launcher shows the status lines and the summary row of its own worker
     (rank 1 on machine 1), whose steps are the steps it ran and whose last loss is the
     one its program fetched; --log_json parses: the attempt's run (the one printed,
-    derived as epl.launch.launcher says), then its worker's samples, then the summary."""
-    from epl.launch.launcher import job_id_of, shared_run_id
+    derived as epl.launch.workers says), then its worker's samples, then the summary."""
+    from epl.launch.workers import job_id_of, shared_run_id
     secret = "the-secret-of-both-machines"
     machines, results = _two_machines(
         tmp_path, ["--max_restarts", "1"] if coordinated else [], secret)

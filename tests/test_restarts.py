@@ -44,7 +44,7 @@ def _launch(args, env_extra=None, timeout=150):
     env.pop("EPL_JOB_ID", None)
     env.update(env_extra or {})
     try:
-        out = subprocess.run([sys.executable, "-m", "epl.launch.launcher"] + args, env=env,
+        out = subprocess.run([sys.executable, "-m", "epl.launch"] + args, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              timeout=timeout)
     except subprocess.TimeoutExpired as e:
@@ -126,13 +126,13 @@ def test_the_restart_window_resets_the_count(tmp_path):
 
 
 def test_restart_flags_are_checked(capsys):
-    from epl.launch import launcher
+    from epl.launch import cli
     for args, says in ((["--max_restarts", "-1"], "--max_restarts must be >= 0"),
                        (["--restart_window", "0"], "--restart_window must be > 0"),
                        (["--min_workers", "3"], "--min_workers must be between 1 and"),
                        (["--min_workers", "1"], "give --max_restarts N")):
         with pytest.raises(SystemExit) as e:
-            launcher.parse_args(["--num_workers", "2"] + args + [__file__])
+            cli.parse_args(["--num_workers", "2"] + args + [__file__])
         assert e.value.code == 2
         assert says in capsys.readouterr().err
 
@@ -308,7 +308,7 @@ def test_epl_state_starts_again_when_a_checkpoint_is_restored(tmp_path, feature)
 def _machines(count):
     """A --machine_list of ``count`` 'hosts' on 127.0.0.2, 127.0.0.3, ... with 3 free
     ports each (1 worker: TensorFlow's port, EPL's, and on machine 0 the coordinator's)."""
-    from epl.launch.launcher import free_port_block
+    from epl.launch.ports import free_port_block
     return ",".join("127.0.0.%d:%d" % (2 + m, free_port_block(3, "127.0.0.%d" % (2 + m)))
                     for m in range(count))
 
@@ -329,7 +329,7 @@ class _Launchers(object):
         self.env, self.procs, self.outs, self.cmds = env, [None, None], [[], []], []
         for r in (0, 1):
             self.cmds.append(
-                [sys.executable, "-m", "epl.launch.launcher", "--num_workers", "2", "--machine_list",
+                [sys.executable, "-m", "epl.launch", "--num_workers", "2", "--machine_list",
                  machines, "--machine_rank", str(r), "--log_dir", str(tmp_path / ("logs%d" % r)),
                  "--log_json", str(tmp_path / ("progress%d.json" % r))]
                 + args + [os.path.join(HERE, "restart_train.py"), str(tmp_path), str(data)])
@@ -433,12 +433,43 @@ def test_a_machine_that_stays_away_is_dropped(tmp_path):
     assert codes == [0, -signal.SIGKILL], out[-6000:]
     assert "machine 1 (127.0.0.3): its launcher went away" in out, out[-6000:]
     assert "machine 1 (127.0.0.3) did not come back within --host_timeout 3s: dropped for " \
-           "good; the job goes on with 1 worker(s) on machine(s) [0]" in out, out[-6000:]
+           "good; the job goes on with 1 worker(s) (--min_workers 1): worker 0 is rank 0" \
+           in out, out[-6000:]
     assert "attempt 1: worker 0 of 1 starts at global step 5" in out, out[-6000:]
     want = _local([rt.global_batch(job.x, job.y, 2, s) for s in range(5)] +
                   [rt.global_batch(job.x, job.y, 1, s) for s in range(5, rt.STEPS)])
     models.assert_weights_close(dict(np.load(str(tmp_path / "worker_0.npz"))), want)
     _nothing_left(tmp_path, out)
+
+
+def test_the_coordinator_drops_a_worker_that_stays_down(tmp_path):
+    """test_a_worker_that_stays_down_is_dropped across machines: worker 1 (machine 1) is
+    killed after step 5, then fails at start-up in the restarted attempt; under
+    --min_workers 1 the coordinator drops it as the one-machine launcher does (the same
+    restart rule), lets machine 1's launcher go (none of its workers takes part), and
+    worker 0 finishes alone from the newest checkpoint with the documented numbers."""
+    job = _Launchers(tmp_path, ["--max_restarts", "2", "--min_workers", "1",
+                                "--host_timeout", "60"],
+                     {"RESTART_KILL": "1:5", "RESTART_DOWN": "1"})
+    codes = job.finish()
+    out0, out1 = job.out(0), job.out(1)
+    assert codes == [0, 1], out0[-6000:] + out1[-6000:]
+    assert "worker 1: its host is down" in out1, out1[-6000:]
+    assert "attempt 1 failed after" in out0 and \
+        "machine 1 (127.0.0.3): worker 1 exited with status 3" in out0, out0[-6000:]
+    assert "worker 1 failed again at start-up (before it joined the job): dropped for " \
+           "good; the job goes on with 1 worker(s) (--min_workers 1): worker 0 is rank 0" \
+           in out0, out0[-6000:]
+    assert "restart 2 of 2 (EPL_RESTART_COUNT=2): starting 1 worker(s) again" in out0
+    assert "machine 1 was dropped from the job: none of its workers takes part" in out1, \
+        out1[-3000:]
+    start = _restored_step(out0, 2)
+    assert 1 <= start <= 5, start
+    assert "attempt 2: worker 0 of 1 starts at global step %d" % start in out0
+    want = _local([rt.global_batch(job.x, job.y, 2, s) for s in range(start)] +
+                  [rt.global_batch(job.x, job.y, 1, s) for s in range(start, rt.STEPS)])
+    models.assert_weights_close(dict(np.load(str(tmp_path / "worker_0.npz"))), want)
+    _nothing_left(tmp_path, out0 + out1)
 
 
 def test_a_machine_whose_launcher_comes_back_rejoins(tmp_path):
@@ -479,7 +510,7 @@ def test_a_launcher_with_another_secret_is_refused(tmp_path):
         env = dict(os.environ, PYTHONPATH=ROOT, EPL_JOB_SECRET=secret)
         env.pop("EPL_JOB_ID", None)
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "epl.launch.launcher", "--num_workers", "2", "--machine_list",
+            [sys.executable, "-m", "epl.launch", "--num_workers", "2", "--machine_list",
              machines, "--machine_rank", str(r), "--max_restarts", "1", "--host_timeout", "4",
              "--log_dir", str(tmp_path / ("logs%d" % r)), str(script)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
@@ -519,7 +550,7 @@ def test_sigterm_ends_a_restarting_job_on_every_machine(tmp_path):
     env.pop("EPL_JOB_ID", None)
 
     def start(args, log):
-        return subprocess.Popen([sys.executable, "-m", "epl.launch.launcher", "--num_workers", "2",
+        return subprocess.Popen([sys.executable, "-m", "epl.launch", "--num_workers", "2",
                                  "--max_restarts", "3", "--log_dir", str(tmp_path / log)] +
                                 args + [str(script), str(tmp_path)],
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

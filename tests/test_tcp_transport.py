@@ -173,7 +173,7 @@ def test_handshake_nonces_are_random_even_without_a_free_file_descriptor():
     """The listener's nonce must never be predictable: a fixed one lets a recorded
     handshake be replayed.  With one free descriptor (the accepted connection takes it),
     reading /dev/urandom cannot work; the nonce must still be fresh per connection."""
-    from epl.launch.launcher import free_ports
+    from epl.launch.ports import free_ports
     ports = free_ports(2)
     proc = _start("fill_on_request", 1, 2, "nonce-" + uuid.uuid4().hex[:6], 60,
                   _env(ports, 60))
@@ -206,7 +206,7 @@ def test_handshake_nonces_are_random_even_without_a_free_file_descriptor():
 def test_a_listener_out_of_file_descriptors_backs_off_and_says_so():
     """accept() failing with EMFILE (the connection stays queued) must not spin a core,
     and the collective waiting for that peer must fail at its deadline naming the limit."""
-    from epl.launch.launcher import free_ports
+    from epl.launch.ports import free_ports
     ports = free_ports(2)
     proc = _start("fill_on_request", 1, 2, "emfile-" + uuid.uuid4().hex[:6], 25,
                   _env(ports, 25))
@@ -234,7 +234,7 @@ def test_a_listener_out_of_file_descriptors_backs_off_and_says_so():
 def test_the_sockets_of_peers_that_died_are_closed():
     """A long-lived rank 1 meets a new rank 0 per job; each rank 0 exits after its first
     collective.  Once rank 1 has seen each death, it holds its listening socket only."""
-    from epl.launch.launcher import free_ports
+    from epl.launch.ports import free_ports
     ports = free_ports(2)
     env = _env(ports, 30)
     subject = _start("outlive_peers", 1, 2, "-", 30, env)
@@ -264,7 +264,7 @@ def test_a_wrong_secret_backs_off_and_names_the_mismatch():
     """Rank 0 and rank 1 have different EPL_JOB_SECRETs.  Rank 0 retries with a growing
     delay (not every 20 ms for the whole timeout: every try is a refused handshake in the
     listener's log) and ends with an error that says the secret did not match."""
-    from epl.launch.launcher import free_ports
+    from epl.launch.ports import free_ports
     sys.path.insert(0, HERE)
     from test_faults import finish, start_ranks   # pylint: disable=import-error
     ports = free_ports(2)

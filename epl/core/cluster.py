@@ -7,6 +7,7 @@ laptop.  This module only describes the cluster; it builds no graph.
 import json
 import os
 
+from epl.core import worker_files
 from epl.tf_adapter import devices as tf_devices
 
 WORKER_JOBS = ("chief", "worker")
@@ -96,7 +97,7 @@ class Cluster(object):
     def job_id(self):
         """Identifies this job's collectives on the host: EPL_JOB_ID, else a hash of the cluster."""
         import hashlib
-        explicit = os.environ.get("EPL_JOB_ID")
+        explicit = os.environ.get(worker_files.JOB_ID_ENV)
         if explicit:
             return explicit
         return hashlib.sha1(json.dumps(self.cluster_spec, sort_keys=True).encode()).hexdigest()[:12]
@@ -111,7 +112,7 @@ class Cluster(object):
             return forced
         if self.all_hosts_local():
             return "shm"
-        if not os.environ.get("EPL_COMM_ADDRESSES"):
+        if not os.environ.get(worker_files.COMM_ADDRESSES_ENV):
             raise RuntimeError(
                 "the workers in TF_CONFIG are on several hosts: EPL's TCP transport needs "
                 "EPL_COMM_ADDRESSES (host:port per worker, in worker order; epl-launch sets "

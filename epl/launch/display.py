@@ -24,7 +24,8 @@ import sys
 import threading
 import time
 
-FILE_PATTERN = "worker_%s.progress.jsonl"   # (epl.runtime.progress writes them)
+from epl.core.worker_files import progress_path
+
 TTY_INTERVAL = 0.5
 LOG_INTERVAL = 10.0
 
@@ -132,7 +133,7 @@ class ProgressDisplay(object):
     def _read(self, worker):
         if not self.launch_dir:
             return []
-        path = os.path.join(self.launch_dir, FILE_PATTERN % worker)
+        path = progress_path(self.launch_dir, worker)
         try:
             with open(path) as f:
                 f.seek(self._offsets.get(worker, 0))

@@ -48,7 +48,7 @@ import tensorflow as tf
 
 from epl import ir
 from epl.core.process_state import Env
-from epl.core.worker_files import LAUNCH_DIR_ENV
+from epl.core import worker_files
 from epl.rewrite import fusion
 from epl.tf_adapter import functions, patching
 
@@ -56,7 +56,6 @@ log = logging.getLogger("epl")
 
 # Seconds between two samples of one worker (plus the first step and the last).
 INTERVAL = 0.5
-FILE_PATTERN = "worker_%s.progress.jsonl"
 # TensorBoard tags.
 TAGS = ("epl/step_time_s", "epl/steps_per_sec", "epl/samples_per_sec",
         "epl/gradient_bytes_per_step", "epl/comm_bytes_per_step")
@@ -303,7 +302,7 @@ class WorkerProgress(object):
     """This process's steps and samples (one per process: ``tracker()``)."""
 
     def __init__(self, launch_dir, worker):
-        self.path = os.path.join(launch_dir, FILE_PATTERN % worker) if launch_dir else None
+        self.path = worker_files.progress_path(launch_dir, worker) if launch_dir else None
         self.worker = int(worker) if worker is not None else None
         self.writer = None        # the summary writer (chief), see note_writer
         self.writer_env = None    # the epl.init it was seen under (a new one forgets it)
@@ -444,8 +443,8 @@ _FAILED = weakref.WeakSet()
 def tracker():
     """This process's WorkerProgress (made on first use, from the environment)."""
     if not _TRACKER:
-        launch_dir = os.environ.get(LAUNCH_DIR_ENV)
-        worker = os.environ.get("EPL_WORKER_INDEX")
+        launch_dir = os.environ.get(worker_files.LAUNCH_DIR_ENV)
+        worker = os.environ.get(worker_files.WORKER_INDEX_ENV)
         _TRACKER.append(WorkerProgress(launch_dir if worker is not None else None, worker))
     return _TRACKER[0]
 

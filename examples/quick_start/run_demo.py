@@ -10,7 +10,7 @@ import sys
 
 here = os.path.dirname(os.path.abspath(__file__))
 env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-cmd = [sys.executable, "-m", "epl.launch.launcher", "--num_workers", "1", "--gpu_per_worker", "2",
+cmd = [sys.executable, "-m", "epl.launch", "--num_workers", "1", "--gpu_per_worker", "2",
        "--log_dir", os.path.join(here, "epl_logs"), "run.sh"]
 print("$ epl-launch --num_workers 1 --gpu_per_worker 2 run.sh   (in examples/quick_start)",
       flush=True)
