@@ -82,7 +82,7 @@ def test_duplicate_name_refused():
 
 
 def test_the_features_register_in_their_declared_order():
-    """The order _capture_apply ran them in before the registry: sparse gradients made
+    """The order the capture ran them in before the registry: sparse gradients made
     dense before anything sees them, accumulation's gate outside AMP's, grouped apply
     on the ops both built."""
     names = _names(apply_hooks.order())
