@@ -19,7 +19,7 @@ from epl.capture import rebatch
 from epl.core.process_state import Env
 from epl.ir.capture_context import state as _c
 from epl.ir.strategies import current_strategy
-from epl.tensor_parallel import sharding
+from epl.tensor_parallel import propagation, sharding
 from epl.tf_adapter import graph as tfg
 from epl.tf_adapter.patching import original
 
@@ -95,7 +95,9 @@ def create_op_internal(self, op_type, inputs, *args, **kwargs):
         else:
             tg, phase = _forward_taskgraph(epl_graph, inputs), ir.FORWARD
         inputs = rebatch.inputs_for(self, tg, inputs, phase)
-    return original("graph.create_op_internal")(self, op_type, inputs, *args, **kwargs)
+    # (an op on a sharded tensor under epl.split is built shard by shard there)
+    return propagation.create_op(original("graph.create_op_internal"), self, op_type, inputs,
+                                 *args, **kwargs)
 
 
 def _colocated(epl_graph, op):

@@ -11,7 +11,9 @@ the split's device ``i`` and bridges replicated TaskGraphs to the split one
 
 Modules: ``sharding`` (shard context, sizes, the logical-tensor registry),
 ``layers`` (dense), ``losses`` (softmax cross-entropy, argmax), ``moe``
-(mixture of experts with all-to-all).
+(mixture of experts with all-to-all), ``propagation`` and ``rules`` (ops on a
+sharded tensor kept sharded shard by shard: head-parallel attention; called from
+the graph's op-creation hook, ``epl.capture.ops``).
 
 Capture layer (4), beside ``capture`` and ``features``.
 """
