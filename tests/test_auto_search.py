@@ -99,7 +99,7 @@ def test_memory_limit_makes_candidates_infeasible(monkeypatch, limit, want):
         speed, peak = figures[strategy[-1][0]]
         return "ok", {"samples_per_s": speed, "peak_bytes": peak, "step_s": 1.0,
                       "rows_per_step": 32}
-    monkeypatch.setattr(auto, "measure", fake)
+    monkeypatch.setattr(search, "measure", fake)
     ok, result, chosen = epl.auto.accelerate(
         auto_models.model, auto_models.dataset, auto_models.optimizer, devices=2,
         excluded=["accumulation", "pipeline", "amp", "offload", "zero"],
