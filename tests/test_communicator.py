@@ -102,8 +102,8 @@ def test_op_a_backend_lacks_names_both(op, args):
 
 def test_without_the_library_falls_back_and_says_why(monkeypatch):
     warnings = []
-    monkeypatch.setattr(native, "available", lambda: False)
-    monkeypatch.setattr(native, "missing_reason", lambda: "no g++ (test)")
+    monkeypatch.setattr(op_library, "available", lambda: False)
+    monkeypatch.setattr(op_library, "missing_reason", lambda: "no g++ (test)")
     monkeypatch.setattr(communicators, "_warned", [])
     monkeypatch.setattr(tf.logging, "warning",
                         lambda msg, *a: warnings.append(msg % a))
