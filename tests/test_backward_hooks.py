@@ -94,7 +94,7 @@ def test_active_keeps_order_and_skips_hooks_that_do_not_apply():
 
 def test_the_features_register_in_their_declared_order():
     """AMP rebuilds the forward pass first, the stages are cut from it, gradient
-    checkpointing works on the result (the order tf_patches ran them in before the
+    checkpointing works on the result (the order capture ran them in before the
     registry)."""
     names = _names(backward_hooks.order())
     for name in ("amp", "auto_stages", "gradient_checkpoint"):

@@ -7,7 +7,7 @@ Python: the session runs them by being in the graph.  So ``CopyPlan`` imports
 the copies and registers their names here; a copy gets its ``Operation`` the
 first time anything asks for it -- by name, as an input, consumer or control
 edge of another op, through ``get_operations()``, or before TensorFlow wraps
-new C nodes itself (the hooks are in ``tf_patches``, patch point 16).
+new C nodes itself (the hooks are in ``epl.capture.patches``, patch point 16).
 
 Wrappers made late are made inside the context set by ``set_wrap_context`` (EPL's
 capture marks them as its own rewrite ops), outside any control-flow context (the
