@@ -3,7 +3,7 @@
 Ops under ``split(n)`` are built sharded while the user's graph is built: the
 user's ordinary calls (``tf.layers.dense``, ``tf.keras.layers.Dense``,
 ``tf.nn.sparse_softmax_cross_entropy_with_logits`` / ``tf.losses...``,
-``tf.argmax``) are routed here by :mod:`epl.capture.patches` and make one shard per
+``tf.argmax``) are routed here by :mod:`epl.capture.tensor_parallel_routing` and make one shard per
 device, each op tagged with its shard (``epl.ir``).  TensorFlow's own autodiff
 then builds the sharded backward pass; the rewriter only places shard ``i`` on
 the split's device ``i`` and bridges replicated TaskGraphs to the split one
