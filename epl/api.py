@@ -19,6 +19,7 @@ from epl.capture import patches
 from epl.core.cluster import Cluster
 from epl.core.config import Config
 from epl.core.process_state import Env
+from epl.core import rendezvous
 from epl.ir import Graph
 from epl.tf_adapter import graph as tfg
 
@@ -51,6 +52,8 @@ def init(config=None):
         raise ValueError("epl.Config: 'optimizer.num_apply_group' = %d is invalid; it must be "
                          ">= 1 (1 applies all updates at once)."
                          % config.get("optimizer.num_apply_group"))
+    # Under srun / mpirun without TF_CONFIG: meet the job's other tasks, set TF_CONFIG.
+    rendezvous.establish(config)
     again = Env.initialized()
     env = Env.install(config, Cluster(config))
     strategies.reset()

@@ -1,0 +1,197 @@
+"""Rendezvous without a launcher: the tasks a cluster manager started (``srun``,
+``mpirun``) find each other's addresses and make the job's TF_CONFIG themselves.
+
+``establish()`` runs once per process, from ``epl.init`` before the cluster is made:
+
+1. ``job_env.discover`` names the job (TF_CONFIG, Open MPI, Slurm, PMI, PMIx) and logs
+   the source; TF_CONFIG or no manager: nothing more to do.
+2. Each task binds two free ports (TensorFlow's server and EPL's collectives) and writes
+   ``rank_<r>.json`` (host, ports, pid; rank 0 adds the job's secret) into the job's
+   rendezvous folder, then waits for every rank's file; after
+   ``EPL_RENDEZVOUS_TIMEOUT`` seconds (default 300) it raises naming the missing ranks.
+   The folder is keyed by the job (Slurm: ``SLURM_JOB_ID.SLURM_STEP_ID``; MPI: its
+   namespace / job id, else the launcher's pid), so two jobs or steps never meet.  One
+   node: ``$EPL_RENDEZVOUS_DIR`` or ``/tmp/epl-rendezvous-<uid>/<key>``; several nodes
+   need a folder every node sees: ``$EPL_RENDEZVOUS_DIR``, else (Slurm) the submit
+   folder's ``.epl-rendezvous/<key>``.
+3. The environment ``epl-launch`` would have given the task is set in ``os.environ``:
+   TF_CONFIG, ``EPL_COMM_ADDRESSES``, ``EPL_JOB_ID``, ``EPL_RUN_ID``, ``EPL_JOB_SECRET``;
+   and on GPUs without ``CUDA_VISIBLE_DEVICES`` (Slurm's GRES sets it), the local rank's
+   own GPUs.  Everything after reads them as under ``epl-launch``.
+"""
+import atexit
+import hashlib
+import json
+import logging
+import os
+import secrets
+import socket
+import sys
+import time
+
+from epl.core import job_env
+from epl.core import worker_files as wf
+
+log = logging.getLogger("epl")
+
+DIR_ENV = "EPL_RENDEZVOUS_DIR"
+TIMEOUT_ENV = "EPL_RENDEZVOUS_TIMEOUT"
+DEFAULT_TIMEOUT = 300.0
+_done = []   # the (job, source line) of this process, once established
+
+
+class RendezvousError(RuntimeError):
+    """The tasks of a job did not all meet."""
+
+
+def folder_for(job, environ, uid=None):
+    """The rendezvous folder of ``job``."""
+    base = environ.get(DIR_ENV)
+    if base:
+        return os.path.join(base, job.key)
+    if job.multi_node:
+        submit = environ.get("SLURM_SUBMIT_DIR") if job.source == job_env.SLURM else None
+        if submit:
+            return os.path.join(submit, ".epl-rendezvous", job.key)
+        raise RendezvousError(
+            "%s: the job's tasks are on several nodes; EPL's tasks meet through files in a "
+            "folder every node sees: export %s=<a folder on a shared file system> (or "
+            "give each task a TF_CONFIG)." % (job_env.describe(job), DIR_ENV))
+    uid = os.getuid() if uid is None else uid
+    return os.path.join("/tmp", "epl-rendezvous-%d" % uid, job.key)
+
+
+def free_port(host=""):
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+    finally:
+        s.close()
+
+
+def _write(path, record):
+    tmp = "%s.%d.tmp" % (path, os.getpid())
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(record, f)
+    os.rename(tmp, path)   # readers see the whole record or none
+
+
+def _read(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True   # (another user's process: alive)
+
+
+def exchange(job, folder, host, timeout, poll=0.05, record_extra=None):
+    """Write this task's record into ``folder`` and wait for every rank's; returns the
+    records in rank order.  A record of this node whose process is gone (a stale file of
+    an earlier job with the same key) counts as missing."""
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    record = {"host": host, "tf_port": free_port(), "comm_port": free_port(),
+              "pid": os.getpid(), "node": socket.gethostname()}
+    if job.rank == 0:
+        record["secret"] = secrets.token_hex(16)
+    record.update(record_extra or {})
+    mine = os.path.join(folder, "rank_%d.json" % job.rank)
+    _write(mine, record)
+    atexit.register(_remove, mine, folder)
+    deadline = time.time() + timeout
+    records = [None] * job.size
+    while True:
+        for r in range(job.size):
+            if records[r] is None:
+                got = _read(os.path.join(folder, "rank_%d.json" % r))
+                if got is not None and not (got.get("node") == record["node"]
+                                            and not _alive(got.get("pid", 0))):
+                    records[r] = got
+        missing = [r for r, got in enumerate(records) if got is None]
+        if not missing:
+            return records
+        if time.time() > deadline:
+            raise RendezvousError(
+                "%s: rank(s) %s did not reach the rendezvous in %s within %.0f s (%s "
+                "seconds, %s); is every task running `epl.init()`?"
+                % (job_env.describe(job), ", ".join(map(str, missing)), folder, timeout,
+                   TIMEOUT_ENV, "default %d" % DEFAULT_TIMEOUT))
+        time.sleep(poll)
+
+
+def _remove(path, folder):
+    try:
+        os.remove(path)
+        os.rmdir(folder)   # the last task's removal leaves no folder
+    except OSError:
+        pass
+
+
+def job_environment(job, records):
+    """The variables epl-launch would have given this task, from every rank's record."""
+    addrs = ["%s:%d" % (r["host"], r["tf_port"]) for r in records]
+    comm = ["%s:%d" % (r["host"], r["comm_port"]) for r in records]
+    job_id = hashlib.sha1(job.key.encode()).hexdigest()[:12]
+    return {
+        "TF_CONFIG": json.dumps({"cluster": {"worker": addrs},
+                                 "task": {"type": "worker", "index": job.rank}}),
+        wf.COMM_ADDRESSES_ENV: ",".join(comm),
+        wf.JOB_ID_ENV: job_id,
+        wf.RUN_ID_ENV: hashlib.sha256((job.key + records[0]["secret"]).encode()
+                                      ).hexdigest()[:12],
+        wf.JOB_SECRET_ENV: records[0]["secret"],
+    }
+
+
+def local_gpus(job, environ, devices_per_worker, device_type):
+    """CUDA_VISIBLE_DEVICES for this task, or None to leave it: set already (Slurm's GRES),
+    a CPU job, or no local rank known.  ``devices_per_worker`` GPUs per task (0: one)."""
+    if "CUDA_VISIBLE_DEVICES" in environ or device_type == "cpu" or job.local_rank is None:
+        return None
+    n = max(devices_per_worker, 1)
+    first = job.local_rank * n
+    return ",".join(str(first + g) for g in range(n))
+
+
+def _host(job, environ):
+    if not job.multi_node:
+        return "127.0.0.1"
+    return job.host or socket.gethostname()
+
+
+def establish(config, environ=None):
+    """Find this process's job and, under a manager, meet its other tasks (once per
+    process).  Returns the job (None: alone) after setting ``environ``."""
+    environ = os.environ if environ is None else environ
+    if _done:
+        return _done[0]
+    job = job_env.discover(environ, ppid=os.getppid())
+    if job is None or job.source == job_env.TF_CONFIG:
+        if job is not None:
+            log.info("EPL: the job is described by TF_CONFIG.")
+        _done.append(job)
+        return job
+    print("EPL: the job comes from %s; meeting its other tasks." % job_env.describe(job),
+          file=sys.stderr)
+    timeout = float(environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT))
+    records = exchange(job, folder_for(job, environ), _host(job, environ), timeout)
+    environ.update(job_environment(job, records))
+    gpus = local_gpus(job, environ, config.get("cluster.devices_per_worker"),
+                      config.get("cluster.device_type"))
+    if gpus is not None:
+        environ["CUDA_VISIBLE_DEVICES"] = gpus
+    log.info("EPL: %d tasks met; this is worker %d.", job.size, job.rank)
+    sys.stderr.flush()
+    _done.append(job)
+    return job

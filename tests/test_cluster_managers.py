@@ -1,0 +1,244 @@
+"""The unchanged multi-worker programs under real cluster managers, without epl-launch:
+``mpirun -np 2`` (Open MPI) and ``srun -n 2`` on a one-node Slurm cluster this module
+starts (munged, slurmctld, slurmd as root, with a generated slurm.conf in a temporary
+folder).  ``epl.init()`` finds the job in the manager's environment and the tasks meet
+(epl/core/rendezvous.py); the job must equal the local model on the global batch, and a
+killed task must end the job, named.  Skipped, with the reason, where the programs are
+missing (CI installs them: .ci/run) or Slurm cannot start here."""
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from tests.test_multi_worker import _check_workers
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+TIMEOUT = 120
+
+
+def _env(**more):
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2",
+               EPL_RENDEZVOUS_TIMEOUT="60")
+    for name in list(env):
+        if name in ("TF_CONFIG", "EPL_JOB_ID", "EPL_COMM_ADDRESSES", "EPL_RUN_ID",
+                    "EPL_JOB_SECRET", "EPL_RENDEZVOUS_DIR") or name.startswith(
+                        ("SLURM_", "OMPI_", "PMI_", "PMIX_")):
+            del env[name]
+    env.update(more)
+    return env
+
+
+def _run(cmd, env, timeout=TIMEOUT):
+    try:
+        out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                             timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail("%s hung:\n%s" % (cmd[0], (e.output or b"").decode()[-5000:]))
+    return out.returncode, out.stdout.decode(errors="replace")
+
+
+# -- Open MPI -----------------------------------------------------------------------------
+
+MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2"]
+
+
+def _need_mpirun():
+    if shutil.which("mpirun") is None:
+        pytest.skip("mpirun is not installed (apt-get install -y openmpi-bin)")
+
+
+def test_mpirun_data_parallel_equals_local_model(tmp_path):
+    _need_mpirun()
+    code, out = _run(MPIRUN + [sys.executable, os.path.join(HERE, "mw_train.py"),
+                               str(tmp_path)], _env(EPL_CLUSTER_DEVICES_PER_WORKER="2"))
+    assert code == 0, out[-5000:]
+    assert "the job comes from Open MPI: task 1 of 2" in out, out[-5000:]
+    _check_workers(tmp_path, 2, 2)
+
+
+def test_mpirun_killed_rank_ends_the_job(tmp_path):
+    _need_mpirun()
+    start = time.time()
+    code, out = _run(MPIRUN + [sys.executable, os.path.join(HERE, "cm_kill.py")],
+                     _env(EPL_CLUSTER_DEVICES_PER_WORKER="1"))
+    assert code != 0, out[-5000:]
+    # Open MPI's own report names the rank, its host and the signal.
+    assert "rank 1" in out and "signal 9" in out, out[-5000:]
+    assert time.time() - start < 60
+
+
+# -- Slurm, one node ----------------------------------------------------------------------
+
+def _free_port():
+    s = socket.socket()
+    s.bind(("", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+SLURM_CONF = """ClusterName=epltest
+SlurmctldHost=localhost
+SlurmUser=root
+SlurmdUser=root
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+AuthType=auth/munge
+AuthInfo=socket={d}/munge.socket
+StateSaveLocation={d}/state
+SlurmdSpoolDir={d}/spool
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd.pid
+SlurmctldLogFile={d}/slurmctld.log
+SlurmdLogFile={d}/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SchedulerType=sched/builtin
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+MpiDefault=none
+ReturnToService=2
+KillWait=5
+NodeName=localhost CPUs=2 State=UNKNOWN
+PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+"""
+
+
+def _stop(folder, name):
+    try:
+        with open(os.path.join(folder, name + ".pid")) as f:
+            pid = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except OSError:
+        return
+    for _ in range(50):
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            return
+        time.sleep(0.1)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _tail(path, n=2000):
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-n:]
+    except OSError:
+        return "(no %s)" % path
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """A one-node Slurm cluster (localhost, 2 CPUs) for this module's tests: yields the
+    environment whose SLURM_CONF names it; stops its daemons after."""
+    missing = [p for p in ("munged", "slurmctld", "slurmd", "srun", "sinfo")
+               if shutil.which(p) is None and not os.path.exists("/usr/sbin/" + p)]
+    if missing:
+        pytest.skip("Slurm is not installed (%s missing; apt-get install -y slurm-wlm munge)"
+                    % ", ".join(missing))
+    if os.getuid() != 0:
+        pytest.skip("the Slurm fixture starts slurmd, which must run as root")
+    d = tempfile.mkdtemp(prefix="epl-slurm-", dir="/tmp")   # short: munge's socket path
+    os.makedirs(os.path.join(d, "state"))
+    os.makedirs(os.path.join(d, "spool"))
+    conf = os.path.join(d, "slurm.conf")
+    with open(conf, "w") as f:
+        f.write(SLURM_CONF.format(d=d, ctld_port=_free_port(), slurmd_port=_free_port()))
+    key = os.path.join(d, "munge.key")
+    with open(key, "wb") as f:
+        f.write(os.urandom(1024))
+    os.chmod(key, 0o600)
+    sbin = lambda p: shutil.which(p) or "/usr/sbin/" + p   # noqa: E731
+    env = _env(SLURM_CONF=conf)
+    try:
+        steps = [[sbin("munged"), "--force", "--key-file=" + key, "--socket=%s/munge.socket" % d,
+                  "--pid-file=%s/munged.pid" % d, "--log-file=%s/munged.log" % d,
+                  "--seed-file=%s/munged.seed" % d],
+                 [sbin("slurmctld"), "-f", conf, "-i"],
+                 [sbin("slurmd"), "-f", conf, "-N", "localhost"]]
+        for cmd in steps:
+            out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 env=env, timeout=30)
+            if out.returncode != 0:
+                pytest.skip("Slurm cannot start here: `%s` exited %d: %s %s"
+                            % (" ".join(cmd[:1]), out.returncode, out.stdout.decode()[-500:],
+                               _tail(os.path.join(d, os.path.basename(cmd[0]) + ".log"), 500)))
+        deadline = time.time() + 30
+        while True:
+            out = subprocess.run([sbin("sinfo"), "-h", "-o", "%t"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, env=env, timeout=30)
+            if out.stdout.decode().strip() == "idle":
+                break
+            if time.time() > deadline:
+                pytest.skip("Slurm cannot start here: the node is not idle after 30 s (%r); "
+                            "slurmd.log: %s" % (out.stdout.decode(),
+                                                _tail(os.path.join(d, "slurmd.log"), 800)))
+            time.sleep(0.3)
+        yield env
+    finally:
+        for name in ("slurmd", "slurmctld", "munged"):
+            _stop(d, name)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_srun_data_parallel_equals_local_model(slurm, tmp_path):
+    env = dict(slurm, EPL_CLUSTER_DEVICES_PER_WORKER="2")
+    code, out = _run(["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable,
+                      os.path.join(HERE, "mw_train.py"), str(tmp_path)], env)
+    assert code == 0, out[-5000:]
+    assert "the job comes from Slurm: task 1 of 2, local rank 1 on localhost" in out, out
+    _check_workers(tmp_path, 2, 2)
+
+
+def test_two_concurrent_srun_steps_do_not_meet(slurm, tmp_path):
+    """Two jobs at once on the one node: each trains its own 2 tasks (keyed rendezvous)."""
+    env = dict(slurm, EPL_CLUSTER_DEVICES_PER_WORKER="1")
+    procs = []
+    for j in (0, 1):
+        folder = tmp_path / str(j)
+        folder.mkdir()
+        procs.append(subprocess.Popen(
+            ["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable,
+             os.path.join(HERE, "mw_train.py"), str(folder)], stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, env=env, cwd=ROOT))
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=TIMEOUT)[0].decode(errors="replace"))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("concurrent srun steps hung")
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    keys = {line.split("(job ")[1].split(")")[0] for o in outs for line in o.splitlines()
+            if "the job comes from Slurm" in line}
+    assert len(keys) == 2, outs
+    for j in (0, 1):
+        _check_workers(tmp_path / str(j), 2, 1)
+
+
+def test_srun_killed_task_ends_the_job(slurm):
+    start = time.time()
+    code, out = _run(["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable,
+                      os.path.join(HERE, "cm_kill.py")],
+                     dict(slurm, EPL_CLUSTER_DEVICES_PER_WORKER="1"))
+    assert code != 0, out[-5000:]
+    # srun names the node and the task: "srun: error: localhost: task 1: Killed".
+    assert "localhost: task 1: Killed" in out, out[-5000:]
+    assert time.time() - start < 60, out[-3000:]

@@ -1,0 +1,245 @@
+"""Job discovery from a cluster manager's environment (epl/core/job_env.py) and the
+rendezvous of the tasks it started (epl/core/rendezvous.py), without the managers: their
+real programs are in tests/test_cluster_managers.py."""
+import json
+import threading
+
+import pytest
+
+from epl.core import job_env, rendezvous
+from epl.core.job_env import JobEnvError, discover, expand_hostlist, expand_tasks_per_node
+
+
+# -- hostlists ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, hosts", [
+    ("node01", ["node01"]),
+    ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
+    ("node[8-11]", ["node8", "node9", "node10", "node11"]),
+    ("node[098-101]", ["node098", "node099", "node100", "node101"]),
+    ("a[1-2],b,c[3]", ["a1", "a2", "b", "c3"]),
+    ("gpu[1-2]-ib", ["gpu1-ib", "gpu2-ib"]),
+    ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
+    ("localhost", ["localhost"]),
+    (" x1 , x2 ", ["x1", "x2"]),
+])
+def test_expand_hostlist(text, hosts):
+    assert expand_hostlist(text) == hosts
+
+
+@pytest.mark.parametrize("text", ["node[1-", "node]1[", "node[a-b]", "node[3-1]", "node[1,,2]"])
+def test_bad_hostlist_is_named(text):
+    with pytest.raises(JobEnvError, match="hostlist"):
+        expand_hostlist(text)
+
+
+def test_tasks_per_node():
+    assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert expand_tasks_per_node("4") == [4]
+    with pytest.raises(JobEnvError, match="TASKS_PER_NODE"):
+        expand_tasks_per_node("two")
+
+
+# -- discovery ----------------------------------------------------------------------------
+
+def slurm(rank, size=4, **more):
+    env = {"SLURM_PROCID": str(rank), "SLURM_NTASKS": str(size), "SLURM_STEP_NUM_TASKS":
+           str(size), "SLURM_LOCALID": str(rank % 2), "SLURM_NODEID": str(rank // 2),
+           "SLURM_STEP_NODELIST": "node[01-02]", "SLURM_JOB_NODELIST": "node[01-03]",
+           "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+           "SLURM_JOB_ID": "1234", "SLURM_STEP_ID": "0"}
+    env.update(more)
+    return env
+
+
+def test_nothing_is_no_job():
+    assert discover({}) is None
+
+
+def test_tf_config_comes_first():
+    env = slurm(1, TF_CONFIG=json.dumps({"cluster": {"worker": ["a:1"]}}))
+    env.update(OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="2")
+    assert discover(env).source == job_env.TF_CONFIG
+
+
+def test_slurm_task():
+    job = discover(slurm(3))
+    assert job.source == job_env.SLURM
+    assert (job.rank, job.size, job.local_rank, job.local_size, job.node_id) == (3, 4, 1, 2, 1)
+    assert job.hosts == ["node01", "node02"]   # the step's nodes, not the allocation's
+    assert job.host == "node02" and job.multi_node
+    assert job.key == "slurm-1234.0"
+    assert "Slurm: task 3 of 4" in job_env.describe(job)
+
+
+def test_slurm_steps_and_jobs_have_their_own_keys():
+    keys = {discover(slurm(0, SLURM_JOB_ID=j, SLURM_STEP_ID=s)).key
+            for j in ("1", "2") for s in ("0", "1")}
+    assert len(keys) == 4
+
+
+def test_slurm_one_node_and_job_nodelist_fallback():
+    env = slurm(1, size=2, SLURM_NODEID="0", SLURM_STEP_NUM_NODES="1",
+                SLURM_STEP_TASKS_PER_NODE="2", SLURMD_NODENAME="localhost")
+    del env["SLURM_STEP_NODELIST"]
+    job = discover(env)
+    assert job.multi_node is False and job.local_size == 2 and job.host == "localhost"
+    assert job.hosts == ["node01", "node02", "node03"]
+
+
+def test_slurm_batch_shell_is_not_a_task():
+    env = slurm(0)
+    del env["SLURM_STEP_ID"]
+    assert discover(env) is None
+
+
+def test_slurm_single_task_is_alone():
+    assert discover(slurm(0, size=1)) is None
+
+
+def test_slurm_errors_are_named():
+    with pytest.raises(JobEnvError, match="SLURM_PROCID='x'"):
+        discover(slurm(0, SLURM_PROCID="x"))
+    with pytest.raises(JobEnvError, match="rank 5 is outside the job's 4 tasks"):
+        discover(slurm(5))
+    env = slurm(0)
+    del env["SLURM_JOB_ID"]
+    with pytest.raises(JobEnvError, match="SLURM_JOB_ID"):
+        discover(env)
+
+
+def ompi(rank, size=2, local_size=2, **more):
+    env = {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": str(size),
+           "OMPI_COMM_WORLD_LOCAL_RANK": str(rank % local_size),
+           "OMPI_COMM_WORLD_LOCAL_SIZE": str(local_size), "PMIX_NAMESPACE": "prterun-h-1@1"}
+    env.update(more)
+    return env
+
+
+def test_open_mpi():
+    job = discover(ompi(1))
+    assert job.source == job_env.OPEN_MPI
+    assert (job.rank, job.size, job.local_rank, job.local_size) == (1, 2, 1, 2)
+    assert job.multi_node is False and job.key == "ompi-prterun-h-1_1"
+    assert discover(ompi(3, size=4, local_size=2)).multi_node
+
+
+def test_mpirun_inside_slurm_allocation_is_mpi():
+    env = ompi(1)
+    env.update(slurm(0, size=1))   # the allocation's daemon step, not the ranks
+    assert discover(env).source == job_env.OPEN_MPI
+
+
+def test_mpi_without_job_id_is_named_by_the_launcher():
+    env = ompi(0)
+    del env["PMIX_NAMESPACE"]
+    assert discover(env, ppid=4321).key == "ompi-ppid4321"
+    with pytest.raises(JobEnvError, match="no job id"):
+        discover(env)
+
+
+def test_pmi_and_pmix():
+    job = discover({"PMI_RANK": "1", "PMI_SIZE": "3", "MPI_LOCALRANKID": "1",
+                    "MPI_LOCALNRANKS": "3"}, ppid=7)
+    assert (job.source, job.rank, job.size, job.multi_node, job.key) == \
+        (job_env.PMI, 1, 3, False, "pmi-ppid7")
+    job = discover({"PMIX_RANK": "0", "PMIX_SIZE": "2", "PMIX_NAMESPACE": "ns"})
+    assert (job.source, job.size, job.key) == (job_env.PMIX, 2, "pmix-ns")
+    with pytest.raises(JobEnvError, match="size"):
+        discover({"PMIX_RANK": "0", "PMIX_NAMESPACE": "ns"})
+
+
+# -- rendezvous ---------------------------------------------------------------------------
+
+def _meet(jobs, folder, timeout=10):
+    out, errors = {}, []
+
+    def run(job):
+        try:
+            out[job.rank] = rendezvous.exchange(job, folder, "127.0.0.1", timeout, poll=0.01)
+        except Exception as e:   # noqa: BLE001 (reported below)
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(j,)) for j in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 5)
+    return out, errors
+
+
+def test_rendezvous_builds_the_launcher_environment(tmp_path):
+    jobs = [discover(slurm(r, size=3, SLURM_STEP_NUM_NODES="1", SLURM_NODEID="0"))
+            for r in range(3)]
+    folder = rendezvous.folder_for(jobs[0], {"EPL_RENDEZVOUS_DIR": str(tmp_path)})
+    assert folder == str(tmp_path / "slurm-1234.0")
+    out, errors = _meet(jobs, folder)
+    assert not errors and sorted(out) == [0, 1, 2]
+    envs = [rendezvous.job_environment(j, out[j.rank]) for j in jobs]
+    tf_configs = [json.loads(e["TF_CONFIG"]) for e in envs]
+    assert [c["task"]["index"] for c in tf_configs] == [0, 1, 2]
+    assert len({json.dumps(c["cluster"]) for c in tf_configs}) == 1
+    workers = tf_configs[0]["cluster"]["worker"]
+    comm = envs[0]["EPL_COMM_ADDRESSES"].split(",")
+    assert len(set(workers + comm)) == 6   # every port its own
+    for key in ("EPL_COMM_ADDRESSES", "EPL_JOB_ID", "EPL_RUN_ID", "EPL_JOB_SECRET"):
+        assert len({e[key] for e in envs}) == 1
+
+
+def test_two_steps_on_one_node_never_meet(tmp_path):
+    """Two steps of one job (and a second job) rendezvous at once on one node: each
+    sees only its own tasks."""
+    env = {"EPL_RENDEZVOUS_DIR": str(tmp_path)}
+    groups = [[discover(slurm(r, size=2, SLURM_JOB_ID=j, SLURM_STEP_ID=s,
+                              SLURM_STEP_NUM_NODES="1", SLURM_NODEID="0"))
+               for r in range(2)] for j, s in (("7", "0"), ("7", "1"), ("8", "0"))]
+    results = {}
+    threads = [threading.Thread(target=lambda g=g: results.__setitem__(
+        g[0].key, _meet(g, rendezvous.folder_for(g[0], env)))) for g in groups]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    secrets_seen = set()
+    for key, (out, errors) in results.items():
+        assert not errors, errors
+        envs = [rendezvous.job_environment(g, out[g.rank])
+                for grp in groups for g in grp if g.key == key]
+        assert len({e["EPL_JOB_SECRET"] for e in envs}) == 1
+        secrets_seen.add(envs[0]["EPL_JOB_SECRET"])
+    assert len(results) == 3 and len(secrets_seen) == 3
+    assert len({rendezvous.job_environment(g[0], results[g[0].key][0][0])["EPL_JOB_ID"]
+                for g in groups}) == 3
+
+
+def test_missing_rank_is_named_within_the_timeout(tmp_path):
+    job = discover(slurm(0, size=3, SLURM_STEP_NUM_NODES="1", SLURM_NODEID="0"))
+    with pytest.raises(rendezvous.RendezvousError, match=r"rank\(s\) 1, 2 did not reach"):
+        rendezvous.exchange(job, str(tmp_path), "127.0.0.1", 0.3, poll=0.01)
+
+
+def test_stale_record_of_a_dead_task_is_ignored(tmp_path):
+    import socket
+    (tmp_path / "rank_1.json").write_text(json.dumps(
+        {"host": "127.0.0.1", "tf_port": 1, "comm_port": 2, "pid": 2 ** 22 + 12345,
+         "node": socket.gethostname()}))
+    job = discover(slurm(0, size=2, SLURM_STEP_NUM_NODES="1", SLURM_NODEID="0"))
+    with pytest.raises(rendezvous.RendezvousError, match=r"rank\(s\) 1 did not"):
+        rendezvous.exchange(job, str(tmp_path), "127.0.0.1", 0.3, poll=0.01)
+
+
+def test_folders():
+    one = discover(slurm(0, size=2, SLURM_STEP_NUM_NODES="1", SLURM_NODEID="0"))
+    assert rendezvous.folder_for(one, {}, uid=5) == "/tmp/epl-rendezvous-5/slurm-1234.0"
+    multi = discover(slurm(0))
+    assert rendezvous.folder_for(multi, {"SLURM_SUBMIT_DIR": "/home/u/run"}) == \
+        "/home/u/run/.epl-rendezvous/slurm-1234.0"
+    with pytest.raises(rendezvous.RendezvousError, match="EPL_RENDEZVOUS_DIR"):
+        rendezvous.folder_for(discover(ompi(3, size=4, local_size=2)), {})
+
+
+def test_local_gpus():
+    job = discover(slurm(3))   # local rank 1
+    assert rendezvous.local_gpus(job, {}, 0, "auto") == "1"
+    assert rendezvous.local_gpus(job, {}, 2, "gpu") == "2,3"
+    assert rendezvous.local_gpus(job, {"CUDA_VISIBLE_DEVICES": "5"}, 0, "auto") is None
+    assert rendezvous.local_gpus(job, {}, 2, "cpu") is None
