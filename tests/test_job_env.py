@@ -243,3 +243,35 @@ def test_local_gpus():
     assert rendezvous.local_gpus(job, {}, 2, "gpu") == "2,3"
     assert rendezvous.local_gpus(job, {"CUDA_VISIBLE_DEVICES": "5"}, 0, "auto") is None
     assert rendezvous.local_gpus(job, {}, 2, "cpu") is None
+
+
+class _Config(object):
+    def __init__(self, **values):
+        self.values = {"cluster.devices_per_worker": 0, "cluster.device_type": "cpu"}
+        self.values.update(values)
+
+    def get(self, key):
+        return self.values[key]
+
+
+def test_meet_sets_what_epl_launch_would(tmp_path):
+    envs = [slurm(r, size=2, SLURM_STEP_NUM_NODES="1", SLURM_NODEID="0",
+                  EPL_RENDEZVOUS_DIR=str(tmp_path)) for r in range(2)]
+    envs[1]["EPL_JOB_SECRET"] = envs[0]["EPL_JOB_SECRET"] = "given"
+    jobs = {}
+    threads = [threading.Thread(target=lambda e=e, r=r: jobs.__setitem__(
+        r, rendezvous.meet(_Config(), e))) for r, e in enumerate(envs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert sorted(jobs) == [0, 1]
+    for r, env in enumerate(envs):
+        assert json.loads(env["TF_CONFIG"])["task"] == {"type": "worker", "index": r}
+        assert env["EPL_JOB_SECRET"] == "given"   # the user's stays
+        assert "CUDA_VISIBLE_DEVICES" not in env  # a CPU job
+    assert envs[0]["EPL_COMM_ADDRESSES"] == envs[1]["EPL_COMM_ADDRESSES"]
+    assert envs[0]["EPL_RUN_ID"] == envs[1]["EPL_RUN_ID"]
+    # Now TF_CONFIG describes the job: a second look finds it there.
+    assert rendezvous.meet(_Config(), envs[0]).source == job_env.TF_CONFIG
+    assert rendezvous.meet(_Config(), {}) is None

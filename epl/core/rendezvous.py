@@ -15,7 +15,8 @@
    need a folder every node sees: ``$EPL_RENDEZVOUS_DIR``, else (Slurm) the submit
    folder's ``.epl-rendezvous/<key>``.
 3. The environment ``epl-launch`` would have given the task is set in ``os.environ``:
-   TF_CONFIG, ``EPL_COMM_ADDRESSES``, ``EPL_JOB_ID``, ``EPL_RUN_ID``, ``EPL_JOB_SECRET``;
+   TF_CONFIG, ``EPL_COMM_ADDRESSES``, ``EPL_JOB_ID``, ``EPL_RUN_ID``, ``EPL_JOB_SECRET``
+   (rank 0's, unless the task has one);
    and on GPUs without ``CUDA_VISIBLE_DEVICES`` (Slurm's GRES sets it), the local rank's
    own GPUs.  Everything after reads them as under ``epl-launch``.
 """
@@ -173,25 +174,33 @@ def _host(job, environ):
 def establish(config, environ=None):
     """Find this process's job and, under a manager, meet its other tasks (once per
     process).  Returns the job (None: alone) after setting ``environ``."""
-    environ = os.environ if environ is None else environ
     if _done:
         return _done[0]
+    job = meet(config, os.environ if environ is None else environ)
+    _done.append(job)
+    return job
+
+
+def meet(config, environ):
+    """``establish`` without its once-per-process memory: the job of ``environ``, which
+    is updated when the tasks met."""
     job = job_env.discover(environ, ppid=os.getppid())
     if job is None or job.source == job_env.TF_CONFIG:
         if job is not None:
             log.info("EPL: the job is described by TF_CONFIG.")
-        _done.append(job)
         return job
     print("EPL: the job comes from %s; meeting its other tasks." % job_env.describe(job),
           file=sys.stderr)
+    sys.stderr.flush()
     timeout = float(environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT))
     records = exchange(job, folder_for(job, environ), _host(job, environ), timeout)
-    environ.update(job_environment(job, records))
+    found = job_environment(job, records)
+    if environ.get(wf.JOB_SECRET_ENV):
+        del found[wf.JOB_SECRET_ENV]   # the user's own (the same on every task) stays
+    environ.update(found)
     gpus = local_gpus(job, environ, config.get("cluster.devices_per_worker"),
                       config.get("cluster.device_type"))
     if gpus is not None:
         environ["CUDA_VISIBLE_DEVICES"] = gpus
     log.info("EPL: %d tasks met; this is worker %d.", job.size, job.rank)
-    sys.stderr.flush()
-    _done.append(job)
     return job
