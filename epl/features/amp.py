@@ -5,7 +5,8 @@ Three pieces, each applied where the user's program builds the part it changes:
 1. *Half-precision math* (``convert``, before a ``tf.gradients`` call builds the
    backward pass): every allow-listed forward op the loss depends on (``ALLOW``:
    matrix products, ``tf.einsum`` included, and convolutions) is rebuilt in float16
-   between casts; its consumers read the float32 cast of its result.  The backward
+   between casts; its consumers read the float32 cast of its result (a shard's op of
+   an ``epl.split`` scope is rebuilt on its shard).  The backward
    pass TensorFlow then builds for it is float16 too.  Weights stay float32
    variables: each use casts the value it reads, no float16 copy of a variable
    exists.  Everything else (softmax cross-entropy, reductions, exp/log, normalization statistics,
@@ -85,6 +86,7 @@ def convert(graph, ys):
     for op in sorted(todo, key=tfg.op_id):
         tg = epl_graph.taskgraph_of(op)
         g = op.graph
+        first = tfg.last_op_id(g) + 1
         with g.name_scope(None), g.control_dependencies(None), \
                 capture_context.creating_for(tg, ir.FORWARD), tf.compat.v1.device(op.device or None):
             halves = [_half(t, half) for t in op.inputs]
@@ -95,6 +97,10 @@ def convert(graph, ys):
             if op.control_inputs:
                 tfg.add_control_inputs(new, op.control_inputs)
             back = tf.cast(new.outputs[0], tf.float32, name=op.name + "_fp32")
+        shard = epl_graph.shard_of(op)
+        if shard is not None:   # a split scope's shard: the rebuild runs on its device
+            for made in ir.ops_since(g, first):
+                epl_graph.op_shard[made.name] = shard
         for consumer in list(op.outputs[0].consumers()):
             if consumer is back.op:
                 continue
@@ -153,9 +159,6 @@ def _convertible(epl_graph, op):
     if tfg.control_flow_context(op) is not None:
         return False
     if epl_graph.phase_of(op) not in (None, ir.FORWARD):
-        return False
-    tg = epl_graph.taskgraph_of(op)
-    if tg is not None and tg.kind == "split":
         return False
     return op.get_attr("T") == tf.float32
 

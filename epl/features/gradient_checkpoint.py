@@ -19,9 +19,10 @@ What it does to the backward ops just built:
    after the last checkpoint, where the backward pass starts at once).  Kept: the
    checkpoints, and outputs of ops that must not run twice or cannot be copied
    alone: stateful ops (random numbers: a dropout mask is reused, never redrawn;
-   variable reads), constants, ops inside ``tf.cond`` / ``tf.while_loop`` and
-   ops of ``epl.split`` scopes.  ``Shape``-like readers keep the original tensor
-   (it is freed during the forward pass anyway).
+   variable reads), constants and ops inside ``tf.cond`` / ``tf.while_loop``.  Ops
+   of ``epl.split`` scopes are recomputed shard by shard (a copy keeps its original's
+   shard, so it runs on that shard's device).  ``Shape``-like readers keep the
+   original tensor (it is freed during the forward pass anyway).
 3. *Order*: each connected group of copies (a segment) waits (control edges)
    for the gradients its consumers receive from later layers and for the
    consumers of the later segment, excluding ops computed from the group itself:
@@ -85,7 +86,7 @@ def apply(graph, ys, first_id, config):
         if epl_graph.phase_of(op) not in (None, ir.FORWARD):
             return False
         tg = epl_graph.taskgraph_of(op)
-        if tg is not None and (tg.kind == "split" or (0 <= end < tg.index)):
+        if tg is not None and 0 <= end < tg.index:
             return False
         if op.type not in stateful:
             stateful[op.type] = op.op_def.is_stateful
@@ -363,6 +364,9 @@ def _copy_upstream(op, kept, copies, epl_graph):
                                 input_types=[t.dtype for t in cur.inputs],
                                 name=cur.name + "_recompute", attrs=attrs, op_def=cur.op_def)
         tfg.set_device(new, cur.device)
+        shard = epl_graph.shard_of(cur)
+        if shard is not None:   # a split scope's op: its copy runs on the same shard
+            epl_graph.op_shard[new.name] = shard
         if cur.control_inputs:
             tfg.add_control_inputs(new, cur.control_inputs)
         copies[cur] = new

@@ -1,0 +1,222 @@
+"""Transformer split blocks composed with the other parallelisms (issue 35, part 3).
+
+The GPT-style decoder of tests/transformer_models.py with its blocks under ``split(2)``:
+
+* next to data parallelism: embeddings and LM head under ``replicate(1)`` (2 replicas),
+  the blocks under ``split(2)``, on 4 devices;
+* with gradient checkpointing inside the split blocks (the blocks' forward ops are
+  recomputed shard by shard, on their shards' devices);
+* with AMP O1 inside the split blocks (the shards' products in float16).
+
+Oracle: the same model code built without EPL (same initial values, same batches):
+losses before each of 4 Adam updates and every weight and Adam slot after them (read
+through a checkpoint), rel. 1e-5 (absolute 1e-5 for weights near zero).  A replicated
+loss fetched is replica 0's (its half of the batch): the oracle's loss of those rows.
+AMP is compared with the mixed-precision program of the same products: the local
+model whose dense layers compute the same per-shard products (the row-parallel sums of
+float16 partial products are rounded per shard, not once), under ``amp.level`` O1 on
+one device (weights to absolute 3e-5, see the test).
+
+Pipelines of split scopes and split scopes replicated over more devices than they span
+are refused by name (tested below).
+"""
+import contextlib
+import os
+
+import numpy as np
+import pytest
+import tensorflow.compat.v1 as tf
+
+import epl
+from epl.features import gradient_checkpoint
+from tests import models
+from tests import transformer_models as tm
+
+STEPS, BATCH = 4, 4
+
+
+def _adam(loss):
+    # epsilon 1e-4: see tests/test_split_attention.py (weights with ~0 gradients).
+    return tf.train.AdamOptimizer(0.01, epsilon=1e-4).minimize(
+        loss, global_step=tf.train.get_or_create_global_step())
+
+
+def _train(model, tmpdir, name, loss_rows=None, checkpoints=False):
+    """(losses before each step, weights after the last, the graph).  ``loss_rows``
+    (the oracle of a replicated loss): the loss fetched is that of the batch's first
+    ``loss_rows`` rows (EPL splits a fed batch among the replicas in order: replica 0
+    computes the first rows)."""
+    ids, labels = tm.data(BATCH * STEPS)
+    pi = tf.placeholder(tf.int64, [None, tm.SEQ])
+    pl = tf.placeholder(tf.int64, [None, tm.SEQ])
+    if checkpoints:
+        block = model.block
+
+        def checkpointed(x, i):
+            y = block(x, i)
+            tf.add_to_collection(gradient_checkpoint.COLLECTION, y)
+            return y
+        model.block = checkpointed
+    loss = model.build(pi, pl)
+    op = _adam(loss)
+    losses = []
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
+        for i in range(STEPS):
+            rows = slice(i * BATCH, (i + 1) * BATCH)
+            feed = {pi: ids[rows], pl: labels[rows]}
+            if loss_rows:
+                part = slice(i * BATCH, i * BATCH + loss_rows)
+                losses.append(sess.run(loss, {pi: ids[part], pl: labels[part]}))
+                sess.run(op, feed)
+            else:
+                losses.append(sess.run([loss, op], feed)[0])
+        path = tf.train.Saver().save(sess, os.path.join(str(tmpdir), name))
+    reader = tf.train.load_checkpoint(path)
+    weights = {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()}
+    return np.array(losses), weights, tf.get_default_graph()
+
+
+def _local(tmpdir, make=tm.Decoder, **kw):
+    with tf.Graph().as_default():
+        return _train(make(), tmpdir, "local", **kw)
+
+
+def _assert_same(got, want, atol=1e-5):
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, err_msg="losses")
+    assert sorted(got[1]) == sorted(want[1])
+    for k in sorted(want[1]):
+        np.testing.assert_allclose(got[1][k], want[1][k], rtol=1e-5, atol=atol, err_msg=k)
+
+
+def _devices(graph, prefix, types):
+    return set(o.device for o in graph.get_operations()
+               if (o.name.startswith(prefix) or "/" + prefix in o.name) and o.type in types)
+
+
+# -- 2 replicas x split(2) -------------------------------------------------------------
+
+def _replicated_ends(i):
+    """Embeddings (i = -1) and the LM head with the loss (i = LAYERS) replicated, the
+    blocks split."""
+    return epl.replicate(1) if i in (-1, tm.LAYERS) else epl.split(2)
+
+
+def test_two_replicas_and_split_blocks_match_local(tmpdir):
+    """4 devices: the replicated embeddings and head on devices 0 and 1 (2 replicas,
+    each its half of the batch), the blocks split over devices 2 and 3 (the whole
+    batch): the local model on the global batch."""
+    want = _local(tmpdir, loss_rows=BATCH // 2)
+    epl.init(epl.Config({"cluster.devices_per_worker": 4}))
+    got = _train(tm.Decoder(scope=_replicated_ends), tmpdir, "hybrid")
+    _assert_same(got[:2], want[:2])
+    g = got[2]
+    assert len(_devices(g, "lm_head/", ["MatMul"])) == 2
+    heads = _devices(g, "block_0/", ["BatchMatMulV2", "BatchMatMul"])
+    assert len(heads) == 2 and not heads & _devices(g, "lm_head/", ["MatMul"])
+
+
+def test_split_over_part_of_the_devices_without_replicas_is_refused():
+    """Data parallelism of whole split groups (each replica its own split(2)) is not
+    built: the layout refuses a split that leaves devices idle, by name."""
+    epl.init(epl.Config({"cluster.devices_per_worker": 4}))
+    model = tm.Decoder(scope=lambda i: epl.split(2))
+    with pytest.raises(ValueError, match=r"uses 2 devices but this job has 4"):
+        _train(model, "unused", "refused")
+
+
+# -- gradient checkpointing inside split blocks -----------------------------------------
+
+@pytest.mark.parametrize("kind", ["collection", "auto"])
+def test_gradient_checkpoint_inside_split_blocks_matches_local(kind, tmpdir):
+    want = _local(tmpdir)
+    epl.init(epl.Config({"cluster.devices_per_worker": 2, "gradient_checkpoint.type": kind}))
+    got = _train(tm.Decoder(scope=lambda i: epl.split(2)), tmpdir, "gc",
+                 checkpoints=kind == "collection")
+    _assert_same(got[:2], want[:2])
+    ir = epl.Graph.get(got[2])
+    recomputed = [o for o in got[2].get_operations() if o.name.endswith("_recompute")
+                  and ir.phase_of(o) == "backward" and o.type.startswith("BatchMatMul")]
+    # The attention products are recomputed on both shards' devices.
+    assert len(set(o.device for o in recomputed)) == 2, [o.name for o in recomputed]
+
+
+# -- AMP inside split blocks ------------------------------------------------------------
+
+_ROW_PARALLEL = ("proj", "fc_out")   # read the sharded output of a column-parallel layer
+
+
+class _PerShardProducts(tm.Decoder):
+    """The decoder whose dense layers compute split(n)'s products: column-parallel
+    layers one product per column shard (each casting its input), row-parallel layers
+    the sum of one product per row shard; same variables, same values."""
+
+    n = 2
+
+    def dense(self, x, units, name, activation=None, use_bias=True):
+        scope = tf.get_variable_scope().name
+        full = "%s/%s" % (scope, name) if scope else name
+        k = int(x.shape[-1])
+        # (the initial values drawn in tf.layers.dense's order: kernel, then bias)
+        kinit = tm._init(self.values, full + "/kernel", [k, units], self.rng)  # pylint: disable=protected-access
+        binit = tm._init(self.values, full + "/bias", [units], self.rng)  # pylint: disable=protected-access
+        with tf.variable_scope(name):
+            kernel = tf.get_variable("kernel", [k, units], initializer=kinit)
+            bias = tf.get_variable("bias", [units], initializer=binit) if use_bias else None
+        flat = tf.reshape(x, [-1, k])
+        if not scope.startswith("block_"):
+            y = tf.matmul(flat, kernel)
+        elif name in _ROW_PARALLEL:
+            rows = np.array_split(np.arange(k), self.n)
+            y = tf.add_n([tf.matmul(flat[:, r[0]:r[-1] + 1], kernel[r[0]:r[-1] + 1])
+                          for r in rows])
+        else:
+            cols = np.array_split(np.arange(units), self.n)
+            y = tf.concat([tf.matmul(flat, kernel[:, c[0]:c[-1] + 1]) for c in cols], -1)
+        if bias is not None:
+            y = y + bias
+        y = tf.reshape(y, tf.concat([tf.shape(x)[:-1], [units]], 0))
+        return activation(y) if activation else y
+
+
+def _split_blocks(i):
+    return epl.split(2) if 0 <= i < tm.LAYERS else contextlib.nullcontext()
+
+
+def test_amp_inside_split_blocks_matches_the_mixed_precision_program(tmpdir):
+    amp = {"amp.level": "O1", "amp.loss_scale": 128}
+    with tf.Graph().as_default():
+        epl.init(epl.Config(dict(amp, **{"cluster.devices_per_worker": 1})))
+        want = _train(_PerShardProducts(), tmpdir, "local")
+    models.reset()
+    epl.init(epl.Config(dict(amp, **{"cluster.devices_per_worker": 2})))
+    got = _train(tm.Decoder(scope=_split_blocks), tmpdir, "amp")
+    # atol 3e-5: a float32 sum in another order (the gradient of a block's input, from
+    # its shards) may round to another float16 in the next product; after 4 Adam steps
+    # that moves a weight near 0 by ~1e-5 (TF 2.21).  Losses: rel. 1e-5.
+    _assert_same(got[:2], want[:2], atol=3e-5)
+    assert [o for o in want[2].get_operations() if o.type == "MatMul"
+            and o.get_attr("T") == tf.float16]   # (the oracle is mixed precision too)
+    half = [o for o in got[2].get_operations() if o.name.startswith("block_0/")
+            and o.type in ("BatchMatMulV2", "BatchMatMul", "MatMul")
+            and o.get_attr("T") == tf.float16 and "gradients" not in o.name]
+    # Every product of the blocks' forward pass in float16, on both devices.
+    assert len(set(o.device for o in half)) == 2
+    assert not [o.name for o in got[2].get_operations() if o.name.startswith("block_0/")
+                and "gradients" not in o.name and o.type == "BatchMatMulV2"
+                and o.get_attr("T") == tf.float32 and "_fp16" not in o.name
+                and any(c.type != "Shape" for c in o.outputs[0].consumers())]
+
+
+# -- pipelines of split blocks: refused -------------------------------------------------
+
+def test_pipeline_of_split_blocks_is_refused_by_name():
+    """Two split(2) stages, 4 micro-batches: not built (a split scope is one instance
+    placed by shard, never cloned per micro-batch); the refusal names the scope and the
+    setting."""
+    epl.init(epl.Config({"cluster.devices_per_worker": 4, "pipeline.num_micro_batch": 4}))
+    stages = [epl.split(2, name="stage_0"), epl.split(2, name="stage_1")]
+    model = tm.Decoder(scope=lambda i: stages[0] if i < 1 else stages[1])
+    with pytest.raises(NotImplementedError, match=r"num_micro_batch = 4: pipelines of split "
+                                                  r"TaskGraphs are not implemented"):
+        _train(model, "unused", "refused")
