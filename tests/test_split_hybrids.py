@@ -220,3 +220,23 @@ def test_pipeline_of_split_blocks_is_refused_by_name():
     with pytest.raises(NotImplementedError, match=r"num_micro_batch = 4: pipelines of split "
                                                   r"TaskGraphs are not implemented"):
         _train(model, "unused", "refused")
+
+
+# -- 2 workers: replicated ends on one, split blocks on the other ------------------------
+
+def test_two_workers_replicas_and_split_blocks_match_local(tmp_path):
+    """2 workers x 2 devices (epl-launch), in-graph: the replicated embeddings and head
+    on worker 0's devices, the blocks split over worker 1's; the local model on the
+    global batch.  (Each worker splitting over its own devices, data parallel across
+    the workers, is not built: see the refusal above.)"""
+    from tests.test_multi_worker import HERE, launch
+    code, out = launch(["--num_workers", "2", "--gpu_per_worker", "2",
+                        os.path.join(HERE, "mw_split_hybrid.py"), str(tmp_path)],
+                       cwd=str(tmp_path))
+    assert code == 0 and "chief finished hybrid" in out, out[-5000:]
+    got = dict(np.load(str(tmp_path / "hybrid.npz")))
+    heads, head = [str(d) for d in got.pop("heads")], [str(d) for d in got.pop("head")]
+    assert len(heads) == 2 and all("task:1" in d for d in heads), heads
+    assert len(head) == 2 and all("task:0" in d for d in head), head
+    want = _local(tmp_path, loss_rows=BATCH // 2)
+    _assert_same((got.pop("losses"), {k[2:]: v for k, v in got.items()}), want[:2])
