@@ -54,13 +54,22 @@ def _need_mpirun():
         pytest.skip("mpirun is not installed (apt-get install -y openmpi-bin)")
 
 
-def test_mpirun_data_parallel_equals_local_model(tmp_path):
+@pytest.mark.parametrize("tasks, devices, transport", [
+    (2, 2, "auto"), (4, 1, "auto"), (2, 1, "tcp")])
+def test_mpirun_data_parallel_equals_local_model(tmp_path, tasks, devices, transport):
+    """``mpirun -np N`` of the program epl-launch runs; "tcp": EPL's collectives through
+    the TCP ring that tasks on different nodes use (the addresses and the secret come from
+    the rendezvous)."""
     _need_mpirun()
-    code, out = _run(MPIRUN + [sys.executable, os.path.join(HERE, "mw_train.py"),
-                               str(tmp_path)], _env(EPL_CLUSTER_DEVICES_PER_WORKER="2"))
+    env = _env(EPL_CLUSTER_DEVICES_PER_WORKER=str(devices))
+    if transport == "tcp":
+        env["EPL_COMM_TRANSPORT"] = "tcp"
+    cmd = MPIRUN[:-1] + [str(tasks), sys.executable, os.path.join(HERE, "mw_train.py"),
+                         str(tmp_path)]
+    code, out = _run(cmd, env)
     assert code == 0, out[-5000:]
-    assert "the job comes from Open MPI: task 1 of 2" in out, out[-5000:]
-    _check_workers(tmp_path, 2, 2)
+    assert "the job comes from Open MPI: task 1 of %d" % tasks in out, out[-5000:]
+    _check_workers(tmp_path, tasks, devices)
 
 
 def test_mpirun_killed_rank_ends_the_job(tmp_path):
@@ -197,13 +206,60 @@ def slurm():
         shutil.rmtree(d, ignore_errors=True)
 
 
-def test_srun_data_parallel_equals_local_model(slurm, tmp_path):
-    env = dict(slurm, EPL_CLUSTER_DEVICES_PER_WORKER="2")
-    code, out = _run(["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable,
-                      os.path.join(HERE, "mw_train.py"), str(tmp_path)], env)
+@pytest.mark.parametrize("tasks, devices", [(2, 2), (4, 1)])
+def test_srun_data_parallel_equals_local_model(slurm, tmp_path, tasks, devices):
+    env = dict(slurm, EPL_CLUSTER_DEVICES_PER_WORKER=str(devices))
+    # --overcommit: 4 tasks on the node's 2 CPUs.
+    code, out = _run(["srun", "-n", str(tasks), "--overcommit", "--kill-on-bad-exit=1",
+                      sys.executable, os.path.join(HERE, "mw_train.py"), str(tmp_path)], env)
     assert code == 0, out[-5000:]
-    assert "the job comes from Slurm: task 1 of 2, local rank 1 on localhost" in out, out
+    assert "the job comes from Slurm: task 1 of %d, local rank 1 on localhost" % tasks in out, \
+        out[-5000:]
+    _check_workers(tmp_path, tasks, devices)
+
+
+def test_sbatch_script(slurm, tmp_path):
+    """A batch script as users submit it (its srun step trains), waited for; its output
+    file checked and the job equal to the local model."""
+    script = tmp_path / "train.sbatch"
+    script.write_text("\n".join([
+        "#!/bin/bash", "#SBATCH --job-name=epl-test", "#SBATCH --ntasks=2",
+        "#SBATCH --output=%s/%%x-%%j.out" % tmp_path,
+        "export EPL_CLUSTER_DEVICES_PER_WORKER=2",
+        "srun --kill-on-bad-exit=1 %s %s %s" % (sys.executable,
+                                               os.path.join(HERE, "mw_train.py"), tmp_path),
+        "echo batch done", ""]))
+    code, out = _run(["sbatch", "--parsable", str(script)], slurm)
+    assert code == 0, out
+    job = out.strip().split(";")[0]
+    state, deadline = "", time.time() + TIMEOUT   # (sbatch --wait polls every 10-30 s)
+    while time.time() < deadline:
+        code, out = _run(["scontrol", "show", "job", "-o", job], slurm)
+        state = out.split("JobState=")[1].split()[0] if "JobState=" in out else out
+        if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+            break
+        time.sleep(0.3)
+    assert state == "COMPLETED", out
+    logs = [p for p in os.listdir(str(tmp_path)) if p.startswith("epl-test-")]
+    assert len(logs) == 1, (out, os.listdir(str(tmp_path)))
+    text = (tmp_path / logs[0]).read_text()
+    assert "worker 0 trained 6 steps" in text and "worker 1 trained 6 steps" in text, text
+    assert "batch done" in text and "task 1 of 2" in text, text
     _check_workers(tmp_path, 2, 2)
+
+
+def test_srun_task_missing_from_the_rendezvous_is_named(slurm, tmp_path):
+    """Task 1 never calls epl.init (it sleeps): task 0 names it after
+    EPL_RENDEZVOUS_TIMEOUT and the step ends, never hangs."""
+    start = time.time()
+    inner = ('if [ "$SLURM_PROCID" = 1 ]; then sleep 60; fi; exec %s %s %s'
+             % (sys.executable, os.path.join(HERE, "mw_train.py"), tmp_path))
+    code, out = _run(["srun", "-n", "2", "--kill-on-bad-exit=1", "bash", "-c", inner],
+                     dict(slurm, EPL_RENDEZVOUS_TIMEOUT="3"))
+    assert code != 0, out[-5000:]
+    assert "rank(s) 1 did not reach the rendezvous" in out, out[-5000:]
+    assert "localhost: task 0: Exited with exit code 1" in out, out[-5000:]
+    assert time.time() - start < 40, out[-3000:]
 
 
 def test_two_concurrent_srun_steps_do_not_meet(slurm, tmp_path):
