@@ -3,7 +3,8 @@
 The GPT-style decoder of tests/transformer_models.py with its blocks under ``split(2)``:
 
 * next to data parallelism: embeddings and LM head under ``replicate(1)`` (2 replicas),
-  the blocks under ``split(2)``, on 4 devices;
+  the blocks under ``split(2)``, on 4 devices (with and without ZeRO over the 2
+  replicas), and on 2 workers x 2 devices (the blocks on the second worker);
 * with gradient checkpointing inside the split blocks (the blocks' forward ops are
   recomputed shard by shard, on their shards' devices);
 * with AMP O1 inside the split blocks (the shards' products in float16).
@@ -29,6 +30,7 @@ import tensorflow.compat.v1 as tf
 
 import epl
 from epl.features import gradient_checkpoint
+from epl.rewrite.updates import VARIABLE_OPS
 from tests import models
 from tests import transformer_models as tm
 
@@ -102,18 +104,30 @@ def _replicated_ends(i):
     return epl.replicate(1) if i in (-1, tm.LAYERS) else epl.split(2)
 
 
-def test_two_replicas_and_split_blocks_match_local(tmpdir):
+@pytest.mark.parametrize("zero", [False, True])
+def test_two_replicas_and_split_blocks_match_local(zero, tmpdir):
     """4 devices: the replicated embeddings and head on devices 0 and 1 (2 replicas,
     each its half of the batch), the blocks split over devices 2 and 3 (the whole
-    batch): the local model on the global batch."""
+    batch): the local model on the global batch.  ``zero``: zero.level v1, the
+    replicated variables' Adam slots partitioned over the 2 replicas."""
     want = _local(tmpdir, loss_rows=BATCH // 2)
-    epl.init(epl.Config({"cluster.devices_per_worker": 4}))
+    epl.init(epl.Config(dict({"cluster.devices_per_worker": 4},
+                             **({"zero.level": "v1"} if zero else {}))))
     got = _train(tm.Decoder(scope=_replicated_ends), tmpdir, "hybrid")
     _assert_same(got[:2], want[:2])
     g = got[2]
     assert len(_devices(g, "lm_head/", ["MatMul"])) == 2
     heads = _devices(g, "block_0/", ["BatchMatMulV2", "BatchMatMul"])
     assert len(heads) == 2 and not heads & _devices(g, "lm_head/", ["MatMul"])
+    if zero:   # each replicated variable's slots on one replica's device, both used
+        slots = {}
+        for o in g.get_operations():
+            if o.type in VARIABLE_OPS and "/Adam" in o.name and not o.name.startswith("block_"):
+                slots.setdefault(o.name.split("/Adam")[0], set()).add(o.device)
+        assert sorted(slots) == ["lm_head/bias", "lm_head/kernel", "ln_f/beta", "ln_f/gamma",
+                                 "pos_emb", "tok_emb"], slots
+        assert all(len(d) == 1 for d in slots.values()), slots
+        assert set.union(*slots.values()) == _devices(g, "lm_head/", ["MatMul"]), slots
 
 
 def test_split_over_part_of_the_devices_without_replicas_is_refused():
