@@ -4,7 +4,8 @@ The GPT-style decoder of tests/transformer_models.py with its blocks under ``spl
 
 * next to data parallelism: embeddings and LM head under ``replicate(1)`` (2 replicas),
   the blocks under ``split(2)``, on 4 devices (with and without ZeRO over the 2
-  replicas), and on 2 workers x 2 devices (the blocks on the second worker);
+  replicas, with gradient checkpointing), and on 2 workers x 2 devices (the blocks
+  on the second worker);
 * with gradient checkpointing inside the split blocks (the blocks' forward ops are
   recomputed shard by shard, on their shards' devices);
 * with AMP O1 inside the split blocks (the shards' products in float16).
@@ -104,21 +105,27 @@ def _replicated_ends(i):
     return epl.replicate(1) if i in (-1, tm.LAYERS) else epl.split(2)
 
 
-@pytest.mark.parametrize("zero", [False, True])
-def test_two_replicas_and_split_blocks_match_local(zero, tmpdir):
+@pytest.mark.parametrize("extra", ["", "zero", "gc"])
+def test_two_replicas_and_split_blocks_match_local(extra, tmpdir):
     """4 devices: the replicated embeddings and head on devices 0 and 1 (2 replicas,
     each its half of the batch), the blocks split over devices 2 and 3 (the whole
     batch): the local model on the global batch.  ``zero``: zero.level v1, the
-    replicated variables' Adam slots partitioned over the 2 replicas."""
+    replicated variables' Adam slots partitioned over the 2 replicas; ``gc``:
+    gradient_checkpoint.type auto (replicas and shards recompute)."""
     want = _local(tmpdir, loss_rows=BATCH // 2)
+    zero = extra == "zero"
     epl.init(epl.Config(dict({"cluster.devices_per_worker": 4},
-                             **({"zero.level": "v1"} if zero else {}))))
+                             **{"": {}, "zero": {"zero.level": "v1"},
+                                "gc": {"gradient_checkpoint.type": "auto"}}[extra])))
     got = _train(tm.Decoder(scope=_replicated_ends), tmpdir, "hybrid")
     _assert_same(got[:2], want[:2])
     g = got[2]
     assert len(_devices(g, "lm_head/", ["MatMul"])) == 2
     heads = _devices(g, "block_0/", ["BatchMatMulV2", "BatchMatMul"])
     assert len(heads) == 2 and not heads & _devices(g, "lm_head/", ["MatMul"])
+    if extra == "gc":
+        recomputed = set(o.device for o in g.get_operations() if o.name.endswith("_recompute"))
+        assert len(recomputed) == 4, recomputed
     if zero:   # each replicated variable's slots on one replica's device, both used
         slots = {}
         for o in g.get_operations():
