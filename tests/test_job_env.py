@@ -275,3 +275,13 @@ def test_meet_sets_what_epl_launch_would(tmp_path):
     # Now TF_CONFIG describes the job: a second look finds it there.
     assert rendezvous.meet(_Config(), envs[0]).source == job_env.TF_CONFIG
     assert rendezvous.meet(_Config(), {}) is None
+
+
+def test_task_host():
+    one = discover(slurm(0, size=2, SLURM_STEP_NUM_NODES="1", SLURM_NODEID="0"))
+    assert rendezvous.task_host(one, {}) == "127.0.0.1"
+    multi = discover(slurm(0))
+    assert rendezvous.task_host(multi, {"EPL_TASK_HOST": "10.0.0.5"}) == "10.0.0.5"
+    # The route to srun's node on loopback says nothing: the node's name.
+    assert rendezvous.task_host(multi, {"SLURM_LAUNCH_NODE_IPADDR": "127.0.0.1"}) == "node01"
+    assert rendezvous.task_host(multi, {}) == "node01"

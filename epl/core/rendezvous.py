@@ -37,6 +37,7 @@ log = logging.getLogger("epl")
 
 DIR_ENV = "EPL_RENDEZVOUS_DIR"
 TIMEOUT_ENV = "EPL_RENDEZVOUS_TIMEOUT"
+HOST_ENV = "EPL_TASK_HOST"
 DEFAULT_TIMEOUT = 300.0
 _done = []   # the (job, source line) of this process, once established
 
@@ -165,9 +166,27 @@ def local_gpus(job, environ, devices_per_worker, device_type):
     return ",".join(str(first + g) for g in range(n))
 
 
-def _host(job, environ):
+def task_host(job, environ):
+    """The address the other tasks reach this one at.  One node: loopback.  Several:
+    ``EPL_TASK_HOST`` when set; else under Slurm this node's address on the route to the
+    node that ran ``srun`` (``SLURM_LAUNCH_NODE_IPADDR``: a node name may resolve to
+    127.0.1.1 on Debian); else the node's name."""
     if not job.multi_node:
         return "127.0.0.1"
+    if environ.get(HOST_ENV):
+        return environ[HOST_ENV]
+    launch = environ.get("SLURM_LAUNCH_NODE_IPADDR")
+    if launch:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            s.connect((launch, 9))   # (UDP: nothing is sent; the kernel picks the route)
+            mine = s.getsockname()[0]
+            if not mine.startswith("127."):
+                return mine
+        except OSError:
+            pass
+        finally:
+            s.close()
     return job.host or socket.gethostname()
 
 
@@ -193,7 +212,7 @@ def meet(config, environ):
           file=sys.stderr)
     sys.stderr.flush()
     timeout = float(environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT))
-    records = exchange(job, folder_for(job, environ), _host(job, environ), timeout)
+    records = exchange(job, folder_for(job, environ), task_host(job, environ), timeout)
     found = job_environment(job, records)
     if environ.get(wf.JOB_SECRET_ENV):
         del found[wf.JOB_SECRET_ENV]   # the user's own (the same on every task) stays
