@@ -50,6 +50,7 @@ class Region(object):
         self.params = 0             # parameters (elements)
         self.params_split = 0       # ... of 2-D or larger variables (sharded by t)
         self.variables = []         # names
+        self.ops = 0                # forward + backward ops per micro-batch (op overhead)
 
     def to_dict(self):
         return {k: v for k, v in self.__dict__.items() if k != "variables"}
@@ -242,6 +243,10 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern):
             continue
         m = pattern.search(op.name)
         grad_of = _GRAD_OF.match(op.name)
+        if grad_of:
+            where = int(m.group(1)) if m and int(m.group(1)) in regions else \
+                region_of.get(grad_of.group(1), "post")
+            regions[where].ops += 1
         for t in op.inputs:
             if t.op.name in batch_ops:
                 if m and int(m.group(1)) in regions:
@@ -258,6 +263,7 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern):
         reg = regions[region_of[op.name]]
         if op.name not in batch_ops:
             continue
+        reg.ops += 1
         var_inputs = [(_variable_of(t), t) for t in op.inputs]
         for var_op, _ in var_inputs:
             if var_op is not None and op.type not in _PASS:

@@ -15,6 +15,8 @@ Gb/s), in DGX-style nodes of 8 GPUs on NVSwitch.
 import copy
 import json
 
+from epl.auto import local
+
 DTYPES = ("fp32", "tf32", "fp16", "bf16")
 GB = 1e9
 TFLOPS = 1e12
@@ -62,7 +64,7 @@ class Device(object):
     """One accelerator: peak FLOP/s and efficiency per dtype, memory, bandwidths."""
 
     def __init__(self, name, peak, memory, memory_bandwidth, host_bandwidth=16 * GB,
-                 efficiency=None):
+                 efficiency=None, op_overhead=0.0, run_overhead=0.0):
         self.name = name
         self.peak = {k: float(v) for k, v in peak.items()}
         missing = [d for d in DTYPES if d not in self.peak]
@@ -75,6 +77,9 @@ class Device(object):
         eff = dict.fromkeys(DTYPES, FITTED_EFFICIENCY)
         eff.update(efficiency or {})
         self.efficiency = {k: float(v) for k, v in eff.items()}
+        # CPU executors (Cluster.local): seconds per op and per Session.run; presets: 0
+        self.op_overhead = float(op_overhead)
+        self.run_overhead = float(run_overhead)
 
     def flops(self, dtype):
         """Sustained FLOP/s of matrix products in ``dtype``: peak x efficiency."""
@@ -83,7 +88,8 @@ class Device(object):
     def to_dict(self):
         return dict(name=self.name, peak=self.peak, memory=self.memory,
                     memory_bandwidth=self.memory_bandwidth,
-                    host_bandwidth=self.host_bandwidth, efficiency=self.efficiency)
+                    host_bandwidth=self.host_bandwidth, efficiency=self.efficiency,
+                    op_overhead=self.op_overhead, run_overhead=self.run_overhead)
 
 
 class Link(object):
@@ -115,6 +121,12 @@ class Cluster(object):
         self.intra = intra
         self.inter = inter
         self.name = name or device.name
+        # How the runtime holds gradients (memory): accumulated in place over the
+        # micro-batches (Megatron; the presets) or one copy per micro-batch summed at the
+        # end (EPL's pipeline / accumulation rewrite, measured here: Cluster.local); a
+        # fusion bucket beside the gradients (NCCL) or reduced in place (EPL in-process).
+        self.accumulate_in_place = True
+        self.fusion_buffer = True
 
     @property
     def num_devices(self):
@@ -138,6 +150,19 @@ class Cluster(object):
         return cls(device, nodes, 8, Link(**spec["intra"]), Link(**spec["inter"]),
                    name="%s x %d nodes" % (key, nodes))
 
+    @classmethod
+    def local(cls, devices=1, recalibrate=False, path=None, memory_bytes=None):
+        """This machine's ``devices`` virtual CPU devices as EPL uses them, from a
+        short calibration run cached under ~/.cache/epl (``epl.auto.local``)."""
+        return cls.from_local(local.calibration(recalibrate, path), devices, memory_bytes)
+
+    @classmethod
+    def from_local(cls, figures, devices=1, memory_bytes=None):
+        """``Cluster.local`` from given calibration figures (``local.measure()``)."""
+        out = cls.from_dict(local.cluster_dict(figures, devices, memory_bytes))
+        out.calibration = figures
+        return out
+
     def with_nodes(self, nodes):
         out = copy.copy(self)
         out.nodes = int(nodes)
@@ -146,7 +171,8 @@ class Cluster(object):
     def to_dict(self):
         return dict(name=self.name, nodes=self.nodes, devices_per_node=self.devices_per_node,
                     device=self.device.to_dict(), intra=self.intra.to_dict(),
-                    inter=self.inter.to_dict())
+                    inter=self.inter.to_dict(), accumulate_in_place=self.accumulate_in_place,
+                    fusion_buffer=self.fusion_buffer)
 
     def to_json(self, path=None):
         text = json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -161,9 +187,13 @@ class Cluster(object):
             return cls.preset(d["preset"], nodes=d.get("nodes", 1))
         dev = d["device"]
         device = Device(dev["name"], dev["peak"], dev["memory"], dev["memory_bandwidth"],
-                        dev.get("host_bandwidth", 16 * GB), dev.get("efficiency"))
-        return cls(device, d["nodes"], d["devices_per_node"], Link(**d["intra"]),
-                   Link(**d["inter"]), name=d.get("name"))
+                        dev.get("host_bandwidth", 16 * GB), dev.get("efficiency"),
+                        dev.get("op_overhead", 0.0), dev.get("run_overhead", 0.0))
+        out = cls(device, d["nodes"], d["devices_per_node"], Link(**d["intra"]),
+                  Link(**d["inter"]), name=d.get("name"))
+        out.accumulate_in_place = bool(d.get("accumulate_in_place", True))
+        out.fusion_buffer = bool(d.get("fusion_buffer", True))
+        return out
 
     @classmethod
     def from_json(cls, path_or_text):

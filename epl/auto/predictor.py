@@ -167,7 +167,8 @@ def price(profile, layout, cluster, global_batch=None):
         recompute = fwd_block if lay.recompute else 0.0
         pointwise = sum(pw(r) for r in regions + extra) * mb
         compute = (3 * fwd + recompute) / flops_s + (3 * pointwise + (
-            sum(pw(r) for r in regions) * mb if lay.recompute else 0.0)) / dev.memory_bandwidth
+            sum(pw(r) for r in regions) * mb if lay.recompute else 0.0)) / dev.memory_bandwidth \
+            + dev.op_overhead * sum(r.ops for r in regions + extra)
         ar = [b * mb * act_scale for r in regions + extra for b in r.allreduce_bytes]
         ar_block = [b * mb * act_scale for r in regions for b in r.allreduce_bytes]
         tp = 2 * sum(tp_allreduce_s(b, cluster, t) for b in ar) if t > 1 else 0.0
@@ -189,6 +190,8 @@ def price(profile, layout, cluster, global_batch=None):
                     n_params -= n_var * (len(where) - 1) / float(t)
         weights = n_params * (2 if amp else 4)
         grads = n_params * width if amp else n_params * 4
+        # EPL's rewrite keeps each micro-batch's gradients until their sum (measured)
+        grad_copies = 1 if cluster.accumulate_in_place else m
         master = n_params * 4 if amp else 0.0
         slots = n_params * 4 * profile.slots_per_param
         states = master + slots
@@ -203,11 +206,14 @@ def price(profile, layout, cluster, global_batch=None):
             acts = kept + working + sum(saved(r) for r in extra) * mb * flight
         else:
             acts = sum(saved(r) for r in regions + extra) * mb * flight
-        buffers = min(grads, BUCKET_BYTES) + max(ar or [0.0])
-        mem = weights + grads + states + acts + buffers
+        # a fusion bucket only where gradients are all-reduced (d > 1)
+        buffers = (min(grads, BUCKET_BYTES) if d > 1 and cluster.fusion_buffer else 0.0) \
+            + max(ar or [0.0])
+        mem = weights + grads * grad_copies + states + acts + buffers
         memory.append(int(mem))
         details.append(dict(stage=k, blocks=len(blocks), params=n_params, weights=weights,
-                            gradients=grads, optimizer_states=states, activations=acts,
+                            gradients=grads, gradient_copies=grad_copies,
+                            optimizer_states=states, activations=acts,
                             buffers=buffers, in_flight=flight))
         executed += recompute * m * d * t
     totals = [sum(x) for x in per_stage]
@@ -215,7 +221,7 @@ def price(profile, layout, cluster, global_batch=None):
     v = lay.chunks if p > 1 else 1
     makespan = m * slowest + (sum(totals) - slowest) / v
     # data-parallel all-reduce, the update, offload
-    dp_exposed, dp_total, update, offload = 0.0, 0.0, 0.0, 0.0
+    dp_exposed, dp_total, update, offload, zero_gather = 0.0, 0.0, 0.0, 0.0, 0.0
     for k, det in enumerate(details):
         compute_k = per_stage[k][0]
         ar_s = dp_allreduce_s(det["gradients"], cluster, t, d) if d > 1 else 0.0
@@ -224,20 +230,25 @@ def price(profile, layout, cluster, global_batch=None):
         dp_total = max(dp_total, ar_s)
         dp_exposed = max(dp_exposed, exposed)
         state_bytes = det["params"] * (4 + 4 * profile.slots_per_param) / (d if lay.zero else 1)
-        if not lay.offload:
-            update = max(update, (2 * state_bytes + det["gradients"] + det["weights"])
-                         / dev.memory_bandwidth)
-        else:
+        # the update reads and writes the state (offload: on the host, priced at the
+        # device's bandwidth: the host's is not in the cluster model)
+        update = max(update, (2 * state_bytes + det["gradients"] + det["weights"])
+                     / dev.memory_bandwidth)
+        if lay.zero and d > 1:      # each replica updates 1/d: the weights all-gathered
+            ag = ring_allreduce_s(det["weights"], d, cluster.intra.bandwidth,
+                                  cluster.intra.latency) / 2.0
+            zero_gather = max(zero_gather, ag)
+        if lay.offload:
             offload = max(offload, (det["gradients"] + det["weights"]) / dev.host_bandwidth)
-    step = makespan + dp_exposed + update + offload
+    step = makespan + dp_exposed + update + offload + zero_gather + dev.run_overhead
     n_dev = t * p * d
     slow = totals.index(slowest)
     breakdown = dict(
         compute_s=m * per_stage[slow][0], tp_comm_s=m * per_stage[slow][1],
         pp_send_s=m * per_stage[slow][2], bubble_s=makespan - m * slowest,
         dp_allreduce_s=dp_total, dp_exposed_s=dp_exposed, optimizer_s=update,
-        offload_s=offload, stages=details, global_batch=global_batch,
-        model_flops=model_flops, executed_flops=executed)
+        offload_s=offload, zero_allgather_s=zero_gather, stages=details,
+        global_batch=global_batch, model_flops=model_flops, executed_flops=executed)
     return Prediction(
         lay, step_time_s=step, samples_per_s=global_batch / step,
         mfu=model_flops / (step * n_dev * dev.peak[lay.dtype]),

@@ -43,6 +43,10 @@ import time
 
 import epl
 from epl import ir
+from epl.auto import graph_profile
+from epl.auto.layout import Layout
+from epl.auto.machines import Cluster
+from epl.auto.predictor import price
 from epl.ir import capture_context
 from epl.ir import strategies
 from epl.capture import patches
@@ -55,13 +59,20 @@ log = logging.getLogger("epl")
 METHODS = ("data_parallel", "accumulation", "pipeline", "split", "gradient_checkpoint", "zero",
            "amp", "offload")
 _BASES = ("data_parallel", "accumulation", "pipeline", "split")
+PLANNED = ("tensor_parallel",)     # the planner's entries (epl.auto.layout) beyond METHODS
 MIN_TIMED_SECONDS = 1.0
 
 Result = collections.namedtuple("Result", "loss train_op global_step config strategy report")
 
 
 def normalize(strategy):
-    """A strategy as a list of [name, config] (config None when not given)."""
+    """A strategy as a list of [name, config] (config None when not given).
+
+    The planner's entries (``epl.auto.layout``) are read where EPL runs them here:
+    ``["data_parallel", {"degree": d}]``, ``["pipeline", {..., "schedule": "1f1b" |
+    "gpipe", "micro_batch_size": b}]``, ``["amp", {"dtype": ...}]``, ``["zero", {"level":
+    "v1"}]``, ``["tensor_parallel", {"degree": 1}]``; the others are refused by name
+    (``refused``)."""
     if isinstance(strategy, (bytes, str)):
         text = strategy.decode() if isinstance(strategy, bytes) else strategy
         if os.path.exists(text):
@@ -71,36 +82,77 @@ def normalize(strategy):
     out = []
     for item in strategy:
         name, config = (item, None) if isinstance(item, str) else (item[0], item[1])
-        if name not in METHODS:
+        if name not in METHODS and name not in PLANNED:
             raise ValueError("epl.auto: unknown optimization method %r in the strategy; the "
-                             "methods are %s." % (name, ", ".join(METHODS)))
+                             "methods are %s." % (name, ", ".join(METHODS + PLANNED)))
+        why = refused(name, config)
+        if why:
+            raise ValueError("epl.auto: %r cannot run here: %s" % ([name, config], why))
+        if name == "tensor_parallel":
+            continue                    # degree 1: nothing to do
         out.append([name, config])
-    if sum(1 for name, _ in out if name in _BASES) > 1:
+    bases = [name for name, _ in out if name in _BASES]
+    if len(bases) > 1 and not (len(bases) == 2 and "data_parallel" in bases and any(
+            name == "data_parallel" and cfg for name, cfg in out)):
         raise ValueError("epl.auto: a strategy has one of %s, got %r." % (", ".join(_BASES), out))
+    if len(bases) == 2:                 # the planner's [pipeline, [data_parallel, {degree}]]
+        out = [e for e in out if e[0] != "data_parallel"]
     return out
 
 
-def config_of(strategy, devices):
-    """(EPL config dict, whether to set replicate(1) as the default strategy)."""
+def refused(name, config):
+    """Why EPL's search cannot run a strategy entry (None when it can)."""
+    cfg = config if isinstance(config, dict) else {}
+    if name == "tensor_parallel" and int(cfg.get("degree", 1)) > 1:
+        return ("tensor parallelism is the model's own epl.split blocks (docs/split.md); "
+                "accelerate does not split a model: build the blocks under epl.split(%d)"
+                % int(cfg["degree"]))
+    if name == "pipeline" and cfg.get("schedule", "1f1b") not in ("1f1b", "gpipe"):
+        return ("EPL runs the 1f1b and gpipe schedules, not %r (priced by epl.auto.predict "
+                "only)" % cfg.get("schedule"))
+    if name == "zero" and cfg.get("level", "v1") != "v1":
+        return "EPL's ZeRO level is 'v1'"
+    if name == "amp" and cfg.get("dtype", "float16") not in ("float16", "bfloat16"):
+        return "AMP's dtype is float16 or bfloat16"
+    if name == "gradient_checkpoint" and config not in (None, "auto", "collection", "full"):
+        return "gradient_checkpoint is 'auto', 'collection' or 'full' (= 'auto')"
+    return None
+
+
+def config_of(strategy, devices, rows=None):
+    """(EPL config dict, whether to set replicate(1) as the default strategy).
+    ``rows``: the dataset's batch, for a pipeline given by ``micro_batch_size``."""
     cfg = {"cluster.devices_per_worker": devices}
     default = True
     for name, arg in normalize(strategy):
+        if name == "data_parallel" and isinstance(arg, dict) and "degree" in arg \
+                and int(arg["degree"]) != devices:
+            raise ValueError("epl.auto: data_parallel degree %d on %d devices: the search "
+                             "runs one worker's devices (use devices=%d)"
+                             % (int(arg["degree"]), devices, int(arg["degree"])))
         if name == "accumulation":
             cfg["pipeline.num_micro_batch"] = int((arg or {}).get("num_micro_batch", 2))
         elif name == "pipeline":
             arg = arg or {}
             cfg["auto.auto_parallel"] = True
             cfg["pipeline.num_stages"] = int(arg.get("num_stages", 2))
-            cfg["pipeline.num_micro_batch"] = int(arg.get("num_micro_batch", 4))
+            m = arg.get("num_micro_batch")
+            if m is None and arg.get("micro_batch_size") and rows:
+                m = rows // int(arg["micro_batch_size"])
+            cfg["pipeline.num_micro_batch"] = int(m or 4)
+            if arg.get("schedule") == "gpipe":
+                cfg["pipeline.strategy"] = "PreferForward"
             default = False
         elif name == "split":
             cfg["cluster.colocate_split_and_replicate"] = True
         elif name == "gradient_checkpoint":
-            cfg["gradient_checkpoint.type"] = arg or "auto"
+            cfg["gradient_checkpoint.type"] = "auto" if arg in (None, "full") else arg
         elif name == "zero":
             cfg["zero.level"] = "v1"
         elif name == "amp":
             cfg["amp.level"] = "O1"
+            if isinstance(arg, dict) and arg.get("dtype", "float16") != "float16":
+                cfg["amp.dtype"] = arg["dtype"]
         elif name == "offload":
             cfg["offload.level"] = "v0"
     return cfg, default
@@ -136,7 +188,7 @@ def build(model_fn, dataset_fn, optimizer_fn, strategy, devices):
     default graph: (loss, train_op, global_step, config)."""
     import tensorflow as tf
     strategy = normalize(strategy)
-    cfg, default = config_of(strategy, devices)
+    cfg, default = config_of(strategy, devices, _rows(dataset_fn))
     split = [arg for name, arg in strategy if name == "split"]
     observer = None
     if split:
@@ -249,11 +301,12 @@ def dry_run(model_fn, dataset_fn, optimizer_fn, strategy, devices, steps):
         held = _variable_bytes(graph, names)
         peak = max(held[d] + peak_bytes(md, d) for d in names)
         # At least ``steps`` steps and MIN_TIMED_SECONDS: short steps are noisy.
-        start, done = time.time(), 0
-        while done < steps or time.time() - start < MIN_TIMED_SECONDS:
+        start, times = time.time(), []
+        while len(times) < steps or time.time() - start < MIN_TIMED_SECONDS:
+            began = time.time()
             sess.run(train_op)
-            done += 1
-        seconds = (time.time() - start) / done
+            times.append(time.time() - began)
+        seconds = sorted(times)[len(times) // 2]       # the median step: noise is one-sided
     state = ir.Graph.get(graph).rewrite_result.state
     pulls = state.num_clones if state is not None else 1
     rows = _rows(dataset_fn)
@@ -321,10 +374,56 @@ def measure(fns, strategy, devices, steps, timeout):
         proc.join(10)
 
 
+def layout_of(strategy, devices):
+    """The planner's Layout (``epl.auto.layout``) of a strategy run on ``devices``
+    devices of this worker; ValueError for what the planner does not price (split)."""
+    kw = {"d": devices}
+    for name, arg in normalize(strategy):
+        arg = arg if isinstance(arg, dict) else {}
+        if name == "split":
+            raise ValueError("epl.auto: the split head is not priced")
+        if name == "accumulation":
+            kw["num_micro_batch"] = int(arg.get("num_micro_batch", 2))
+        elif name == "pipeline":
+            p = int(arg.get("num_stages", 2))
+            kw.update(p=p, d=max(1, devices // p),
+                      num_micro_batch=int(arg.get("num_micro_batch", 4)),
+                      schedule=arg.get("schedule", "1f1b"))
+        elif name == "gradient_checkpoint":
+            kw["recompute"] = True
+        elif name == "zero":
+            kw["zero"] = "v1"
+        elif name == "amp":
+            kw["dtype"] = arg.get("dtype", "float16")
+        elif name == "offload":
+            kw["offload"] = True
+    return Layout(**kw)
+
+
+def rank(model_fn, dataset_fn, optimizer_fn, cands, devices):
+    """The candidates in the order to dry-run them: those the planner cannot price
+    first (kept in their order), then the others by samples/s predicted on
+    ``Cluster.local(devices)`` (its cached calibration); [(strategy, prediction or
+    None)]."""
+    cluster = Cluster.local(devices)
+    profile = graph_profile.profile(model_fn, dataset_fn, optimizer_fn)
+    unpriced, priced = [], []
+    for cand in cands:
+        try:
+            lay = layout_of(cand, devices)
+            pred = price(profile, lay, cluster, global_batch=profile.rows * lay.d)
+        except ValueError:
+            unpriced.append((cand, None))
+            continue
+        priced.append((cand, pred))
+    priced.sort(key=lambda cp: -cp[1].samples_per_s)
+    return unpriced + priced
+
+
 def accelerate(model_fn, dataset_fn, optimizer_fn, devices=1, excluded=None,
                load_strategy=None, save_strategy_to_file=None, time_limit=None,
                memory_limit_bytes=None, dry_run_steps=3, candidate_timeout=300,
-               verbose=False):
+               verbose=False, dry_run_top=3):
     """Search (or load) a strategy and build it: ``(status, result, strategy)``.
 
     ``model_fn(features) -> loss``, ``dataset_fn() -> tf.data.Dataset`` (each element
@@ -334,6 +433,12 @@ def accelerate(model_fn, dataset_fn, optimizer_fn, devices=1, excluded=None,
     default graph after ``epl.init`` with the chosen config; ``report`` lists every
     candidate tried with its figures.  ``status`` is False (``result`` and
     ``strategy`` None) when no candidate was feasible.
+
+    ``dry_run_top``: with more candidates than this, the planner ranks them first
+    (``rank``: ``epl.auto.predict`` on ``Cluster.local(devices)``) and the search
+    dry-runs them in that order until this many were measured feasible (those the
+    planner cannot price are always dry-run); the rest are reported as skipped with
+    their prediction.  None dry-runs every candidate.
     """
     report = []
     if load_strategy is not None:
@@ -345,19 +450,31 @@ def accelerate(model_fn, dataset_fn, optimizer_fn, devices=1, excluded=None,
         head = None
         if "split" not in set(excluded or ()) and devices > 1:
             head = split_head(model_fn, dataset_fn)
-        for cand in candidates(devices, excluded, head):
+        cands = [(c, None) for c in candidates(devices, excluded, head)]
+        if dry_run_top is not None and len(cands) > dry_run_top:
+            cands = rank(model_fn, dataset_fn, optimizer_fn, [c for c, _ in cands], devices)
+        feasible = 0
+        for cand, pred in cands:
             if time_limit is not None and time.time() - started >= time_limit:
                 report.append({"strategy": cand, "status": "skipped (time limit)"})
                 continue
+            if pred is not None and dry_run_top is not None and feasible >= dry_run_top:
+                report.append({"strategy": cand, "status": "skipped (predicted slower)",
+                               "predicted_samples_per_s": pred.samples_per_s})
+                continue
             status, out = measure(fns, cand, devices, dry_run_steps, candidate_timeout)
             entry = {"strategy": cand, "status": status}
+            if pred is not None:
+                entry["predicted_samples_per_s"] = pred.samples_per_s
             if status == "ok":
                 entry.update(out)
                 if memory_limit_bytes is not None and out["peak_bytes"] > memory_limit_bytes:
                     entry["status"] = "infeasible (peak %d > %d bytes)" % (
                         out["peak_bytes"], memory_limit_bytes)
-                elif best is None or out["samples_per_s"] > best[0]:
-                    best = (out["samples_per_s"], cand)
+                else:
+                    feasible += 1
+                    if best is None or out["samples_per_s"] > best[0]:
+                        best = (out["samples_per_s"], cand)
             else:
                 entry["message"] = out
             report.append(entry)

@@ -1,0 +1,180 @@
+"""The planner on this machine (issue 36, local half): ``Cluster.local`` from a cached
+calibration (shared cores: per-device figures / N), the calibration run itself (tiny),
+the strategy entries the planner added as ``accelerate`` reads them, and ``accelerate``
+dry-running only the planner's first candidates.  No timing is asserted: the
+calibration is faked or tiny, dry runs are monkeypatched."""
+import json
+
+import pytest
+
+from epl.auto import Cluster, local, search
+from epl.auto.layout import Layout
+from tests import auto_models
+
+FAKE = {"version": local.CACHE_VERSION, "cores": 2, "matmul_flops": 8e10,
+        "matmul_flops_fp16": 8e7, "matmul_flops_bf16": 4e10, "memory_bandwidth": 1e10,
+        "op_overhead_s": 1e-6, "run_overhead_s": 2e-4, "allreduce_bandwidth": 2e9,
+        "allreduce_latency_s": 1e-4}
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A calibration cache holding FAKE; measuring again is an error unless asked."""
+    monkeypatch.setenv("EPL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("EPL_RECALIBRATE", raising=False)
+    path = local.cache_path()
+    with open(path, "w") as f:
+        json.dump(FAKE, f)
+
+    def no_measure(**_):
+        raise AssertionError("the cached calibration should have been used")
+    monkeypatch.setattr(local, "measure", no_measure)
+    return path
+
+
+def test_local_cluster_shares_the_cores_between_virtual_devices(cache):
+    one, four = Cluster.local(1), Cluster.local(4)
+    assert one.num_devices == 1 and four.num_devices == 4 and four.nodes == 1
+    assert one.device.flops("fp32") == pytest.approx(8e10)
+    assert four.device.flops("fp32") == pytest.approx(2e10)        # total / N
+    assert four.device.flops("fp16") == pytest.approx(2e7)         # CPU float16: slow
+    assert four.device.memory_bandwidth == pytest.approx(2.5e9)
+    assert four.device.memory == one.device.memory // 4
+    assert four.intra.bandwidth == 2e9 and four.intra.latency == 1e-4
+    assert four.device.run_overhead == 2e-4 and four.device.op_overhead == 1e-6
+    back = Cluster.from_dict(json.loads(four.to_json()))
+    assert back.device.run_overhead == 2e-4
+    assert not back.accumulate_in_place and not back.fusion_buffer      # EPL here, measured
+    assert Cluster.preset("a100-80gb").accumulate_in_place                # Megatron's
+
+
+def test_epl_keeps_one_gradient_copy_per_micro_batch_here(cache):
+    """EPL's pipeline sums the micro-batches' gradients at the end (measured by
+    benchmarks/plan_accuracy.py): m copies on the local cluster, one in place."""
+    from epl.auto import graph_profile
+    from epl.auto.predictor import price
+    prof = graph_profile.profile(auto_models.model, auto_models.dataset,
+                                 auto_models.optimizer)
+    cluster = Cluster.local(2)
+    lay = Layout(p=2, d=1, num_micro_batch=4)
+    here = price(prof, lay, cluster)
+    cluster.accumulate_in_place = True
+    in_place = price(prof, lay, cluster)
+    for a, b in zip(here.breakdown["stages"], in_place.breakdown["stages"]):
+        assert a["gradient_copies"] == 4 and b["gradient_copies"] == 1
+    assert here.memory_bytes[0] - in_place.memory_bytes[0] == pytest.approx(
+        3 * here.breakdown["stages"][0]["gradients"], abs=2)
+
+
+def test_recalibration_is_forced_by_argument_or_environment(cache, monkeypatch):
+    calls = []
+
+    def fake(**_):
+        calls.append(1)
+        return dict(FAKE, matmul_flops=1e11)
+    monkeypatch.setattr(local, "measure", fake)
+    assert Cluster.local(1).device.flops("fp32") == pytest.approx(8e10)     # cached
+    assert Cluster.local(1, recalibrate=True).device.flops("fp32") == pytest.approx(1e11)
+    assert json.load(open(cache))["matmul_flops"] == 1e11                  # re-cached
+    monkeypatch.setenv("EPL_RECALIBRATE", "1")
+    Cluster.local(2)
+    assert len(calls) == 2
+
+
+def test_a_tiny_calibration_run_measures_every_figure(tmp_path):
+    got = local.calibration(path=str(tmp_path / "c.json"), quick=True)
+    for key in ("matmul_flops", "matmul_flops_fp16", "matmul_flops_bf16",
+                "memory_bandwidth", "allreduce_bandwidth"):
+        assert got[key] > 0, key
+    assert got["op_overhead_s"] >= 0 and got["run_overhead_s"] > 0
+    assert json.load(open(str(tmp_path / "c.json")))["cores"] == got["cores"]
+
+
+def test_overheads_are_priced_on_the_local_cluster(cache):
+    from epl.auto import graph_profile
+    from epl.auto.predictor import price
+    prof = graph_profile.profile(auto_models.model, auto_models.dataset,
+                                 auto_models.optimizer)
+    assert sum(r.ops for r in prof.blocks) > 0
+    cluster = Cluster.local(2)
+    lay = Layout(d=2)
+    with_overhead = price(prof, lay, cluster).step_time_s
+    cluster.device.run_overhead = cluster.device.op_overhead = 0.0
+    assert with_overhead > price(prof, lay, cluster).step_time_s + 2e-4 - 1e-12
+
+
+def test_planner_entries_are_read_where_epl_runs_them():
+    assert search.normalize([["tensor_parallel", {"degree": 1}], "data_parallel"]) == \
+        [["data_parallel", None]]
+    with pytest.raises(ValueError, match="tensor_parallel.*epl.split"):
+        search.normalize([["tensor_parallel", {"degree": 2}], "data_parallel"])
+    with pytest.raises(ValueError, match="interleaved"):
+        search.normalize([["pipeline", {"num_stages": 2, "schedule": "interleaved"}]])
+    with pytest.raises(ValueError, match="v1"):
+        search.normalize(["data_parallel", ["zero", {"level": "v2"}]])
+    cfg, _ = search.config_of([["pipeline", {"num_stages": 2, "num_micro_batch": 4,
+                                             "schedule": "gpipe"}]], 2)
+    assert cfg["pipeline.strategy"] == "PreferForward"
+    cfg, _ = search.config_of([["pipeline", {"num_stages": 2, "micro_batch_size": 4}]], 2,
+                              rows=16)
+    assert cfg["pipeline.num_micro_batch"] == 4 and "pipeline.strategy" not in cfg
+    with pytest.raises(ValueError, match="degree 4 on 2 devices"):
+        search.config_of([["data_parallel", {"degree": 4}]], 2)
+    # what plan's candidates carry runs through accelerate's parser
+    lay = Layout(p=2, d=1, num_micro_batch=4, schedule="gpipe", recompute=True,
+                 dtype="bfloat16")
+    cfg, default = search.config_of(lay.to_strategy(), 2)
+    assert not default and cfg["pipeline.num_stages"] == 2
+    assert cfg["pipeline.strategy"] == "PreferForward" and cfg["amp.dtype"] == "bfloat16"
+    assert cfg["gradient_checkpoint.type"] == "auto"
+    assert search.layout_of(lay.to_strategy(), 2).describe() == Layout(
+        p=2, d=1, num_micro_batch=4, schedule="gpipe", recompute=True,
+        dtype="bfloat16").describe()
+
+
+# Fixed figures per candidate (by its last method): what a dry run would measure.
+SPEED = {"data_parallel": 100.0, "accumulation": 90.0, "pipeline": 40.0,
+         "gradient_checkpoint": 70.0, "zero": 95.0, "amp": 5.0, "offload": 50.0}
+
+
+def _search(monkeypatch, **kw):
+    calls = []
+
+    def fake(fns, strategy, devices, steps, timeout):
+        calls.append(strategy)
+        return "ok", {"samples_per_s": SPEED[strategy[-1][0]], "peak_bytes": 1000,
+                      "step_s": 1.0, "rows_per_step": 32}
+    monkeypatch.setattr(search, "measure", fake)
+    ok, result, chosen = search.accelerate(auto_models.model, auto_models.dataset,
+                                           auto_models.optimizer, devices=2, **kw)
+    assert ok
+    return calls, result, chosen
+
+
+def test_accelerate_dry_runs_only_the_planners_first_candidates(cache, monkeypatch):
+    every, _, want = _search(monkeypatch, dry_run_top=None)
+    assert len(every) == len(search.candidates(2)) == 7
+    calls, result, chosen = _search(monkeypatch, dry_run_top=2)
+    assert chosen == want == [["data_parallel", None]]
+    assert len(calls) == 2 < len(every)
+    skipped = [e for e in result.report if e["status"] == "skipped (predicted slower)"]
+    assert len(skipped) == 5 and all("predicted_samples_per_s" in e for e in skipped)
+    # the planner's order: nothing skipped is predicted faster than what was run
+    ran = [e for e in result.report if e["status"] == "ok"]
+    assert min(e["predicted_samples_per_s"] for e in ran) >= \
+        max(e["predicted_samples_per_s"] for e in skipped)
+    amp = [e for e in result.report if e["strategy"][-1][0] == "amp"][0]
+    assert amp["status"].startswith("skipped")      # float16 products are slow on CPU
+
+
+def test_unpriced_candidates_are_always_dry_run(cache, monkeypatch):
+    SPEED["split"] = 10.0
+    try:
+        calls, _, chosen = _search(monkeypatch, dry_run_top=1, excluded=["split"])
+        assert len(calls) == 1 and chosen == [["data_parallel", None]]
+        cands = search.rank(auto_models.big_head_model, auto_models.dataset,
+                            auto_models.optimizer,
+                            search.candidates(2, head=1), 2)
+        assert cands[0][0] == [["split", {"layer": 1}]] and cands[0][1] is None
+    finally:
+        SPEED.pop("split")
