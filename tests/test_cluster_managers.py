@@ -298,3 +298,84 @@ def test_srun_killed_task_ends_the_job(slurm):
     # srun names the node and the task: "srun: error: localhost: task 1: Killed".
     assert "localhost: task 1: Killed" in out, out[-5000:]
     assert time.time() - start < 60, out[-3000:]
+
+
+# -- Slurm, two nodes (network namespaces) ------------------------------------------------
+
+def test_srun_two_nodes_data_parallel_equals_local_model(tmp_path):
+    """Two nodes that are network-namespace hosts (tests/netns.py), one slurmd each, and a
+    third running slurmctld and srun: ``srun -N 2 --ntasks-per-node=2`` trains data
+    parallel across them (EPL's TCP ring between the nodes) and equals the local model."""
+    from tests import netns
+    for p in ("munged", "slurmctld", "slurmd", "srun"):
+        if shutil.which(p) is None and not os.path.exists("/usr/sbin/" + p):
+            pytest.skip("Slurm is not installed (%s missing)" % p)
+    why = netns.unavailable()
+    if why:
+        pytest.skip("network namespaces: %s" % why)
+    sbin = lambda p: shutil.which(p) or "/usr/sbin/" + p   # noqa: E731
+    d = tempfile.mkdtemp(prefix="epl-slurm2-", dir="/tmp")
+    net = netns.Network(hosts=3)
+    try:
+        os.makedirs(os.path.join(d, "state"))
+        conf = SLURM_CONF.format(d=d, ctld_port=6817, slurmd_port=6818)
+        conf = conf.replace("SlurmctldHost=localhost", "SlurmctldHost=%s(%s)"
+                            % (socket.gethostname(), net.address(0)))
+        for node in ("h1", "h2"):
+            os.makedirs(os.path.join(d, "spool-" + node))
+        conf = conf.replace("SlurmdSpoolDir=%s/spool" % d, "SlurmdSpoolDir=%s/spool-%%n" % d)
+        conf = conf.replace("SlurmdPidFile=%s/slurmd.pid" % d, "SlurmdPidFile=%s/slurmd-%%n.pid" % d)
+        conf = conf.replace("SlurmdLogFile=%s/slurmd.log" % d, "SlurmdLogFile=%s/slurmd-%%n.log" % d)
+        conf = conf.replace("NodeName=localhost CPUs=2 State=UNKNOWN",
+                            "NodeName=h1 NodeAddr=%s CPUs=2 State=UNKNOWN\n"
+                            "NodeName=h2 NodeAddr=%s CPUs=2 State=UNKNOWN"
+                            % (net.address(1), net.address(2)))
+        conf = conf.replace("Nodes=localhost", "Nodes=h[1-2]")
+        path = os.path.join(d, "slurm.conf")
+        with open(path, "w") as f:
+            f.write(conf)
+        key = os.path.join(d, "munge.key")
+        with open(key, "wb") as f:
+            f.write(os.urandom(1024))
+        os.chmod(key, 0o600)
+        env = _env(SLURM_CONF=path)
+        subprocess.run([sbin("munged"), "--force", "--key-file=" + key,
+                        "--socket=%s/munge.socket" % d, "--pid-file=%s/munged.pid" % d,
+                        "--log-file=%s/munged.log" % d, "--seed-file=%s/munged.seed" % d],
+                       check=True, env=env, timeout=30)
+        logs = []
+        for i, cmd in ((0, [sbin("slurmctld"), "-D", "-i", "-f", path]),
+                       (1, [sbin("slurmd"), "-D", "-f", path, "-N", "h1"]),
+                       (2, [sbin("slurmd"), "-D", "-f", path, "-N", "h2"])):
+            log = open(os.path.join(d, "fg%d.log" % i), "wb")
+            logs.append(log)
+            # nsenter: the node's network only (`ip netns exec` also remounts /sys, which
+            # hides the cgroup file system slurmd wants).
+            net.procs.append(subprocess.Popen(
+                ["nsenter", "--net=/run/netns/" + net.namespaces[i]] + cmd, env=env,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.time() + 40
+        while True:
+            out = net.run(0, ["env", "SLURM_CONF=" + path, "sinfo", "-h", "-o", "%t %D"])
+            if out.stdout.decode().split() == ["idle", "2"]:
+                break
+            if time.time() > deadline:
+                pytest.fail("the two Slurm nodes are not idle: %r\n%s\n%s" % (
+                    out.stdout.decode(), _tail(os.path.join(d, "slurmctld.log")),
+                    _tail(os.path.join(d, "slurmd-h1.log"))))
+            time.sleep(0.3)
+        out = tmp_path / "out"
+        out.mkdir()
+        cmd = ["env"] + ["%s=%s" % kv for kv in sorted(env.items())] + [
+            "EPL_CLUSTER_DEVICES_PER_WORKER=1", "EPL_RENDEZVOUS_DIR=%s" % tmp_path,
+            "srun", "-N", "2", "--ntasks-per-node=2", "--overcommit", "--kill-on-bad-exit=1",
+            sys.executable, os.path.join(HERE, "mw_train.py"), str(out)]
+        res = net.run(0, cmd, timeout=TIMEOUT)
+        text = res.stdout.decode(errors="replace")
+        assert res.returncode == 0, text[-5000:]
+        assert "task 3 of 4, local rank 1 on h2" in text, text[-5000:]
+        _check_workers(out, 4, 1)
+    finally:
+        net.close()
+        _stop(d, "munged")
+        shutil.rmtree(d, ignore_errors=True)
