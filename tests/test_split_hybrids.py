@@ -8,7 +8,8 @@ The GPT-style decoder of tests/transformer_models.py with its blocks under ``spl
   on the second worker);
 * with gradient checkpointing inside the split blocks (the blocks' forward ops are
   recomputed shard by shard, on their shards' devices);
-* with AMP O1 inside the split blocks (the shards' products in float16).
+* with AMP O1 inside the split blocks (the shards' products in float16), alone and in
+  the hybrid above.
 
 Oracle: the same model code built without EPL (same initial values, same batches):
 losses before each of 4 Adam updates and every weight and Adam slot after them (read
@@ -170,9 +171,10 @@ _ROW_PARALLEL = ("proj", "fc_out")   # read the sharded output of a column-paral
 class _PerShardProducts(tm.Decoder):
     """The decoder whose dense layers compute split(n)'s products: column-parallel
     layers one product per column shard (each casting its input), row-parallel layers
-    the sum of one product per row shard; same variables, same values."""
+    the sum of one product per row shard; same variables, same values.  Outside the
+    blocks one product per replica's rows (``replicas``)."""
 
-    n = 2
+    n, replicas = 2, 1
 
     def dense(self, x, units, name, activation=None, use_bias=True):
         scope = tf.get_variable_scope().name
@@ -186,7 +188,8 @@ class _PerShardProducts(tm.Decoder):
             bias = tf.get_variable("bias", [units], initializer=binit) if use_bias else None
         flat = tf.reshape(x, [-1, k])
         if not scope.startswith("block_"):
-            y = tf.matmul(flat, kernel)
+            # (replicas: one product per replica's rows)
+            y = tf.concat([tf.matmul(f, kernel) for f in tf.split(flat, self.replicas)], 0)
         elif name in _ROW_PARALLEL:
             rows = np.array_split(np.arange(k), self.n)
             y = tf.add_n([tf.matmul(flat[:, r[0]:r[-1] + 1], kernel[r[0]:r[-1] + 1])
@@ -204,14 +207,20 @@ def _split_blocks(i):
     return epl.split(2) if 0 <= i < tm.LAYERS else contextlib.nullcontext()
 
 
-def test_amp_inside_split_blocks_matches_the_mixed_precision_program(tmpdir):
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_amp_inside_split_blocks_matches_the_mixed_precision_program(hybrid, tmpdir):
+    """``hybrid``: the embeddings and head replicated over 2 devices (each replica's
+    products over its rows), the blocks split over the other 2."""
     amp = {"amp.level": "O1", "amp.loss_scale": 128}
     with tf.Graph().as_default():
         epl.init(epl.Config(dict(amp, **{"cluster.devices_per_worker": 1})))
-        want = _train(_PerShardProducts(), tmpdir, "local")
+        oracle = _PerShardProducts()
+        oracle.replicas = 2 if hybrid else 1
+        want = _train(oracle, tmpdir, "local", loss_rows=BATCH // 2 if hybrid else None)
     models.reset()
-    epl.init(epl.Config(dict(amp, **{"cluster.devices_per_worker": 2})))
-    got = _train(tm.Decoder(scope=_split_blocks), tmpdir, "amp")
+    epl.init(epl.Config(dict(amp, **{"cluster.devices_per_worker": 4 if hybrid else 2})))
+    got = _train(tm.Decoder(scope=_replicated_ends if hybrid else _split_blocks), tmpdir,
+                 "amp")
     # atol 3e-5: a float32 sum in another order (the gradient of a block's input, from
     # its shards) may round to another float16 in the next product; after 4 Adam steps
     # that moves a weight near 0 by ~1e-5 (TF 2.21).  Losses: rel. 1e-5.
