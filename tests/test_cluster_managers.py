@@ -302,10 +302,13 @@ def test_srun_killed_task_ends_the_job(slurm):
 
 # -- Slurm, two nodes (network namespaces) ------------------------------------------------
 
-def test_srun_two_nodes_data_parallel_equals_local_model(tmp_path):
+@pytest.mark.parametrize("layout", ["data_parallel", "pipeline"])
+def test_srun_two_nodes_equals_local_model(tmp_path, layout):
     """Two nodes that are network-namespace hosts (tests/netns.py), one slurmd each, and a
-    third running slurmctld and srun: ``srun -N 2 --ntasks-per-node=2`` trains data
-    parallel across them (EPL's TCP ring between the nodes) and equals the local model."""
+    third running slurmctld and srun.  data_parallel: ``srun -N 2 --ntasks-per-node=2``
+    trains across them (EPL's TCP ring between the nodes); pipeline: ``srun -N 2
+    --ntasks-per-node=1`` of 2 stages, one per node (TF's runtime between them, the
+    chief drives); each equals the local model."""
     from tests import netns
     for p in ("munged", "slurmctld", "slurmd", "srun"):
         if shutil.which(p) is None and not os.path.exists("/usr/sbin/" + p):
@@ -366,16 +369,39 @@ def test_srun_two_nodes_data_parallel_equals_local_model(tmp_path):
             time.sleep(0.3)
         out = tmp_path / "out"
         out.mkdir()
+        per_node = 2 if layout == "data_parallel" else 1
+        script = "mw_train.py" if layout == "data_parallel" else "mw_pipeline.py"
         cmd = ["env"] + ["%s=%s" % kv for kv in sorted(env.items())] + [
             "EPL_CLUSTER_DEVICES_PER_WORKER=1", "EPL_RENDEZVOUS_DIR=%s" % tmp_path,
-            "srun", "-N", "2", "--ntasks-per-node=2", "--overcommit", "--kill-on-bad-exit=1",
-            sys.executable, os.path.join(HERE, "mw_train.py"), str(out)]
+            "srun", "-N", "2", "--ntasks-per-node=%d" % per_node, "--overcommit",
+            "--kill-on-bad-exit=1", "--chdir=%s" % out,
+            sys.executable, os.path.join(HERE, script), str(out)]
         res = net.run(0, cmd, timeout=TIMEOUT)
         text = res.stdout.decode(errors="replace")
         assert res.returncode == 0, text[-5000:]
-        assert "task 3 of 4, local rank 1 on h2" in text, text[-5000:]
-        _check_workers(out, 4, 1)
+        assert "task %d of %d, local rank %d on h2" % (2 * per_node - 1, 2 * per_node,
+                                                       per_node - 1) in text, text[-5000:]
+        if layout == "data_parallel":
+            _check_workers(out, 4, 1)
+        else:
+            _check_pipeline(out, text)
     finally:
         net.close()
         _stop(d, "munged")
         shutil.rmtree(d, ignore_errors=True)
+
+
+def _check_pipeline(out, text):
+    """tests/mw_pipeline.py on 2 workers x 1 device: stage 1 ran on worker 1, and the
+    chief's weights equal the local model with the micro-batches' gradients summed."""
+    import numpy as np
+    from tests import models
+    from tests import mw_pipeline as mp
+    assert "serves its devices" in text and "chief trained" in text, text[-5000:]
+    x, y = models.data(mp.STEPS * mp.MICRO * mp.MB)
+    want, _ = models.train_local(x, y, mp.MICRO * mp.MB, mp.STEPS, "momentum")
+    got = dict(np.load(str(out / "worker_0.npz")))
+    assert int(got.pop("steps")) == mp.STEPS
+    devices = [str(d) for d in got.pop("devices")]
+    assert any("task:1" in d for d in devices), devices
+    models.assert_weights_close(got, want)
