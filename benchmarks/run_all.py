@@ -17,6 +17,7 @@ BENCHES = [
     ["pipeline_bubble.py"],
     ["profile_overhead.py"],
     ["split_memory.py"],
+    ["tp_transformer.py"],
     ["collectives.py", "--sizes-mib", "1,16,64,256", "--runs", "5"],
     ["e2e_dp.py", "--runs", "3", "--steps", "30"],
     ["memory.py"],
