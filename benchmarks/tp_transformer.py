@@ -42,16 +42,10 @@ import watchdog  # noqa: E402
 MIB = 1024.0 * 1024.0
 
 
-def _step_ops(fetch):
-    seen, todo = set(), [fetch]
-    while todo:
-        o = todo.pop()
-        if o in seen:
-            continue
-        seen.add(o)
-        todo.extend(t.op for t in o.inputs)
-        todo.extend(o.control_inputs)
-    return seen
+def _step_ops(op):
+    """The ops a run of ``op`` executes (its data and control inputs, transitively)."""
+    from epl import ir  # (in the child: the parent process imports no TensorFlow)
+    return ir.upstream([op])
 
 
 def _dev(d):

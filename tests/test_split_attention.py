@@ -14,6 +14,7 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import epl
+from epl import ir
 from tests import split_models as sm
 from tests import transformer_models as tm
 
@@ -71,15 +72,7 @@ def _assert_same(got, want):
 
 def _step_ops(op):
     """The ops a run of ``op`` executes (its data and control inputs, transitively)."""
-    seen, todo = set(), [op]
-    while todo:
-        o = todo.pop()
-        if o in seen:
-            continue
-        seen.add(o)
-        todo.extend(t.op for t in o.inputs)
-        todo.extend(o.control_inputs)
-    return seen
+    return ir.upstream([op])
 
 
 def _forward(ops, prefix):

@@ -16,21 +16,15 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import epl
+from epl import ir
 from tests import transformer_models as tm
 
 BATCH = 4
 
 
 def _step_ops(op):
-    seen, todo = set(), [op]
-    while todo:
-        o = todo.pop()
-        if o in seen:
-            continue
-        seen.add(o)
-        todo.extend(t.op for t in o.inputs)
-        todo.extend(o.control_inputs)
-    return seen
+    """The ops a run of ``op`` executes (its data and control inputs, transitively)."""
+    return ir.upstream([op])
 
 
 def _block(o, depth=2):
