@@ -25,13 +25,20 @@ _DTYPES = {"float16": "fp16", "fp16": "fp16", "bfloat16": "bf16", "bf16": "bf16"
            "float32": "fp32", "fp32": "fp32", "tf32": "tf32"}
 
 
-def _items(strategy):
+def read_strategy(strategy):
+    """The strategy list from any form a user gives it: the list itself, its JSON text
+    (str or bytes) or the path of a file holding that text."""
     if isinstance(strategy, (bytes, str)):
         text = strategy.decode() if isinstance(strategy, bytes) else strategy
         if os.path.exists(text):
             with open(text) as f:
                 text = f.read()
         strategy = json.loads(text)
+    return strategy
+
+
+def _items(strategy):
+    strategy = read_strategy(strategy)
     out = []
     for item in strategy:
         name, arg = (item, None) if isinstance(item, str) else (item[0], item[1])

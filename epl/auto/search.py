@@ -38,13 +38,12 @@ import collections
 import json
 import logging
 import multiprocessing
-import os
 import time
 
 import epl
 from epl import ir
 from epl.auto import graph_profile
-from epl.auto.layout import Layout
+from epl.auto.layout import Layout, read_strategy
 from epl.auto.machines import Cluster
 from epl.auto.predictor import price
 from epl.ir import capture_context
@@ -73,12 +72,7 @@ def normalize(strategy):
     "gpipe", "micro_batch_size": b}]``, ``["amp", {"dtype": ...}]``, ``["zero", {"level":
     "v1"}]``, ``["tensor_parallel", {"degree": 1}]``; the others are refused by name
     (``refused``)."""
-    if isinstance(strategy, (bytes, str)):
-        text = strategy.decode() if isinstance(strategy, bytes) else strategy
-        if os.path.exists(text):
-            with open(text) as f:
-                text = f.read()
-        strategy = json.loads(text)
+    strategy = read_strategy(strategy)
     out = []
     for item in strategy:
         name, config = (item, None) if isinstance(item, str) else (item[0], item[1])
