@@ -120,7 +120,8 @@ def _on_shard_input(x, i):
     image of the forward pass, where ``x`` is sent to each device once."""
     ctx = tfg.graph_control_flow_context(x.graph)
     copies = _SHARD_INPUTS.setdefault(x.graph, {})
-    key = (x, i, id(ctx) if ctx is not None else None)
+    # (by name: with TF 2.x tensor equality a tensor has no hash)
+    key = (x.name, i, id(ctx) if ctx is not None else None)
     if key not in copies:
         copies[key] = tf.identity(x, name="input_shard_%d" % i)
     return copies[key]
