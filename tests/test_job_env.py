@@ -285,3 +285,149 @@ def test_task_host():
     # The route to srun's node on loopback says nothing: the node's name.
     assert rendezvous.task_host(multi, {"SLURM_LAUNCH_NODE_IPADDR": "127.0.0.1"}) == "node01"
     assert rendezvous.task_host(multi, {}) == "node01"
+
+
+# -- the TCP meeting point ----------------------------------------------------------------
+
+from epl.core import rendezvous_tcp  # noqa: E402
+
+
+def test_meeting_ports_of_concurrent_steps_and_jobs_differ():
+    """Steps less than 64 apart of one job, and jobs less than 256 apart, never share a
+    port; every port is below Linux's ephemeral range."""
+    ports = {rendezvous_tcp.port_for("slurm-%d.%d" % (j, s))
+             for j in range(4711, 4711 + 256) for s in range(64)}
+    assert len(ports) == 256 * 64
+    assert min(ports) >= 16384 and max(ports) < 32768
+    assert rendezvous_tcp.port_for("ompi-ns") == rendezvous_tcp.port_for("ompi-ns")
+
+
+def test_meeting_method_and_address():
+    multi, one = discover(slurm(3)), discover(slurm(0, size=2, SLURM_STEP_NUM_NODES="1",
+                                                     SLURM_NODEID="0"))
+    assert rendezvous.method_for(multi, {}) == "tcp"   # no shared folder known
+    assert rendezvous.method_for(multi, {"EPL_RENDEZVOUS_DIR": "/shared"}) == "file"
+    assert rendezvous.method_for(one, {}) == "file"
+    assert rendezvous.method_for(one, {"EPL_RENDEZVOUS": "TCP"}) == "tcp"
+    with pytest.raises(rendezvous.RendezvousError, match="EPL_RENDEZVOUS='udp'"):
+        rendezvous.method_for(one, {"EPL_RENDEZVOUS": "udp"})
+    # The first task of the node list's first node listens, at a port of the job step.
+    assert [rendezvous_tcp.serves(discover(slurm(r))) for r in range(4)] == \
+        [True, False, False, False]
+    assert rendezvous_tcp.address(multi, {}) == ("node01", rendezvous_tcp.port_for(
+        "slurm-1234.0"))
+    assert rendezvous_tcp.address(multi, {"EPL_RENDEZVOUS_HOST": "10.1.1.1",
+                                          "EPL_RENDEZVOUS_PORT": "2000"}) == ("10.1.1.1", 2000)
+    with pytest.raises(rendezvous.RendezvousError, match="EPL_RENDEZVOUS_HOST"):
+        rendezvous_tcp.address(discover(ompi(3, size=4, local_size=2)), {})
+
+
+def _free_tcp_port():
+    import socket
+    s = socket.socket()
+    s.bind(("", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def _meet_tcp(envs, timeout=20):
+    """rendezvous.meet of every environment, each in a thread: ({rank: job}, [errors])."""
+    jobs, errors = {}, []
+
+    def run(r, env):
+        try:
+            jobs[r] = rendezvous.meet(_Config(), env)
+        except Exception as e:   # noqa: BLE001 (reported by the tests)
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(r, e)) for r, e in enumerate(envs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "the TCP meeting hung"
+    return jobs, errors
+
+
+def _tcp_envs(size, port, **more):
+    envs = []
+    for r in range(size):
+        env = slurm(r, size=size, SLURM_STEP_TASKS_PER_NODE="%d" % size, SLURM_NODEID="0",
+                    SLURM_LOCALID=str(r), SLURM_STEP_NUM_NODES="1",
+                    SLURM_STEP_NODELIST="localhost", EPL_RENDEZVOUS="tcp",
+                    EPL_RENDEZVOUS_PORT=str(port))
+        env.update(more)
+        envs.append(env)
+    return envs
+
+
+def test_tcp_meeting_builds_the_launcher_environment():
+    """Three tasks meet at the first's port (authenticated by the job's secret): each gets
+    the same cluster, its own index, distinct ports; no folder is used."""
+    envs = _tcp_envs(3, _free_tcp_port(), EPL_JOB_SECRET="s3cret")
+    jobs, errors = _meet_tcp(envs)
+    assert not errors and sorted(jobs) == [0, 1, 2], errors
+    configs = [json.loads(e["TF_CONFIG"]) for e in envs]
+    assert [c["task"]["index"] for c in configs] == [0, 1, 2]
+    assert len({json.dumps(c["cluster"]) for c in configs}) == 1
+    workers = configs[0]["cluster"]["worker"]
+    assert len(set(workers + envs[0]["EPL_COMM_ADDRESSES"].split(","))) == 6
+    for key in ("EPL_COMM_ADDRESSES", "EPL_JOB_ID", "EPL_RUN_ID"):
+        assert len({e[key] for e in envs}) == 1
+    assert {e["EPL_JOB_SECRET"] for e in envs} == {"s3cret"}
+
+
+def test_tcp_meeting_names_the_missing_rank_on_every_task():
+    """Rank 2 never comes: after the timeout the listener names it, and so does the task
+    that waited at the listener, within the timeout (plus a moment)."""
+    import time
+    envs = _tcp_envs(3, _free_tcp_port(), EPL_RENDEZVOUS_TIMEOUT="1")[:2]
+    start = time.time()
+    _, errors = _meet_tcp(envs)
+    assert len(errors) == 2, errors
+    for e in errors:
+        assert isinstance(e, rendezvous.RendezvousError)
+        assert "rank(s) 2 did not reach the rendezvous at localhost:" in str(e), e
+    assert time.time() - start < 5
+
+
+def test_tcp_meeting_without_its_listener_names_it():
+    import time
+    env = _tcp_envs(2, _free_tcp_port(), EPL_RENDEZVOUS_TIMEOUT="0.5")[1]
+    start = time.time()
+    with pytest.raises(rendezvous.RendezvousError,
+                       match=r"the meeting point localhost:\d+ \(the first task of node "
+                             r"localhost listens there\) did not answer within"):
+        rendezvous.meet(_Config(), env)
+    assert time.time() - start < 3
+
+
+def test_tcp_meeting_refuses_a_task_without_the_secret():
+    """A task (or a stranger) that cannot prove EPL_JOB_SECRET is refused: it never gets
+    the records, and the listener names its rank as missing."""
+    port = _free_tcp_port()
+    envs = _tcp_envs(2, port, EPL_JOB_SECRET="right", EPL_RENDEZVOUS_TIMEOUT="1.5")
+    envs[1]["EPL_JOB_SECRET"] = "wrong"
+    jobs, errors = _meet_tcp(envs)
+    assert not jobs and len(errors) == 2, (jobs, errors)
+    assert any("rank(s) 1 did not reach" in str(e) for e in errors), errors
+    assert "TF_CONFIG" not in envs[1]
+
+
+def test_tcp_meeting_of_another_job_on_the_port_is_named():
+    """Two steps that would share a port (forced here) never mix: the second step's task
+    sees the first's key and stops, named; a second listener cannot take the port."""
+    port = _free_tcp_port()
+    first = _tcp_envs(2, port, EPL_RENDEZVOUS_TIMEOUT="2")
+    other = _tcp_envs(2, port, SLURM_STEP_ID="1", EPL_RENDEZVOUS_TIMEOUT="2")
+    out = {}
+    t = threading.Thread(target=lambda: out.update(first=_meet_tcp(first[:1])))
+    t.start()
+    import time
+    time.sleep(0.3)   # (the first step's listener is up)
+    with pytest.raises(rendezvous.RendezvousError, match="is the meeting point of job "
+                                                         "'slurm-1234.0', not of this one"):
+        rendezvous.meet(_Config(), other[1])
+    with pytest.raises(rendezvous.RendezvousError, match="port %d is taken" % port):
+        rendezvous.meet(_Config(), other[0])
+    t.join(10)

@@ -11,9 +11,13 @@
    ``EPL_RENDEZVOUS_TIMEOUT`` seconds (default 300) it raises naming the missing ranks.
    The folder is keyed by the job (Slurm: ``SLURM_JOB_ID.SLURM_STEP_ID``; MPI: its
    namespace / job id, else the launcher's pid), so two jobs or steps never meet.  One
-   node: ``$EPL_RENDEZVOUS_DIR`` or ``/tmp/epl-rendezvous-<uid>/<key>``; several nodes
-   need a folder every node sees: ``$EPL_RENDEZVOUS_DIR``, else (Slurm) the submit
-   folder's ``.epl-rendezvous/<key>``.
+   node: ``$EPL_RENDEZVOUS_DIR`` or ``/tmp/epl-rendezvous-<uid>/<key>``.  Several nodes
+   meet in ``$EPL_RENDEZVOUS_DIR`` when it is set (a folder every node sees); without it
+   they meet over TCP (``epl.core.rendezvous_tcp``: the first task of the first node
+   listens on a port derived from the job's key), because a folder that only looks
+   shared (the submit folder on the login node) would leave the tasks waiting until the
+   timeout.  ``EPL_RENDEZVOUS=file`` or ``tcp`` chooses explicitly (``file`` on several
+   nodes without the variable: Slurm's submit folder's ``.epl-rendezvous/<key>``).
 3. The environment ``epl-launch`` would have given the task is set in ``os.environ``:
    TF_CONFIG, ``EPL_COMM_ADDRESSES``, ``EPL_JOB_ID``, ``EPL_RUN_ID``, ``EPL_JOB_SECRET``
    (rank 0's, unless the task has one);
@@ -31,19 +35,30 @@ import sys
 import time
 
 from epl.core import job_env
+from epl.core import rendezvous_tcp
 from epl.core import worker_files as wf
+from epl.core.rendezvous_tcp import RendezvousError  # noqa: F401 (this module's error)
 
 log = logging.getLogger("epl")
 
 DIR_ENV = "EPL_RENDEZVOUS_DIR"
+METHOD_ENV = "EPL_RENDEZVOUS"   # "file" or "tcp"; unset: chosen by ``method_for``
+FILE, TCP = "file", "tcp"
 TIMEOUT_ENV = "EPL_RENDEZVOUS_TIMEOUT"
 HOST_ENV = "EPL_TASK_HOST"
 DEFAULT_TIMEOUT = 300.0
 _done = []   # the (job, source line) of this process, once established
 
 
-class RendezvousError(RuntimeError):
-    """The tasks of a job did not all meet."""
+def method_for(job, environ):
+    """How the tasks of ``job`` meet: FILE or TCP (see the module's docstring)."""
+    chosen = environ.get(METHOD_ENV, "").strip().lower()
+    if chosen in (FILE, TCP):
+        return chosen
+    if chosen:
+        raise RendezvousError("%s=%r: give %r or %r (or leave it unset)."
+                              % (METHOD_ENV, environ[METHOD_ENV], FILE, TCP))
+    return TCP if job.multi_node and not environ.get(DIR_ENV) else FILE
 
 
 def folder_for(job, environ, uid=None):
@@ -57,8 +72,9 @@ def folder_for(job, environ, uid=None):
             return os.path.join(submit, ".epl-rendezvous", job.key)
         raise RendezvousError(
             "%s: the job's tasks are on several nodes; EPL's tasks meet through files in a "
-            "folder every node sees: export %s=<a folder on a shared file system> (or "
-            "give each task a TF_CONFIG)." % (job_env.describe(job), DIR_ENV))
+            "folder every node sees: export %s=<a folder on a shared file system>, or meet "
+            "over TCP (%s=tcp), or give each task a TF_CONFIG." % (
+                job_env.describe(job), DIR_ENV, METHOD_ENV))
     uid = os.getuid() if uid is None else uid
     return os.path.join("/tmp", "epl-rendezvous-%d" % uid, job.key)
 
@@ -98,16 +114,41 @@ def _alive(pid):
         return True   # (another user's process: alive)
 
 
+def own_record(job, host, extra=None):
+    """What this task tells the others: where it listens (two free ports: TensorFlow's
+    server, EPL's collectives), its pid and node (a stale record is told by them) and, from
+    rank 0, a fresh job secret for the job's TCP collectives."""
+    record = {"host": host, "tf_port": free_port(), "comm_port": free_port(),
+              "pid": os.getpid(), "node": socket.gethostname()}
+    if job.rank == 0:
+        record["secret"] = secrets.token_hex(16)
+    record.update(extra or {})
+    return record
+
+
+def exchange_tcp(job, environ, host, timeout):
+    """The records of every rank, met at the job's TCP meeting point."""
+    where, port = rendezvous_tcp.address(job, environ)
+    secret = environ.get(wf.JOB_SECRET_ENV) or None
+    if secret is None:
+        log.warning("EPL: the tasks meet over TCP without %s: the meeting is not "
+                    "authenticated and the job's secret travels in the clear; export the "
+                    "same random %s on every task.", wf.JOB_SECRET_ENV, wf.JOB_SECRET_ENV)
+    record = own_record(job, host)
+    what = job_env.describe(job)
+    timeout_env = "%s seconds, default %d" % (TIMEOUT_ENV, DEFAULT_TIMEOUT)
+    if rendezvous_tcp.serves(job):
+        return rendezvous_tcp.serve(job, port, record, timeout, secret, what, timeout_env,
+                                    host=where)
+    return rendezvous_tcp.join(job, where, port, record, timeout, secret, what, timeout_env)
+
+
 def exchange(job, folder, host, timeout, poll=0.05, record_extra=None):
     """Write this task's record into ``folder`` and wait for every rank's; returns the
     records in rank order.  A record of this node whose process is gone (a stale file of
     an earlier job with the same key) counts as missing."""
     os.makedirs(folder, mode=0o700, exist_ok=True)
-    record = {"host": host, "tf_port": free_port(), "comm_port": free_port(),
-              "pid": os.getpid(), "node": socket.gethostname()}
-    if job.rank == 0:
-        record["secret"] = secrets.token_hex(16)
-    record.update(record_extra or {})
+    record = own_record(job, host, record_extra)
     mine = os.path.join(folder, "rank_%d.json" % job.rank)
     _write(mine, record)
     atexit.register(_remove, mine, folder)
@@ -212,7 +253,10 @@ def meet(config, environ):
           file=sys.stderr)
     sys.stderr.flush()
     timeout = float(environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT))
-    records = exchange(job, folder_for(job, environ), task_host(job, environ), timeout)
+    if method_for(job, environ) == TCP:
+        records = exchange_tcp(job, environ, task_host(job, environ), timeout)
+    else:
+        records = exchange(job, folder_for(job, environ), task_host(job, environ), timeout)
     found = job_environment(job, records)
     if environ.get(wf.JOB_SECRET_ENV):
         del found[wf.JOB_SECRET_ENV]   # the user's own (the same on every task) stays
