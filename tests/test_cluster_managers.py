@@ -6,6 +6,7 @@ folder).  ``epl.init()`` finds the job in the manager's environment and the task
 killed task must end the job, named.  Skipped, with the reason, where the programs are
 missing (CI installs them: .ci/run) or Slurm cannot start here."""
 import os
+import re
 import shutil
 import signal
 import socket
@@ -297,6 +298,70 @@ def test_srun_killed_task_ends_the_job(slurm):
     assert code != 0, out[-5000:]
     # srun names the node and the task: "srun: error: localhost: task 1: Killed".
     assert "localhost: task 1: Killed" in out, out[-5000:]
+    assert time.time() - start < 60, out[-3000:]
+
+
+# -- epl-launch --slurm: restarts as new steps --------------------------------------------
+
+def test_epl_launch_slurm_restarts_a_failed_step(slurm, tmp_path):
+    """``epl-launch --slurm --max_restarts 1`` inside an allocation (salloc): task 1 kills
+    itself (SIGKILL) after global step 5 of the first step only; srun ends the step, the
+    launcher names the task and its host, and starts a new step of the same allocation,
+    which resumes from the newest checkpoint.  The final weights (both tasks', the last
+    checkpoint's) equal the uninterrupted run's (the local model on the global batches)."""
+    from tests import restart_train as rt
+    from tests.test_restarts import _final_checkpoint, _local, _restored_step
+    import numpy as np
+    from tests import models
+    data = tmp_path / "data"
+    data.mkdir()
+    x, y = rt.write_files(str(data))
+    logs = tmp_path / "logs"
+    cmd = ["salloc", "-n", "2", sys.executable, "-m", "epl.launch", "--slurm",
+           "--num_workers", "2", "--gpu_per_worker", "1", "--max_restarts", "1",
+           "--log_dir", str(logs), os.path.join(HERE, "restart_train.py"), str(tmp_path),
+           str(data)]
+    code, out = _run(cmd, dict(slurm, RESTART_KILL="1:5"), timeout=2 * TIMEOUT)
+    assert code == 0, out[-6000:]
+    failed = re.search(r"attempt 0 \(slurm-(\d+)\.(\d+)\): task 1 on localhost failed "
+                       r"\(srun: Killed\)", out)
+    assert failed, out[-6000:]
+    job, step = failed.groups()
+    assert "restart 1 of 1 (EPL_RESTART_COUNT=1)" in out, out[-6000:]
+    # The summary: the failed task and its host, then the allocation's next step, which
+    # succeeded.
+    summary = out.split("epl-launch summary (Slurm):")[1]
+    assert "attempt 0: slurm-%s.%s: task 1 on localhost failed (srun: Killed)" % (job, step) \
+        in summary, summary
+    assert "attempt 1: slurm-%s.%d: succeeded" % (job, int(step) + 1) in summary, summary
+    assert (logs / "worker_1.attempt0.log").exists() and (logs / "worker_1.log").exists()
+    start = _restored_step(out, 1)
+    assert 1 <= start <= 5, start
+    want = _local([rt.global_batch(x, y, 2, s) for s in range(rt.STEPS)])
+    for w in range(2):
+        models.assert_weights_close(dict(np.load(str(tmp_path / ("worker_%d.npz" % w)))),
+                                    want)
+    last, weights = _final_checkpoint(tmp_path)
+    assert last == rt.STEPS
+    models.assert_weights_close(weights, want)
+
+
+def test_epl_launch_slurm_failure_names_the_task(slurm, tmp_path):
+    """Outside an allocation (srun allocates it) and without restarts: task 1 kills itself
+    mid-training; the launcher exits 1 within a bound and its summary names the task, its
+    host and the end of its log."""
+    start = time.time()
+    logs = tmp_path / "logs"
+    code, out = _run([sys.executable, "-m", "epl.launch", "--slurm", "--num_workers", "2",
+                      "--log_dir", str(logs), os.path.join(HERE, "cm_kill.py")], slurm)
+    assert code == 1, out[-5000:]
+    assert "srun allocates each attempt" in out, out[-5000:]
+    message = out.split("epl-launch summary (Slurm):")[1]
+    assert re.search(r"attempt 0: slurm-\d+\.0: task 1 on localhost failed \(srun: Killed\)",
+                     message), message
+    assert "epl-launch: task 1 on localhost failed (srun: Killed)." in message, message
+    assert "Last lines of %s:" % (logs / "worker_1.log") in message, message
+    assert message.rstrip().endswith("worker 1 step 2"), message   # (its last step)
     assert time.time() - start < 60, out[-3000:]
 
 

@@ -47,7 +47,8 @@ of its own workers (epl.launch.display).
 This module is the command line (``parse_args``, ``main``) and the one-machine runner of
 the attempts; the rest of the package has one job a module: ``ports``, ``launch_dirs``,
 ``workers`` (processes, logs, stop), ``triage`` (the root cause), ``restart`` (the policy
-and the attempt loop), ``signals``, ``channel`` and ``coordinator`` (several machines).
+and the attempt loop), ``signals``, ``channel`` and ``coordinator`` (several machines),
+``slurm`` (--slurm: the workers as Slurm job steps).
 """
 import argparse
 import os
@@ -60,6 +61,7 @@ from epl.launch.coordinator import follow_coordinator
 from epl.launch.display import ProgressDisplay
 from epl.launch.launch_dirs import new_launch_dir, sweep_launch_dirs
 from epl.launch.ports import worker_addresses
+from epl.launch import slurm
 from epl.launch.restart import RestartPolicy, failure, print_summary, run_attempts
 from epl.launch.signals import INTERRUPTS, JobSignals, reason_of
 from epl.launch.triage import exception_line, tail
@@ -104,6 +106,12 @@ def parse_args(argv=None):
     p.add_argument("--log_json", default="",
                    help="also write the workers' progress samples and the end-of-job summary "
                         "to this file, as JSON lines (docs/profiling.md)")
+    p.add_argument("--slurm", action="store_true",
+                   help="run the workers as a Slurm job step (srun --kill-on-bad-exit), in "
+                        "the allocation it runs in (else srun allocates one); --max_restarts "
+                        "starts a new step after a failed one (docs/cluster.md, Slurm)")
+    p.add_argument("--srun_args", default="",
+                   help="--slurm: more srun options, e.g. \"--nodes=2 --gpus-per-task=1\"")
     p.add_argument("script", help="the local training script (.sh or .py)")
     p.add_argument("args", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
@@ -128,6 +136,10 @@ def parse_args(argv=None):
                 "worker fails again at start-up)" % a.min_workers)
     if a.host_timeout <= 0:
         p.error("--host_timeout must be > 0 seconds, got %g" % a.host_timeout)
+    if a.slurm:
+        slurm.check_args(a, p.error)
+    elif a.srun_args:
+        p.error("--srun_args is for --slurm")
     return a
 
 
@@ -188,6 +200,8 @@ class LocalAttempts(object):
 
 def main(argv=None):
     a = parse_args(argv)
+    if a.slurm:
+        return slurm.main(a)
     addrs, comm, mine = worker_addresses(a)
     job_id = os.environ.get(JOB_ID_ENV) or (
         job_id_of(addrs) if a.machine_list else job_id_of(addrs + [str(time.time())]))
