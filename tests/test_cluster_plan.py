@@ -107,12 +107,28 @@ def test_plan_split_errors_name_the_fix():
     c = Cluster(_cfg(cluster__devices_per_worker=4), tf_config={}, visible_gpus=0)
     with pytest.raises(LayoutError, match=r"needs 8 devices but the job has 4"):
         plan(c, [TG("split", 8, "epl.split(8)")], _cfg())
-    with pytest.raises(LayoutError, match=r"uses 2 devices but this job has 4"):
-        plan(c, [TG("split", 2, "epl.split(2)")], _cfg())
+    with pytest.raises(LayoutError, match=r"6 devices cannot be divided into split groups of 4"):
+        plan(Cluster(_cfg(cluster__devices_per_worker=6), tf_config={}, visible_gpus=0),
+             [TG("split", 4, "epl.split(4)")], _cfg())
     with pytest.raises(LayoutError, match=r"takes all 4 devices.*colocate_split_and_replicate"):
         plan(c, [TG("replicate", 1, "r"), TG("split", 4, "s")], _cfg())
     with pytest.raises(NotImplementedError, match="num_micro_batch"):
         plan(c, [TG("split", 4, "s")], _cfg(pipeline__num_micro_batch=2))
+
+
+def test_plan_split_groups():
+    """Split scopes alone over part of the devices: data-parallel groups, each split over
+    its own consecutive devices; shard j of every group is lane j of its clone."""
+    c = Cluster(_cfg(cluster__devices_per_worker=8), tf_config={}, visible_gpus=0)
+    a, b = TG("split", 2, "epl.split(2)"), TG("split", 2, "epl.split(2)")
+    lay = plan(c, [a, b], _cfg())
+    assert lay.split_groups and lay.num_clones == 4 and lay.lanes == 2
+    assert lay.devices == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [lay.stage_device(g, 1) for g in range(4)] == [1, 3, 5, 7]
+    assert lay.split_devices == {a: [0, 1], b: [0, 1]}    # the user's ops: group 0
+    # (splits of different sizes are not groups: the old refusal names them)
+    with pytest.raises(LayoutError, match=r"uses 4 devices but this job has 8"):
+        plan(c, [TG("split", 2, "s2"), TG("split", 4, "s4")], _cfg())
 
 
 def test_plan_split_across_workers_runs_in_graph():
@@ -125,6 +141,8 @@ def test_plan_split_across_workers_runs_in_graph():
     assert lay.split_devices == {split4: [0, 1, 2, 3]} and spans_workers(lay, 2)
     dp = plan(two, [TG("replicate", 1, "r")], _cfg())
     assert not spans_workers(dp, 2)     # plain DP stays between-graph
+    groups = plan(two, [TG("split", 2, "s")], _cfg())
+    assert groups.split_groups and not spans_workers(groups, 2)   # a group per worker
 
 
 def test_zero_across_workers_runs_in_graph():

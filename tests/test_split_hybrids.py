@@ -45,11 +45,11 @@ def _adam(loss):
         loss, global_step=tf.train.get_or_create_global_step())
 
 
-def _train(model, tmpdir, name, loss_rows=None, checkpoints=False):
+def _train(model, tmpdir, name, loss_rows=None, checkpoints=False, loss_from=0):
     """(losses before each step, weights after the last, the graph).  ``loss_rows``
     (the oracle of a replicated loss): the loss fetched is that of the batch's first
     ``loss_rows`` rows (EPL splits a fed batch among the replicas in order: replica 0
-    computes the first rows)."""
+    computes the first rows), or of those from row ``loss_from``."""
     ids, labels = tm.data(BATCH * STEPS)
     pi = tf.placeholder(tf.int64, [None, tm.SEQ])
     pl = tf.placeholder(tf.int64, [None, tm.SEQ])
@@ -70,7 +70,7 @@ def _train(model, tmpdir, name, loss_rows=None, checkpoints=False):
             rows = slice(i * BATCH, (i + 1) * BATCH)
             feed = {pi: ids[rows], pl: labels[rows]}
             if loss_rows:
-                part = slice(i * BATCH, i * BATCH + loss_rows)
+                part = slice(i * BATCH + loss_from, i * BATCH + loss_from + loss_rows)
                 losses.append(sess.run(loss, {pi: ids[part], pl: labels[part]}))
                 sess.run(op, feed)
             else:
@@ -138,12 +138,80 @@ def test_two_replicas_and_split_blocks_match_local(extra, tmpdir):
         assert set.union(*slots.values()) == _devices(g, "lm_head/", ["MatMul"]), slots
 
 
-def test_split_over_part_of_the_devices_without_replicas_is_refused():
-    """Data parallelism of whole split groups (each replica its own split(2)) is not
-    built: the layout refuses a split that leaves devices idle, by name."""
+# -- data-parallel split groups: 2 groups x split(2) ------------------------------------
+
+def _traced_products(graph, sess, fetch, feed):
+    """{device: names of the block_0 attention products (forward) it ran} in one traced
+    step (``FULL_TRACE``)."""
+    meta = tf.RunMetadata()
+    sess.run(fetch, feed, options=tf.RunOptions(trace_level=tf.RunOptions.FULL_TRACE),
+             run_metadata=meta)
+    ran = {}
+    for dev in meta.step_stats.dev_stats:
+        if "/device:" not in dev.device:
+            continue   # (the tracer's host-side entries)
+        for node in dev.node_stats:
+            if "block_0/" in node.node_name and "gradients" not in node.node_name \
+                    and "MatMul" in node.node_name and "/shard_" in node.node_name:
+                ran.setdefault(dev.device.split("device:")[-1], set()).add(node.node_name)
+    return ran
+
+
+@pytest.mark.parametrize("extra", ["", "per_device", "zero", "gc"])
+def test_split_groups_match_local(extra, tmpdir):
+    """Every scope ``split(2)`` on 4 devices: 2 groups (data parallel), each its half of
+    the batch, each split over its own 2 devices; the gradients of shard j's variables
+    averaged between the devices holding shard j.  The local model on the global batch
+    (the loss fetched: group 0's rows).  ``per_device``: every device its own copy of
+    the variables (as on GPUs); ``zero``: zero.level v1 (each variable and its Adam
+    slots on one group's device of its shard); ``gc``: gradient_checkpoint.type auto."""
+    want = _local(tmpdir, loss_rows=BATCH // 2)
+    config = {"": {}, "per_device": {"cluster.variable_copies": "per_device"},
+              "zero": {"zero.level": "v1"},
+              "gc": {"gradient_checkpoint.type": "auto"}}[extra]
+    epl.init(epl.Config(dict({"cluster.devices_per_worker": 4}, **config)))
+    got = _train(tm.Decoder(scope=lambda i: epl.split(2)), tmpdir, "groups")
+    _assert_same(got[:2], want[:2])
+    g = got[2]
+    placed = {}
+    for o in g.get_operations():
+        if "block_0/" in o.name and o.type in ("BatchMatMulV2", "BatchMatMul") \
+                and "gradients" not in o.name:
+            placed.setdefault(o.name.startswith("EPL_"), set()).add(o.device[-5:])
+    # group 0 (the user's ops) on CPU:0/1, group 1 (the copies) on CPU:2/3
+    assert placed == {False: {"CPU:0", "CPU:1"}, True: {"CPU:2", "CPU:3"}}, placed
+    if extra == "zero":   # shard j's variables (and slots) on the devices of shard j
+        owners = set()
+        for o in g.get_operations():
+            if o.type in VARIABLE_OPS and o.name.startswith("block_"):
+                part = o.name.split("/part_")[1].split("/")[0] if "/part_" in o.name else None
+                if part is not None:   # part_j: device j of a group (CPU:j or CPU:j+2)
+                    assert int(o.device[-1]) % 2 == int(part), (o.name, o.device)
+                    owners.add(o.device[-5:])
+        assert owners == {"CPU:0", "CPU:1", "CPU:2", "CPU:3"}, owners   # both groups own some
+    if extra == "gc":
+        recomputed = set(o.device for o in g.get_operations() if o.name.endswith("_recompute"))
+        assert len(recomputed) == 4, recomputed
+
+
+def test_split_groups_run_their_products_on_their_devices(tmpdir):
+    """A traced step of 2 groups x split(2): the attention products of block 0 ran on all
+    4 devices."""
     epl.init(epl.Config({"cluster.devices_per_worker": 4}))
+    ids, labels = tm.data(BATCH)
+    pi = tf.placeholder(tf.int64, [None, tm.SEQ])
+    pl = tf.placeholder(tf.int64, [None, tm.SEQ])
+    op = _adam(tm.Decoder(scope=lambda i: epl.split(2)).build(pi, pl))
+    with tf.Session() as sess:
+        sess.run(tf.global_variables_initializer())
+        ran = _traced_products(tf.get_default_graph(), sess, op, {pi: ids, pl: labels})
+    assert sorted(ran) == ["CPU:0", "CPU:1", "CPU:2", "CPU:3"], ran
+
+
+def test_split_groups_need_a_divisible_device_count():
+    epl.init(epl.Config({"cluster.devices_per_worker": 3}))
     model = tm.Decoder(scope=lambda i: epl.split(2))
-    with pytest.raises(ValueError, match=r"uses 2 devices but this job has 4"):
+    with pytest.raises(ValueError, match=r"3 devices cannot be divided into split groups of 2"):
         _train(model, "unused", "refused")
 
 
@@ -270,3 +338,23 @@ def test_two_workers_replicas_and_split_blocks_match_local(tmp_path):
     assert len(head) == 2 and all("task:0" in d for d in head), head
     want = _local(tmp_path, loss_rows=BATCH // 2)
     _assert_same((got.pop("losses"), {k[2:]: v for k, v in got.items()}), want[:2])
+
+
+def test_two_workers_each_a_split_group_match_local(tmp_path):
+    """2 workers x 2 devices (epl-launch), between-graph: each worker one split(2) group
+    over its own devices, feeding its half of every global batch; the local model on the
+    global batch (each worker's losses: those of its rows)."""
+    from tests.test_multi_worker import HERE, launch
+    code, out = launch(["--num_workers", "2", "--gpu_per_worker", "2",
+                        os.path.join(HERE, "mw_split_groups.py"), str(tmp_path)],
+                       cwd=str(tmp_path))
+    assert code == 0 and "worker 1 finished split groups" in out, out[-5000:]
+    half = BATCH // 2
+    reader = tf.train.load_checkpoint(str(tmp_path / "groups"))
+    weights = {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()}
+    for w in (0, 1):
+        res = np.load(str(tmp_path / ("worker_%d.npz" % w)))
+        want = _local(tmp_path, loss_rows=half, loss_from=w * half)
+        _assert_same((res["losses"], weights), want[:2])
+        heads = [str(d) for d in res["heads"]]
+        assert len(heads) == 2, heads   # its attention products on its own 2 devices

@@ -58,10 +58,16 @@ class ReplicaLayout(object):
         self.num_stages = 1
         self.num_micro_batch = 1
         self.split_devices = {}   # split TaskGraph -> global devices of its shards
+        self.split_groups = False
 
     @property
     def num_clones(self):
         return len(self.clones)
+
+    @property
+    def lanes(self):
+        """Devices one clone runs on (one: a shard of a replica is a clone itself)."""
+        return 1
 
     def stage_device(self, c, stage):
         return self.clones[c][2]
@@ -120,16 +126,73 @@ class PipelineLayout(object):
         self.clones = [(r, m, self.devices[r][0])
                        for r in range(self.num_replicas) for m in range(num_micro_batch)]
         self.split_devices = {}
+        self.split_groups = False
 
     @property
     def num_clones(self):
         return len(self.clones)
+
+    @property
+    def lanes(self):
+        """Devices one clone runs on: one per stage."""
+        return self.num_stages
 
     def stage_device(self, c, stage):
         return self.devices[self.clones[c][0]][stage]
 
     def representative(self, c):
         return c - self.clones[c][1]
+
+    def pull_groups(self, clone_indices):
+        return [[c] for c in clone_indices]
+
+
+class SplitGroupLayout(object):
+    """Data parallelism of whole split groups: a model whose every TaskGraph is an
+    ``epl.split(t)`` scope, on ``d * t`` devices, runs as ``d`` copies (clones), each its
+    share of the batch, each split over its own ``t`` consecutive devices (Megatron-LM's
+    t-way tensor parallelism inside a d-way data-parallel job).
+
+    ``devices[r][j]``: the global device of shard ``j`` of group ``r``; a clone is a
+    group, and shard ``j`` of every group is its lane ``j`` (``stage_device``), so the
+    gradients of shard ``j``'s variables are reduced among the devices holding shard
+    ``j`` of every group.
+    """
+
+    def __init__(self, total_devices, split_count, devices_per_worker, splits, name="split"):
+        if total_devices % split_count:
+            raise LayoutError(
+                "%s: %d devices cannot be divided into split groups of %d devices each "
+                "(%d %% %d = %d); use a device count divisible by %d, or epl.split(%d). %s"
+                % (name, total_devices, split_count, total_devices, split_count,
+                   total_devices % split_count, split_count, total_devices,
+                   how_to_get_devices()))
+        self.device_count = split_count
+        self.num_replicas = total_devices // split_count
+        self.devices = [[r * split_count + j for j in range(split_count)]
+                        for r in range(self.num_replicas)]
+        self.clones = [(r, 0, self.devices[r][0]) for r in range(self.num_replicas)]
+        self.num_stages = 1
+        self.num_micro_batch = 1
+        self.split_groups = True
+        # (the user's ops: group 0's shards)
+        self.split_devices = {tg: list(self.devices[0]) for tg in splits}
+        del devices_per_worker   # (groups are consecutive devices: within a worker when t fits)
+
+    @property
+    def num_clones(self):
+        return len(self.clones)
+
+    @property
+    def lanes(self):
+        """Devices one clone (a group) runs on: its shards'."""
+        return self.device_count
+
+    def stage_device(self, c, lane):
+        return self.devices[self.clones[c][0]][lane]
+
+    def representative(self, c):
+        return c
 
     def pull_groups(self, clone_indices):
         return [[c] for c in clone_indices]
@@ -200,6 +263,9 @@ def _plan_split(cluster, splits, replicas, config):
             "device_count." % (", ".join(repr(tg.strategy) for tg in replicas),
                                splits[0].strategy))
     n = max(split_device_count(tg, total) for tg in splits)
+    if not replicas and n < total and all(
+            split_device_count(tg, total) == n for tg in splits):
+        return SplitGroupLayout(total, n, per, splits, name=repr(splits[0].strategy))
     if not replicas:
         if n != total:
             raise LayoutError(
@@ -242,6 +308,6 @@ def spans_workers(layout, devices_per_worker):
     split's shards and the replicas it bridges form one graph)."""
     if layout is None:
         return False
-    if layout.split_devices:
+    if layout.split_devices and not layout.split_groups:
         return True
     return any(len(set(d // devices_per_worker for d in row)) > 1 for row in layout.devices)

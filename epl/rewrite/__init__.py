@@ -39,7 +39,8 @@ from epl.rewrite import (control_flow_checks, function_bodies, inputs, loop_cont
                          metrics, micro_batch_state, mirror, placement, replicate, schedule,
                          selection, split, step, zero)
 from epl.rewrite.pipeline import Pass, PassContext, PassPipeline
-from epl.rewrite.state import CLONE_MAPS, CloneMaps, Rewrite, RewritePlan, share_variables
+from epl.rewrite.state import (CLONE_MAPS, CloneMaps, Rewrite, RewritePlan, lane_of,
+                               share_variables)
 from epl.tf_adapter import graph as tfg
 from epl.ir.variable_writes import VARIABLE_OPS, hand_written_update, written_variable
 
@@ -150,7 +151,9 @@ def prepare_state(epl_graph, config, cluster):
             "('pipeline.num_micro_batch' = %d on a model without annotation), but the "
             "model has annotations. Call epl.set_default_strategy / open the epl.replicate "
             "scopes before building the optimizer." % config.get("pipeline.num_micro_batch"))
-    replicated = [tg for tg in epl_graph.taskgraphs if tg.kind != "split"]
+    # (data-parallel split groups: every split scope is copied per group, like a replica)
+    replicated = [tg for tg in epl_graph.taskgraphs
+                  if tg.kind != "split" or layout.split_groups]
     control_flow_checks.check_stages(epl_graph, replicated, layout.num_stages)
     sel = selection.select(epl_graph, replicated, share_variables(cluster, config),
                            config.get("communication.clip_after_allreduce"))
@@ -163,17 +166,12 @@ def prepare_state(epl_graph, config, cluster):
                 "epl.Config: 'zero.level' = %r with 'offload.level' = %r: both decide where "
                 "the variables live; remove one of the two keys."
                 % (config.get("zero.level"), config.get("offload.level")))
-        owners = zero.plan_owners(sel.shared, lambda op: _stage(epl_graph, stages, op), where)
+        owners = zero.plan_owners(sel.shared, lambda op: lane_of(epl_graph, layout, stages, op),
+                                  where)
     plan = RewritePlan(epl_graph, replicated, sel, layout, cluster, config,
                        placement=where, zero_owners=owners, stage_index=stages)
     split.place(plan)
     return Rewrite(plan)
-
-
-def _stage(epl_graph, stages, op):
-    """The pipeline stage of ``op`` ({taskgraph index: stage}; none: stage 0)."""
-    tg = epl_graph.taskgraph_of(op)
-    return stages[tg.index] if tg is not None and stages else 0
 
 
 def _rewrite(epl_graph, env):

@@ -28,7 +28,9 @@ from epl.tf_adapter import graph as tfg
 def reduce_gradients(state, site):
     """All-reduce the gradients of one ``updates.ReductionSite`` across clones."""
     cfg = state.config
-    method = "sum" if site.loss_in_split else cfg.get("communication.gradients_reduce_method")
+    # (a loss of split groups is each group's own, as in data parallelism)
+    method = ("sum" if site.loss_in_split and not state.layout.split_groups
+              else cfg.get("communication.gradients_reduce_method"))
     n = state.num_clones
     users = 1 if state.share_variables else n  # shared variables: only rank 0's result is read
     name = "EPL_GRADIENTS_%d" % site.index

@@ -65,7 +65,7 @@ def place(layout, cluster, config):
 
     def where(d):
         return cluster.device(d) if driven else cluster.local_device(d % per)
-    stage_devices = [[where(layout.stage_device(g, s)) for s in range(layout.num_stages)]
+    stage_devices = [[where(layout.stage_device(g, s)) for s in range(layout.lanes)]
                      for g in local_index]
     reps = [local_index.index(layout.representative(g)) for g in local_index]
     pull_groups = [[local_index.index(g) for g in grp]

@@ -135,7 +135,8 @@ def _crosses(state, t, on_batch):
 
 def bridge(state):
     split_ops = _split_ops(state)
-    if not split_ops or not state.selection.ops:
+    if not split_ops or not state.selection.ops or state.layout.split_groups:
+        # (split groups: each group's copy reads its own batch; nothing to bridge)
         return
     sel = state.selection
     n = state.num_clones
@@ -232,7 +233,7 @@ def scale_split_gradients(state):
     the split's are divided by the number of replicas to match."""
     n = state.num_clones
     split_ops = _split_ops(state)
-    if (n == 1 or not split_ops
+    if (n == 1 or not split_ops or state.layout.split_groups
             or state.config.get("communication.gradients_reduce_method") != "mean"):
         return
     names = []

@@ -27,6 +27,18 @@ class UndeclaredProduct(RuntimeError):
     """A pass read a product its contract does not name."""
 
 
+def lane_of(ir_graph, layout, stage_index, op):
+    """Which of a clone's devices runs ``op``: its pipeline stage (``stage_index``:
+    {taskgraph index: stage}), or, in data-parallel split groups
+    (``layout.split_groups``), its shard; 0 for the ops of no scope."""
+    tg = ir_graph.taskgraph_of(op)
+    if tg is None:
+        return 0
+    if layout.split_groups:
+        return ir_graph.shard_of(op) or 0
+    return stage_index[tg.index] if layout.num_stages > 1 else 0
+
+
 class RewritePlan(object):
     """The clones this worker builds: clone ``c`` is ``self.clones[c]`` = (replica,
     shard, global device) of the layout, on this worker's local device
@@ -73,8 +85,9 @@ class RewritePlan(object):
         return len(self.devices)
 
     def stage_of(self, op):
-        tg = self.ir_graph.taskgraph_of(op)
-        return self.stage_index[tg.index] if tg is not None and self.layout.num_stages > 1 else 0
+        """The lane of a clone that runs ``op`` (``stage_devices[c][lane]``, see
+        :func:`lane_of`)."""
+        return lane_of(self.ir_graph, self.layout, self.stage_index, op)
 
     def device_for(self, c, op):
         """Where clone c runs ``op``: the device of the op's stage."""
