@@ -1,9 +1,12 @@
 # EPL build and test entry points.  `make demo` and `make test` set up
 # everything they need on a fresh machine (see README.md).
 #
-# Two TensorFlow lines from one code base:
-#   TF=1  TensorFlow 1.15.5 on Python 3.7              -> .venv,     epl/lib/libepl_ops.so
-#   TF=2  TensorFlow 2.21 (+ tf-keras) on Python 3.11+ -> .venv-tf2, epl/lib/libepl_ops-tf2.21.so
+# TensorFlow lines from one code base:
+#   TF=1     TensorFlow 1.15.5 on Python 3.7              -> .venv,        epl/lib/libepl_ops.so
+#   TF=2     TensorFlow 2.21 (+ tf-keras) on Python 3.11+ -> .venv-tf2,    epl/lib/libepl_ops-tf2.21.so
+#   TF=2.15  TensorFlow 2.15 + tensorflow-estimator + tf-keras on Python 3.11, optional, for
+#            Estimator programs (tf.estimator is gone from 2.16 on)
+#                                                         -> .venv-tf2.15, epl/lib/libepl_ops-tf2.15.so
 # Without TF=..., line 1 when a Python 3.7 is found (tools/find_python.sh), otherwise line 2.
 SHELL := /bin/bash
 ifndef TF
@@ -13,6 +16,7 @@ $(info No Python 3.7 found (tools/find_python.sh 1): using the TensorFlow 2.x li
 endif
 endif
 TF2_VERSION := 2.21.0
+TF215_VERSION := 2.15.1
 ifeq ($(TF),1)
 VENV := .venv
 OPS_SO := epl/lib/libepl_ops.so
@@ -25,8 +29,16 @@ TF_PACKAGES := tensorflow-cpu==$(TF2_VERSION) tf-keras==$(TF2_VERSION)
 PIP_PIN := pip
 # tf.keras is Keras 3 from TF 2.16 on unless tf-keras is installed and this is set.
 export TF_USE_LEGACY_KERAS := 1
+else ifeq ($(TF),2.15)
+VENV := .venv-tf2.15
+OPS_SO := epl/lib/libepl_ops-tf2.15.so
+# 2.15 is the last TensorFlow with tf.estimator (tensorflow-estimator 2.15); its tf.keras is
+# Keras 2 already, tf-keras 2.15 is the same Keras for programs that import tf_keras.
+TF_PACKAGES := tensorflow==$(TF215_VERSION) tensorflow-estimator==2.15.0 tf-keras==2.15.1
+PIP_PIN := pip
+export TF_USE_LEGACY_KERAS := 1
 else
-$(error TF=$(TF): use TF=1 (TensorFlow 1.15, Python 3.7) or TF=2 (TensorFlow 2.x, Python 3.11+))
+$(error TF=$(TF): use TF=1 (TensorFlow 1.15, Python 3.7), TF=2 (TensorFlow 2.x, Python 3.11+) or TF=2.15 (TensorFlow 2.15 with the Estimator, Python 3.11))
 endif
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
@@ -97,4 +109,4 @@ xeon-compile-check:
 	tools/xeon_compile_check.sh
 
 clean:
-	rm -rf .venv .venv-tf2 .venv-gpu .venv-gpu-tf2 epl/lib/*.so epl/lib/*.json csrc/build build *.egg-info
+	rm -rf .venv .venv-tf2 .venv-tf2.15 .venv-gpu .venv-gpu-tf2 epl/lib/*.so epl/lib/*.json csrc/build build *.egg-info

@@ -2,6 +2,7 @@
 checks that none of them points into EPL's own modules)."""
 import os
 import sys
+import tempfile
 
 import numpy as np
 import tensorflow.compat.v1 as tf
@@ -72,7 +73,30 @@ def main():
     model.compile(tf.keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
     model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat(), steps_per_epoch=2,
               epochs=1, verbose=0)
+    if hasattr(tf, "estimator"):  # TF 1.15 and 2.15 (removed in 2.16)
+        estimator(x, y)
     print("EPL warnings program done")
+
+
+def estimator(x, y):
+    """An Estimator trained and evaluated with a metric, under data parallelism."""
+    fresh(2)
+
+    def input_fn():
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(4).repeat()
+
+    def model_fn(features, labels, mode):
+        logits, loss = models.forward(features, labels)
+        if mode == tf.estimator.ModeKeys.EVAL:
+            acc = tf.metrics.accuracy(labels, tf.argmax(logits, 1))
+            return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={"acc": acc})
+        op = tf.train.GradientDescentOptimizer(0.1).minimize(
+            loss, tf.train.get_global_step())
+        return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=op)
+    with tempfile.TemporaryDirectory() as model_dir:
+        est = tf.estimator.Estimator(model_fn, model_dir=model_dir)
+        est.train(input_fn, steps=2)
+        est.evaluate(input_fn, steps=2)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,13 @@ A point whose owner is not installed (the Estimator package on TF >= 2.16) is
 unavailable: ``install`` returns False and nothing is patched.  Functions that
 TensorFlow re-exports under many names (``tf.nn.sparse_softmax_cross_entropy_with_logits``
 is the same function in a dozen modules) are replaced in every module that exports it.
+
+A point that TensorFlow wraps in its deprecation notice (every Estimator class on 2.15)
+keeps the notice where the user calls it: the wrapper stays in place and calls EPL's
+replacement, and ``original`` is the unwrapped function, so EPL's own call to it adds
+no deprecation warning pointing into EPL.
 """
+import functools
 import importlib
 import sys
 
@@ -107,6 +113,23 @@ FUNCTIONS = {
 _originals = {}     # point -> TensorFlow's own
 _installed = []     # (point, owner, attribute)
 _rebound = []       # (module, attribute, original)
+_redirected = []    # (closure cell of a deprecation wrapper, the function it called)
+
+
+def _deprecation_cell(function):
+    """The closure cell through which TensorFlow's deprecation wrapper ``function``
+    calls the deprecated function, or None when ``function`` is not such a wrapper
+    (``deprecation.deprecated``: ``new_func`` logs the notice with its caller's file
+    and line, then calls ``func``)."""
+    decorator = getattr(function, "_tf_decorator", None)
+    if getattr(decorator, "decorator_name", None) != "deprecated":
+        return None
+    code = getattr(function, "__code__", None)
+    closure = getattr(function, "__closure__", None)
+    if code is None or not closure or "func" not in code.co_freevars:
+        return None
+    cell = closure[code.co_freevars.index("func")]
+    return cell if callable(cell.cell_contents) else None
 
 
 def _owner(point):
@@ -149,7 +172,21 @@ def install(point, replacement):
     owner, attr = _owner(point)
     if owner is None:
         return False
-    _originals[point] = getattr(owner, attr)
+    current = getattr(owner, attr)
+    cell = _deprecation_cell(current)
+    if cell is not None:
+        # The notice names the deprecated function and the user's line; it calls
+        # EPL's replacement, under the deprecated function's name.
+        deprecated = cell.cell_contents
+        _originals[point] = deprecated
+
+        @functools.wraps(deprecated)
+        def redirect(*args, **kwargs):
+            return replacement(*args, **kwargs)
+        cell.cell_contents = redirect
+        _redirected.append((cell, deprecated))
+        return True
+    _originals[point] = current
     setattr(owner, attr, replacement)
     _installed.append((point, owner, attr))
     return True
@@ -172,6 +209,9 @@ def uninstall_all():
     while _rebound:
         module, attr, value = _rebound.pop()
         setattr(module, attr, value)
+    while _redirected:
+        cell, deprecated = _redirected.pop()
+        cell.cell_contents = deprecated
     _originals.clear()
 
 
