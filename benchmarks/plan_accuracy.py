@@ -134,7 +134,9 @@ def predict_case(profile, strategy, devices, rows, cluster):
     from epl.auto.predictor import price
     from epl.auto.search import layout_of
     lay = layout_of(strategy, devices)
-    return price(profile, lay, cluster, global_batch=rows * lay.d)
+    # EPL's replicas and micro-batch clones each pull the dataset's batch (rows): the
+    # global batch is rows x micro-batches x replicas (price's default)
+    return price(profile, lay, cluster)
 
 
 def err(pred, got):

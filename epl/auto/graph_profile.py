@@ -19,6 +19,10 @@ import re
 
 import tensorflow as tf
 
+from epl import ir
+from epl.features import auto_stages
+from epl.tf_adapter import graph as tfg
+
 v1 = tf.compat.v1
 
 BLOCK_PATTERN = r"(?:^|/)(?:layer|layers|block|blocks|h|transformer_block|decoder_layer|" \
@@ -67,6 +71,9 @@ class Profile(object):
         self.built_seconds = built_seconds
         self.layers = len(blocks)
         self.shared = {}            # variable name -> regions using it (tied weights)
+        self.cut = None             # EPL's automatic cut points (_cut_points)
+        self.restaged = None        # stage_of -> the Profile of those stages
+        self._stages = {}
 
     def repeated(self, layers):
         """The same model with ``layers`` blocks: the built ones are templates, block
@@ -75,7 +82,29 @@ class Profile(object):
                       self.heads, self.built_seconds)
         out.layers = int(layers)
         out.shared = self.shared
+        out.cut, out.restaged, out._stages = self.cut, self.restaged, self._stages
         return out
+
+    def epl_stages(self, p):
+        """The regions of the ``p`` stages EPL's automatic cut makes of the built model
+        (``auto.auto_parallel``: contiguous, ending only at separators, the largest
+        stage's cost the least), or None where that cut is not known: a model priced
+        with more blocks than were built (``repeated``) or no graph at hand."""
+        if self.cut is None or self.restaged is None or self.layers != len(self.blocks):
+            return None
+        if p not in self._stages:
+            ends = auto_stages.best_split(self.cut["costs"], self.cut["cuts"], p)
+            if ends is None:
+                raise ValueError("epl.auto: EPL cuts this model into at most %d pipeline "
+                                 "stages (its forward pass has %d places between layers)"
+                                 % (len(self.cut["cuts"]) + 1, len(self.cut["cuts"])))
+            stage_of, k = {}, 0
+            for i, name in enumerate(self.cut["names"]):
+                stage_of[name] = k
+                if k < len(ends) and i == ends[k]:
+                    k += 1
+            self._stages[p] = self.restaged(stage_of).blocks
+        return self._stages[p]
 
     def block(self, i):
         return self.blocks[i % len(self.blocks)]
@@ -199,13 +228,37 @@ def profile(model_fn, dataset_fn, optimizer_fn, block_pattern=BLOCK_PATTERN):
         backward = graph.get_operations()[n_input_ops + len(forward):]
         slots = _slots_per_param(optimizer, trainable, new_vars)
         prof = _read(graph, features, forward, backward, trainable, rows, block_pattern)
+        prof.cut = _cut_points(loss)
+    prof.restaged = lambda stage_of: _read(graph, features, forward, backward, trainable,
+                                           rows, block_pattern, stage_of)
     prof.slots_per_param = slots
     prof.built_seconds = time.time() - start
     return prof
 
 
-def _read(graph, features, forward, backward, trainable, rows, block_pattern):
+def _cut_points(loss):
+    """What EPL's automatic pipeline cut (``auto.auto_parallel``) sees: the forward ops
+    of the loss in creation order, each op's cost and the positions after which a
+    stage may end (``epl.features.auto_stages``: separators, costs, ``best_split``)."""
+    ops = sorted((op for op in ir.upstream([loss.op]) if not _is_input(op)), key=tfg.op_id)
+    pos = dict((op, i) for i, op in enumerate(ops))
+    cuts = sorted(set(pos[t.op] for t in ir.separators(ops)) - set([len(ops) - 1]))
+    return dict(names=[op.name for op in ops], costs=[auto_stages.op_cost(op) for op in ops],
+                cuts=cuts)
+
+
+def _is_input(op):
+    return op.type in ir.SOURCE_OPS or "Iterator" in op.type or op.type.endswith(
+        ("Dataset", "DatasetV2"))
+
+
+def _read(graph, features, forward, backward, trainable, rows, block_pattern, stage_of=None):
+    """The regions' figures.  ``stage_of`` ({forward op name: stage}): regions are
+    pipeline stages instead (EPL's automatic cut), every op and variable in its
+    stage's region, the gradient ops in their forward op's."""
     pattern = re.compile(block_pattern)
+    if stage_of is not None:
+        pattern = re.compile(r"(?!x)x")          # matches nothing: no name-scope blocks
     fwd_names = set(op.name for op in forward)
     # batch-dependent forward ops: downstream of the input
     batch_ops = set(t.op.name for t in tf.nest.flatten(features))
@@ -222,7 +275,11 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern):
             region_of[op.name] = k
             if k not in block_ids:
                 block_ids.append(k)
-    if block_ids:
+    if stage_of is not None:
+        block_ids = list(range(1 + max(stage_of.values())))
+        for op in forward:
+            region_of[op.name] = stage_of.get(op.name, 0)
+    elif block_ids:
         first_block_ops = set(n for n, r in region_of.items() if r == block_ids[0])
         seen_first = False
         for op in forward:
@@ -237,6 +294,7 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern):
     for k in block_ids:
         regions[k] = Region("layer_%d" % k)
 
+    fallback = "pre" if stage_of is None else 0
     consumers = {}                # saved tensor -> regions whose backward reads it
     for op in backward:
         if op.type in _SHAPE_OPS:
@@ -245,7 +303,7 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern):
         grad_of = _GRAD_OF.match(op.name)
         if grad_of:
             where = int(m.group(1)) if m and int(m.group(1)) in regions else \
-                region_of.get(grad_of.group(1), "post")
+                region_of.get(grad_of.group(1), "post" if stage_of is None else 0)
             regions[where].ops += 1
         for t in op.inputs:
             if t.op.name in batch_ops:
@@ -253,7 +311,7 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern):
                     where = int(m.group(1))
                 else:
                     where = region_of.get(grad_of.group(1) if grad_of else None,
-                                          region_of.get(t.op.name, "pre"))
+                                          region_of.get(t.op.name, fallback))
                 consumers.setdefault(t.name, set()).add(where)
     split = set()                 # tensor names sharded under tensor parallelism
     heads = None
@@ -315,7 +373,9 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern):
     shared = {}
     for v in trainable:
         name = v.op.name
-        where = var_regions.get(name) or {region_of.get(name, "pre")}
+        where = var_regions.get(name) or {region_of.get(name, fallback)}
+        if stage_of is not None:       # EPL places a variable in its op's stage
+            where = {region_of.get(name, 0)}
         m = pattern.search(name)
         if m and int(m.group(1)) in regions:
             where = {int(m.group(1))}

@@ -127,6 +127,10 @@ class Cluster(object):
         # fusion bucket beside the gradients (NCCL) or reduced in place (EPL in-process).
         self.accumulate_in_place = True
         self.fusion_buffer = True
+        # Where pipeline stages are cut: "even" (contiguous blocks by count, Megatron's;
+        # the presets) or "epl" (EPL's automatic cut of the built graph, measured here:
+        # Cluster.local; a model priced with repeated blocks falls back to "even").
+        self.stage_cut = "even"
 
     @property
     def num_devices(self):
@@ -172,7 +176,7 @@ class Cluster(object):
         return dict(name=self.name, nodes=self.nodes, devices_per_node=self.devices_per_node,
                     device=self.device.to_dict(), intra=self.intra.to_dict(),
                     inter=self.inter.to_dict(), accumulate_in_place=self.accumulate_in_place,
-                    fusion_buffer=self.fusion_buffer)
+                    fusion_buffer=self.fusion_buffer, stage_cut=self.stage_cut)
 
     def to_json(self, path=None):
         text = json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -193,6 +197,7 @@ class Cluster(object):
                   Link(**d["inter"]), name=d.get("name"))
         out.accumulate_in_place = bool(d.get("accumulate_in_place", True))
         out.fusion_buffer = bool(d.get("fusion_buffer", True))
+        out.stage_cut = d.get("stage_cut", "even")
         return out
 
     @classmethod

@@ -159,16 +159,25 @@ def price(profile, layout, cluster, global_batch=None):
     per_stage, memory, details = [], [], []
     model_flops = 3 * profile.forward_flops(global_batch)
     executed = model_flops
+    # EPL's runtime cuts the stages itself (auto.auto_parallel): by cost, only where one
+    # tensor carries everything later ops need; Megatron (the presets) by block count
+    staged = profile.epl_stages(p) if p > 1 and cluster.stage_cut == "epl" else None
+    # EPL's automatic checkpoints are separators too: where the model has few, little is
+    # recomputed; its memory is bounded by the activations without recomputation
+    gc_bounded = lay.recompute and cluster.stage_cut == "epl"
     for k, blocks in enumerate(groups):
         regions = [profile.block(i) for i in blocks]
         extra = ([profile.pre] if k == 0 else []) + ([profile.post] if k == p - 1 else [])
-        fwd_block = sum(flops(r) for r in regions) * mb
-        fwd = fwd_block + sum(flops(r) for r in extra) * mb
+        if staged is not None:
+            regions, extra = [], [staged[k]]
+        recomputed = regions if staged is None else extra
+        fwd_block = sum(flops(r) for r in recomputed) * mb
+        fwd = sum(flops(r) for r in regions + extra) * mb
         recompute = fwd_block if lay.recompute else 0.0
         pointwise = sum(pw(r) for r in regions + extra) * mb
         compute = (3 * fwd + recompute) / flops_s + (3 * pointwise + (
-            sum(pw(r) for r in regions) * mb if lay.recompute else 0.0)) / dev.memory_bandwidth \
-            + dev.op_overhead * sum(r.ops for r in regions + extra)
+            sum(pw(r) for r in recomputed) * mb if lay.recompute else 0.0)) \
+            / dev.memory_bandwidth + dev.op_overhead * sum(r.ops for r in regions + extra)
         ar = [b * mb * act_scale for r in regions + extra for b in r.allreduce_bytes]
         ar_block = [b * mb * act_scale for r in regions for b in r.allreduce_bytes]
         tp = 2 * sum(tp_allreduce_s(b, cluster, t) for b in ar) if t > 1 else 0.0
@@ -176,8 +185,9 @@ def price(profile, layout, cluster, global_batch=None):
             tp += sum(tp_allreduce_s(b, cluster, t) for b in ar_block)
         send = 0.0
         if k < p - 1:
-            nbytes = profile.block(groups[k + 1][0]).input_bytes * mb * act_scale \
-                if len(groups[k + 1]) else profile.post.input_bytes * mb * act_scale
+            nxt = staged[k + 1] if staged is not None else profile.block(groups[k + 1][0]) \
+                if len(groups[k + 1]) else profile.post
+            nbytes = nxt.input_bytes * mb * act_scale
             one = nbytes / t / send_bw + send_lat + (
                 (t - 1.0) / t * nbytes / cluster.intra.bandwidth if t > 1 else 0.0)
             send = 2 * one * lay.chunks
@@ -200,7 +210,7 @@ def price(profile, layout, cluster, global_batch=None):
         if lay.offload:
             states = 0.0
         flight = _in_flight(lay, k)
-        if lay.recompute:
+        if lay.recompute and not gc_bounded:
             kept = sum(r.input_bytes for r in regions) * act_scale * mb * flight
             working = max([saved(r) for r in regions] or [0.0]) * mb
             acts = kept + working + sum(saved(r) for r in extra) * mb * flight
@@ -211,7 +221,8 @@ def price(profile, layout, cluster, global_batch=None):
             + max(ar or [0.0])
         mem = weights + grads * grad_copies + states + acts + buffers
         memory.append(int(mem))
-        details.append(dict(stage=k, blocks=len(blocks), params=n_params, weights=weights,
+        details.append(dict(stage=k, blocks=len(blocks) if staged is None else None,
+                            params=n_params, weights=weights,
                             gradients=grads, gradient_copies=grad_copies,
                             optimizer_states=states, activations=acts,
                             buffers=buffers, in_flight=flight))

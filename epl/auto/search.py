@@ -405,7 +405,7 @@ def rank(model_fn, dataset_fn, optimizer_fn, cands, devices):
     for cand in cands:
         try:
             lay = layout_of(cand, devices)
-            pred = price(profile, lay, cluster, global_batch=profile.rows * lay.d)
+            pred = price(profile, lay, cluster)    # each micro-batch: the dataset's batch
         except ValueError:
             unpriced.append((cand, None))
             continue

@@ -15,6 +15,7 @@ import sys
 
 from epl.auto import Cluster, plan
 from epl.auto.gpt import GPT
+from epl.plan import chart
 
 
 def _load(spec):
@@ -42,6 +43,8 @@ def main(argv=None):
                     help="also price the interleaved schedule (EPL does not run it)")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--json", help="write the ranked candidates here")
+    ap.add_argument("--png", help="draw the best layout's samples/s and memory per device "
+                    "at 8 .. 1024 GPUs and the winner's breakdown here (epl.plan.chart)")
     args = ap.parse_args(argv)
 
     layers = args.layers
@@ -76,6 +79,15 @@ def main(argv=None):
     if args.json:
         report.to_json(args.json)
         print("wrote %s" % args.json)
+    if args.png:
+        points = chart.series(report.profile, cluster, args.global_batch, amp=args.amp,
+                              **options)
+        title = "%s on %s, global batch %d" % (args.gpt and "GPT " + args.gpt or args.model
+                                               or args.model_fn, cluster.device.name,
+                                               args.global_batch)
+        chart.render(points, report.best.prediction if report.best else None, title,
+                     cluster.device.memory).save(args.png)
+        print("wrote %s" % args.png)
     return 0 if report.best is not None else 1
 
 
