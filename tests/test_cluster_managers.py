@@ -367,13 +367,18 @@ def test_epl_launch_slurm_failure_names_the_task(slurm, tmp_path):
 
 # -- Slurm, two nodes (network namespaces) ------------------------------------------------
 
-@pytest.mark.parametrize("layout", ["data_parallel", "pipeline"])
-def test_srun_two_nodes_equals_local_model(tmp_path, layout):
+@pytest.mark.parametrize("layout, meeting", [
+    ("data_parallel", "folder"), ("pipeline", "folder"), ("data_parallel", "tcp")])
+def test_srun_two_nodes_equals_local_model(tmp_path, layout, meeting):
     """Two nodes that are network-namespace hosts (tests/netns.py), one slurmd each, and a
     third running slurmctld and srun.  data_parallel: ``srun -N 2 --ntasks-per-node=2``
     trains across them (EPL's TCP ring between the nodes); pipeline: ``srun -N 2
     --ntasks-per-node=1`` of 2 stages, one per node (TF's runtime between them, the
-    chief drives); each equals the local model."""
+    chief drives); each equals the local model.  meeting "folder": the tasks meet in
+    EPL_RENDEZVOUS_DIR; "tcp": no shared folder is given, so they meet at the TCP meeting
+    point of the first node, found by its name (each task sees a hosts file naming the
+    nodes, as a cluster's DNS would) at the port of the job step, authenticated by
+    EPL_JOB_SECRET."""
     from tests import netns
     for p in ("munged", "slurmctld", "slurmd", "srun"):
         if shutil.which(p) is None and not os.path.exists("/usr/sbin/" + p):
@@ -436,14 +441,27 @@ def test_srun_two_nodes_equals_local_model(tmp_path, layout):
         out.mkdir()
         per_node = 2 if layout == "data_parallel" else 1
         script = "mw_train.py" if layout == "data_parallel" else "mw_pipeline.py"
+        if meeting == "folder":
+            meet, task = ["EPL_RENDEZVOUS_DIR=%s" % tmp_path], []
+        else:
+            hosts = tmp_path / "hosts"
+            hosts.write_text("127.0.0.1 localhost\n%s h1\n%s h2\n"
+                             % (net.address(1), net.address(2)))
+            meet = ["EPL_JOB_SECRET=two-nodes-secret"]
+            # (a mount namespace of the task's own: the hosts file over /etc/hosts)
+            task = ["unshare", "-m", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"',
+                    str(hosts)]
         cmd = ["env"] + ["%s=%s" % kv for kv in sorted(env.items())] + [
-            "EPL_CLUSTER_DEVICES_PER_WORKER=1", "EPL_RENDEZVOUS_DIR=%s" % tmp_path,
+            "EPL_CLUSTER_DEVICES_PER_WORKER=1"] + meet + [
             "srun", "-N", "2", "--ntasks-per-node=%d" % per_node, "--overcommit",
-            "--kill-on-bad-exit=1", "--chdir=%s" % out,
+            "--kill-on-bad-exit=1", "--chdir=%s" % out] + task + [
             sys.executable, os.path.join(HERE, script), str(out)]
         res = net.run(0, cmd, timeout=TIMEOUT)
         text = res.stdout.decode(errors="replace")
         assert res.returncode == 0, text[-5000:]
+        if meeting == "tcp":
+            assert re.search(r"meeting its other tasks over TCP at h1:\d+\.", text), text[-5000:]
+            assert "EPL_RENDEZVOUS_DIR" not in " ".join(cmd)
         assert "task %d of %d, local rank %d on h2" % (2 * per_node - 1, 2 * per_node,
                                                        per_node - 1) in text, text[-5000:]
         if layout == "data_parallel":

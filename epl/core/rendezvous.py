@@ -249,11 +249,14 @@ def meet(config, environ):
         if job is not None:
             log.info("EPL: the job is described by TF_CONFIG.")
         return job
-    print("EPL: the job comes from %s; meeting its other tasks." % job_env.describe(job),
-          file=sys.stderr)
+    tcp = method_for(job, environ) == TCP
+    where = ("over TCP at %s:%d" % rendezvous_tcp.address(job, environ) if tcp
+             else "in %s" % folder_for(job, environ))
+    print("EPL: the job comes from %s; meeting its other tasks %s." % (
+        job_env.describe(job), where), file=sys.stderr)
     sys.stderr.flush()
     timeout = float(environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT))
-    if method_for(job, environ) == TCP:
+    if tcp:
         records = exchange_tcp(job, environ, task_host(job, environ), timeout)
     else:
         records = exchange(job, folder_for(job, environ), task_host(job, environ), timeout)
