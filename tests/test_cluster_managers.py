@@ -303,6 +303,42 @@ def test_srun_killed_task_ends_the_job(slurm):
 
 # -- epl-launch --slurm: restarts as new steps --------------------------------------------
 
+def test_epl_launch_slurm_reads_srun_reports_and_builds_the_step():
+    """Without Slurm: srun's failure lines (task ranges) in order, the root cause (a task
+    srun only stopped is not one), the step's command and the tasks' environment."""
+    from epl.launch import cli, slurm as ls
+    if shutil.which("srun") is None:
+        pytest.skip("srun is not installed (--slurm checks for it)")
+    lines = ["srun: error: node02: task 5: Killed", "0: worker 0 step 3",
+             "srun: error: node01: tasks 0-1,3: Terminated"]
+    failed = ls.failed_tasks(lines)
+    assert failed == [(5, "node02", "Killed"), (0, "node01", "Terminated"),
+                      (1, "node01", "Terminated"), (3, "node01", "Terminated")]
+    assert ls.root_cause(failed) == (5, "node02", "Killed")
+    assert ls.root_cause([(1, "a", "Terminated"), (2, "b", "Exited with exit code 1")]) == \
+        (2, "b", "Exited with exit code 1")
+    script = os.path.join(HERE, "mw_train.py")
+    a = cli.parse_args(["--slurm", "--num_workers", "4", "--gpu_per_worker", "2",
+                        "--srun_args", "--nodes=2 --gpus-per-task=2", script, "out"])
+    cmd = ls.srun_command(a)
+    assert cmd[:4] == ["srun", "--kill-on-bad-exit=1", "--label", "--ntasks=4"]
+    assert cmd[4:6] == ["--nodes=2", "--gpus-per-task=2"] and cmd[-3:] == [
+        sys.executable, script, "out"]
+    os.environ["TF_CONFIG"] = "{}"   # (the launcher's own: never passed to a step)
+    try:
+        env = ls.step_env(a, "s", 2)
+    finally:
+        del os.environ["TF_CONFIG"]
+    assert "TF_CONFIG" not in env
+    assert (env["EPL_RESTART_COUNT"], env["EPL_LAUNCH_NUM_WORKERS"],
+            env["EPL_CLUSTER_DEVICES_PER_WORKER"], env["EPL_JOB_SECRET"]) == ("2", "4", "2", "s")
+    for bad in (["--machine_list", "a:1,b:1"], ["--min_workers", "2", "--max_restarts", "2"]):
+        with pytest.raises(SystemExit):
+            cli.parse_args(["--slurm", "--num_workers", "4"] + bad + [script])
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--num_workers", "4", "--srun_args", "-N 2", script])
+
+
 def test_epl_launch_slurm_restarts_a_failed_step(slurm, tmp_path):
     """``epl-launch --slurm --max_restarts 1`` inside an allocation (salloc): task 1 kills
     itself (SIGKILL) after global step 5 of the first step only; srun ends the step, the
@@ -363,6 +399,30 @@ def test_epl_launch_slurm_failure_names_the_task(slurm, tmp_path):
     assert "Last lines of %s:" % (logs / "worker_1.log") in message, message
     assert message.rstrip().endswith("worker 1 step 2"), message   # (its last step)
     assert time.time() - start < 60, out[-3000:]
+
+
+def test_epl_launch_slurm_timeout_stops_the_step(slurm, tmp_path):
+    """--timeout under --slurm: a step that would run for minutes is stopped (never
+    restarted, whatever --max_restarts says), the launcher exits 1 within the bound, and
+    Slurm has no job of it left."""
+    script = tmp_path / "forever.sh"
+    script.write_text("echo started; sleep 300\n")
+    start = time.time()
+    code, out = _run([sys.executable, "-m", "epl.launch", "--slurm", "--num_workers", "2",
+                      "--timeout", "4", "--max_restarts", "2", "--log_dir",
+                      str(tmp_path / "logs"), str(script)], slurm)
+    assert code == 1, out[-3000:]
+    assert "[worker 1] started" in out and "restart 1" not in out, out[-3000:]
+    assert re.search(r"attempt 0: \S+: still running after --timeout 4s; "
+                     r"stopped the step", out), out[-3000:]
+    assert time.time() - start < 30, out[-3000:]
+    deadline = time.time() + 20
+    while True:
+        code, queue = _run(["squeue", "-h", "-o", "%i %T"], slurm)
+        if not queue.strip() or time.time() > deadline:
+            break
+        time.sleep(0.3)
+    assert not queue.strip(), queue
 
 
 # -- Slurm, two nodes (network namespaces) ------------------------------------------------

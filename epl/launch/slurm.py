@@ -31,6 +31,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -164,15 +165,20 @@ class Step(object):
     def stop(self):
         """SIGTERM to srun (it stops the step's tasks), SIGKILL after the grace period."""
         if self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGTERM)
             try:
-                os.killpg(self.proc.pid, 15)
                 self.proc.wait(GRACE_SECONDS)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
+                _signal_group(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
-            except OSError:
-                pass
         self.pump.join(10)
+
+
+def _signal_group(pid, sig):
+    try:
+        os.killpg(pid, sig)
+    except OSError:
+        pass   # (already gone)
 
 
 class SlurmAttempts(object):
@@ -195,10 +201,8 @@ class SlurmAttempts(object):
         if self.code is None:
             step.stop()
             self.cause = None
-            self.history.append((number, step.key, "still running after --timeout %gs; "
-                                 "stopped" % self.a.timeout))
-            return failure(number, ran, final=True,
-                           what="epl-launch: --timeout %gs: stopped the step" % self.a.timeout)
+            self.history.append((number, step.key, self.describe()))
+            return failure(number, ran, final=True, what="epl-launch: " + self.describe())
         if self.code == 0:
             self.history.append((number, step.key, "succeeded"))
             return None
@@ -211,6 +215,9 @@ class SlurmAttempts(object):
                                                 ran, self._exception()))
 
     def describe(self):
+        """How the last attempt failed: the task srun named first, else srun's status."""
+        if self.code is None:
+            return "still running after --timeout %gs; stopped the step" % self.a.timeout
         if self.cause is None:
             srun = [l for l in self.step.srun_lines if l.startswith("srun: error")]
             return "srun exited with status %s%s" % (
@@ -227,7 +234,8 @@ class SlurmAttempts(object):
     def restarting(self, failed):
         lines = []
         for rank in sorted(self.step.logs):
-            kept = os.path.join(self.a.log_dir, "worker_%d.attempt%d.log" % (rank, self.step.number))
+            kept = os.path.join(self.a.log_dir,
+                                "worker_%d.attempt%d.log" % (rank, self.step.number))
             try:
                 os.replace(self.step.log_path(rank), kept)
             except OSError:
