@@ -45,7 +45,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.epl-installed
 CSRC := $(wildcard csrc/*.cc csrc/*.h csrc/build.py)
 
-.PHONY: setup demo test test-eager-off bench ops clean horovod docs gpu-ops-check xeon-compile-check
+.PHONY: setup demo test test-eager-off test-estimator bench ops clean horovod docs gpu-ops-check xeon-compile-check
 
 setup: $(STAMP) $(OPS_SO)
 
@@ -78,6 +78,22 @@ ORACLE_TESTS := $(addprefix tests/test_,$(addsuffix .py,data_parallel pipeline s
 test-eager-off: setup
 	@if [ "$(TF)" != 2 ]; then echo "make test-eager-off: a TF 2.x mode; use TF=2"; exit 2; fi
 	EPL_TEST_GRAPH_MODE=eager_off $(PY) -m pytest -q $(ORACLE_TESTS) -k "not under_load"
+
+# The Estimator line's check (TF=2.15; TF=1 too): every Estimator test (marker
+# `estimator`, tests/conftest.py), a smoke set of the strategies' oracles (data parallel,
+# pipeline, split, tf.keras fit, no deprecation warnings from EPL, the public API), then
+# the quick start (`make demo`).  .ci/run runs it on TF 2.15, not the whole suite.
+ESTIMATOR_TESTS := $(shell grep -l 'mark\.estimator' tests/test_*.py)
+SMOKE_TESTS := 'tests/test_data_parallel.py::test_dp_matches_big_batch[2-adam-monitored-per_device]' \
+	'tests/test_pipeline.py::test_pipeline_equals_local[2-2-2-PreferBackward]' \
+	'tests/test_split.py::test_whole_model_split_matches_local[2]' \
+	'tests/test_keras_metrics.py::test_keras_reports_the_global_batch[dp2]' \
+	tests/test_warnings.py tests/test_public_api.py
+test-estimator: $(if $(filter 2,$(TF)),,setup)
+	@if [ "$(TF)" = 2 ]; then echo "make test-estimator: TensorFlow 2.16+ has no tf.estimator; use TF=2.15 (or TF=1)"; exit 2; fi
+	$(PY) -m pytest -q -m estimator $(ESTIMATOR_TESTS)
+	$(PY) -m pytest -q -m 'not estimator' $(SMOKE_TESTS)
+	$(PY) examples/quick_start/run_demo.py
 
 bench: setup
 	$(PY) benchmarks/run_all.py

@@ -45,7 +45,8 @@ def pytest_configure(config):
 
 def pytest_runtest_setup(item):
     if item.get_closest_marker("estimator") and not HAS_ESTIMATOR:
-        pytest.skip("tf.estimator is not in TensorFlow %s (removed in 2.16)" % tf.VERSION)
+        pytest.skip("tf.estimator is not in TensorFlow %s (removed in 2.16; the TF=2.15 "
+                    "line has it: make test-estimator TF=2.15)" % tf.VERSION)
 
 
 @pytest.fixture(autouse=True)
