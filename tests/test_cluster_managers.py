@@ -219,6 +219,24 @@ def test_srun_data_parallel_equals_local_model(slurm, tmp_path, tasks, devices):
     _check_workers(tmp_path, tasks, devices)
 
 
+def _sbatch(script, env, folder, prefix, timeout=TIMEOUT):
+    """Submit ``script``, wait for its end: (its final state, its output file, the one in
+    ``folder`` whose name starts with ``prefix``)."""
+    code, out = _run(["sbatch", "--parsable", str(script)], env)
+    assert code == 0, out
+    job = out.strip().split(";")[0]
+    state, deadline = "", time.time() + timeout   # (sbatch --wait polls every 10-30 s)
+    while time.time() < deadline:
+        code, out = _run(["scontrol", "show", "job", "-o", job], env)
+        state = out.split("JobState=")[1].split()[0] if "JobState=" in out else out
+        if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+            break
+        time.sleep(0.3)
+    logs = [p for p in os.listdir(str(folder)) if p.startswith(prefix)]
+    assert len(logs) == 1, (state, out, os.listdir(str(folder)))
+    return state, (folder / logs[0]).read_text()
+
+
 def test_sbatch_script(slurm, tmp_path):
     """A batch script as users submit it (its srun step trains), waited for; its output
     file checked and the job equal to the local model."""
@@ -230,20 +248,8 @@ def test_sbatch_script(slurm, tmp_path):
         "srun --kill-on-bad-exit=1 %s %s %s" % (sys.executable,
                                                os.path.join(HERE, "mw_train.py"), tmp_path),
         "echo batch done", ""]))
-    code, out = _run(["sbatch", "--parsable", str(script)], slurm)
-    assert code == 0, out
-    job = out.strip().split(";")[0]
-    state, deadline = "", time.time() + TIMEOUT   # (sbatch --wait polls every 10-30 s)
-    while time.time() < deadline:
-        code, out = _run(["scontrol", "show", "job", "-o", job], slurm)
-        state = out.split("JobState=")[1].split()[0] if "JobState=" in out else out
-        if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
-            break
-        time.sleep(0.3)
-    assert state == "COMPLETED", out
-    logs = [p for p in os.listdir(str(tmp_path)) if p.startswith("epl-test-")]
-    assert len(logs) == 1, (out, os.listdir(str(tmp_path)))
-    text = (tmp_path / logs[0]).read_text()
+    state, text = _sbatch(script, slurm, tmp_path, "epl-test-")
+    assert state == "COMPLETED", text[-5000:]
     assert "worker 0 trained 6 steps" in text and "worker 1 trained 6 steps" in text, text
     assert "batch done" in text and "task 1 of 2" in text, text
     _check_workers(tmp_path, 2, 2)
@@ -340,11 +346,12 @@ def test_epl_launch_slurm_reads_srun_reports_and_builds_the_step():
 
 
 def test_epl_launch_slurm_restarts_a_failed_step(slurm, tmp_path):
-    """``epl-launch --slurm --max_restarts 1`` inside an allocation (salloc): task 1 kills
-    itself (SIGKILL) after global step 5 of the first step only; srun ends the step, the
-    launcher names the task and its host, and starts a new step of the same allocation,
-    which resumes from the newest checkpoint.  The final weights (both tasks', the last
-    checkpoint's) equal the uninterrupted run's (the local model on the global batches)."""
+    """``epl-launch --slurm --max_restarts 1`` in a batch script as docs/cluster.md shows
+    it (sbatch): task 1 kills itself (SIGKILL) after global step 5 of the first step only;
+    srun ends the step, the launcher names the task and its host, and starts a new step of
+    the same allocation, which resumes from the newest checkpoint.  The final weights (both
+    tasks', the last checkpoint's) equal the uninterrupted run's (the local model on the
+    global batches)."""
     from tests import restart_train as rt
     from tests.test_restarts import _final_checkpoint, _local, _restored_step
     import numpy as np
@@ -353,12 +360,17 @@ def test_epl_launch_slurm_restarts_a_failed_step(slurm, tmp_path):
     data.mkdir()
     x, y = rt.write_files(str(data))
     logs = tmp_path / "logs"
-    cmd = ["salloc", "-n", "2", sys.executable, "-m", "epl.launch", "--slurm",
-           "--num_workers", "2", "--gpu_per_worker", "1", "--max_restarts", "1",
-           "--log_dir", str(logs), os.path.join(HERE, "restart_train.py"), str(tmp_path),
-           str(data)]
-    code, out = _run(cmd, dict(slurm, RESTART_KILL="1:5"), timeout=2 * TIMEOUT)
-    assert code == 0, out[-6000:]
+    script = tmp_path / "train.sbatch"
+    script.write_text("\n".join([
+        "#!/bin/bash", "#SBATCH --job-name=epl-restart", "#SBATCH --ntasks=2",
+        "#SBATCH --output=%s/%%x-%%j.out" % tmp_path, "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        "%s -m epl.launch --slurm --num_workers 2 --gpu_per_worker 1 --max_restarts 1 "
+        "--log_dir %s %s %s %s" % (sys.executable, logs, os.path.join(HERE, "restart_train.py"),
+                                   tmp_path, data), ""]))
+    state, out = _sbatch(script, dict(slurm, RESTART_KILL="1:5"), tmp_path, "epl-restart-",
+                         timeout=2 * TIMEOUT)
+    assert state == "COMPLETED", out[-6000:]
     failed = re.search(r"attempt 0 \(slurm-(\d+)\.(\d+)\): task 1 on localhost failed "
                        r"\(srun: Killed\)", out)
     assert failed, out[-6000:]
