@@ -134,3 +134,19 @@ def test_pipeline_stages_are_epls_automatic_cut(small):
     four = price(prof, Layout(t=1, p=4, d=1, num_micro_batch=4), _local(4)).breakdown
     assert sum(s["params"] for s in four["stages"]) == model.params()
     assert four["stages"][0]["params"] == V * h
+
+
+def test_epls_automatic_checkpoints_keep_their_share(small):
+    """EPL's gradient_checkpoint "auto" recomputes only before its last checkpoint (a
+    separator): the local prediction holds that share of the activations, read from the
+    graph; the presets keep the block model (inputs kept, one block recomputed)."""
+    _, prof = small
+    from epl.auto.layout import Layout
+    assert 0.0 < prof.gc_fraction < 1.0
+    acts = [price(prof, Layout(t=1, p=1, d=1, recompute=gc), _local(1)).breakdown[
+        "stages"][0]["activations"] for gc in (False, True)]
+    assert acts[1] == pytest.approx(acts[0] * prof.gc_fraction, rel=1e-12)
+    assert prof.repeated(prof.layers + 2).gc_fraction is None     # no graph of those
+    preset = Cluster.preset("a100-80gb")
+    block = price(prof, Layout(t=1, p=1, d=1, recompute=True), preset).breakdown["stages"][0]
+    assert block["activations"] < acts[0] * 0.6

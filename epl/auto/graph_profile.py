@@ -20,7 +20,7 @@ import re
 import tensorflow as tf
 
 from epl import ir
-from epl.features import auto_stages
+from epl.features import auto_stages, gradient_checkpoint
 from epl.tf_adapter import graph as tfg
 
 v1 = tf.compat.v1
@@ -72,6 +72,7 @@ class Profile(object):
         self.layers = len(blocks)
         self.shared = {}            # variable name -> regions using it (tied weights)
         self.cut = None             # EPL's automatic cut points (_cut_points)
+        self.gc_fraction = None     # activations EPL's automatic GC holds (a share)
         self.restaged = None        # stage_of -> the Profile of those stages
         self._stages = {}
 
@@ -83,6 +84,7 @@ class Profile(object):
         out.layers = int(layers)
         out.shared = self.shared
         out.cut, out.restaged, out._stages = self.cut, self.restaged, self._stages
+        out.gc_fraction = self.gc_fraction if out.layers == self.layers else None
         return out
 
     def epl_stages(self, p):
@@ -229,6 +231,7 @@ def profile(model_fn, dataset_fn, optimizer_fn, block_pattern=BLOCK_PATTERN):
         slots = _slots_per_param(optimizer, trainable, new_vars)
         prof = _read(graph, features, forward, backward, trainable, rows, block_pattern)
         prof.cut = _cut_points(loss)
+        prof.gc_fraction = _checkpointed_fraction(loss, backward)
     prof.restaged = lambda stage_of: _read(graph, features, forward, backward, trainable,
                                            rows, block_pattern, stage_of)
     prof.slots_per_param = slots
@@ -245,6 +248,40 @@ def _cut_points(loss):
     cuts = sorted(set(pos[t.op] for t in ir.separators(ops)) - set([len(ops) - 1]))
     return dict(names=[op.name for op in ops], costs=[auto_stages.op_cost(op) for op in ops],
                 cuts=cuts)
+
+
+def _checkpointed_fraction(loss, backward):
+    """The share of the activations EPL's ``gradient_checkpoint "auto"`` still holds at
+    its peak (one pipeline stage, the whole model), by its own rule
+    (``epl.features.gradient_checkpoint``): checkpoints are separators (``choose``);
+    nothing after the last one is recomputed (the tail stays); each segment before it
+    is recomputed once the backward pass has left the later ones, so the peak is the
+    checkpoints plus the larger of the tail and the largest segment.  1.0 where it
+    finds fewer than two separators (nothing recomputed)."""
+    stop = set(backward)
+    ops = sorted(ir.upstream([loss.op], stop=stop), key=tfg.op_id)
+    never = gradient_checkpoint._NEVER | gradient_checkpoint._CONTROL_FLOW
+    cands = [op for op in ops if op.type not in never and not op.op_def.is_stateful
+             and tfg.control_flow_context(op) is None
+             and not any(ir.is_state_handle(t) for t in list(op.outputs) + list(op.inputs))]
+    members = set(cands)
+    wanted = set(t for b in backward if b.type not in _SHAPE_OPS for t in b.inputs
+                 if t.op in members and t.dtype.is_floating)
+    total = float(sum(gradient_checkpoint._nbytes(t) for t in wanted))
+    picks = gradient_checkpoint.choose(cands, wanted) if total else []
+    if not picks:
+        return 1.0
+    able = ir.upstream([t.op for t in picks], control=False, within=members)
+    pos = dict((op, i) for i, op in enumerate(cands))
+    bounds = sorted(pos[t.op] for t in picks)
+    parts = [0.0] * (len(bounds) + 1)          # segments before each pick, then the tail
+    for t in wanted:
+        if t in picks:
+            continue
+        i = len(bounds) if t.op not in able else sum(1 for b in bounds if b < pos[t.op])
+        parts[i] += gradient_checkpoint._nbytes(t)
+    held = sum(gradient_checkpoint._nbytes(t) for t in picks)
+    return min(1.0, (held + max(parts)) / total)
 
 
 def _is_input(op):

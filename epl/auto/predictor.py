@@ -162,9 +162,12 @@ def price(profile, layout, cluster, global_batch=None):
     # EPL's runtime cuts the stages itself (auto.auto_parallel): by cost, only where one
     # tensor carries everything later ops need; Megatron (the presets) by block count
     staged = profile.epl_stages(p) if p > 1 and cluster.stage_cut == "epl" else None
-    # EPL's automatic checkpoints are separators too: where the model has few, little is
-    # recomputed; its memory is bounded by the activations without recomputation
-    gc_bounded = lay.recompute and cluster.stage_cut == "epl"
+    # EPL's automatic checkpoints are separators too (where the model has few, little is
+    # recomputed): its share of the activations is read from the built graph (one
+    # stage); for pipelines or repeated blocks bounded by the activations without it
+    gc_share = None
+    if lay.recompute and cluster.stage_cut == "epl":
+        gc_share = profile.gc_fraction if p == 1 and profile.gc_fraction else 1.0
     for k, blocks in enumerate(groups):
         regions = [profile.block(i) for i in blocks]
         extra = ([profile.pre] if k == 0 else []) + ([profile.post] if k == p - 1 else [])
@@ -210,12 +213,12 @@ def price(profile, layout, cluster, global_batch=None):
         if lay.offload:
             states = 0.0
         flight = _in_flight(lay, k)
-        if lay.recompute and not gc_bounded:
+        if lay.recompute and gc_share is None:
             kept = sum(r.input_bytes for r in regions) * act_scale * mb * flight
             working = max([saved(r) for r in regions] or [0.0]) * mb
             acts = kept + working + sum(saved(r) for r in extra) * mb * flight
         else:
-            acts = sum(saved(r) for r in regions + extra) * mb * flight
+            acts = sum(saved(r) for r in regions + extra) * mb * flight * (gc_share or 1.0)
         # a fusion bucket only where gradients are all-reduced (d > 1)
         buffers = (min(grads, BUCKET_BYTES) if d > 1 and cluster.fusion_buffer else 0.0) \
             + max(ar or [0.0])
