@@ -88,7 +88,7 @@ SMOKE_TESTS := 'tests/test_data_parallel.py::test_dp_matches_big_batch[2-adam-mo
 	'tests/test_pipeline.py::test_pipeline_equals_local[2-2-2-PreferBackward]' \
 	'tests/test_split.py::test_whole_model_split_matches_local[2]' \
 	'tests/test_keras_metrics.py::test_keras_reports_the_global_batch[dp2]' \
-	tests/test_warnings.py tests/test_public_api.py
+	tests/test_warnings.py tests/test_patching_deprecation.py tests/test_public_api.py
 test-estimator: $(if $(filter 2,$(TF)),,setup)
 	@if [ "$(TF)" = 2 ]; then echo "make test-estimator: TensorFlow 2.16+ has no tf.estimator; use TF=2.15 (or TF=1)"; exit 2; fi
 	$(PY) -m pytest -q -m estimator $(ESTIMATOR_TESTS)

@@ -113,7 +113,7 @@ FUNCTIONS = {
 _originals = {}     # point -> TensorFlow's own
 _installed = []     # (point, owner, attribute)
 _rebound = []       # (module, attribute, original)
-_redirected = []    # (closure cell of a deprecation wrapper, the function it called)
+_redirected = []    # (point, closure cell of a deprecation wrapper, the function it called)
 
 
 def _deprecation_cell(function):
@@ -184,7 +184,7 @@ def install(point, replacement):
         def redirect(*args, **kwargs):
             return replacement(*args, **kwargs)
         cell.cell_contents = redirect
-        _redirected.append((cell, deprecated))
+        _redirected.append((point, cell, deprecated))
         return True
     _originals[point] = current
     setattr(owner, attr, replacement)
@@ -201,6 +201,25 @@ def installed():
     return bool(_originals)
 
 
+def uninstall(point):
+    """Put one patched method or attribute point back (nothing when it is not installed).
+    Functions re-exported under many names (``FUNCTIONS``) go back with
+    ``uninstall_all`` only."""
+    if point in FUNCTIONS:
+        raise ValueError("%s: a re-exported function is put back by uninstall_all()" % point)
+    for i, (name, owner, attr) in enumerate(_installed):
+        if name == point:
+            setattr(owner, attr, _originals.pop(point))
+            del _installed[i]
+            return
+    for i, (name, cell, deprecated) in enumerate(_redirected):
+        if name == point:
+            cell.cell_contents = deprecated
+            del _originals[point]
+            del _redirected[i]
+            return
+
+
 def uninstall_all():
     """Put every patched point back."""
     while _installed:
@@ -210,7 +229,7 @@ def uninstall_all():
         module, attr, value = _rebound.pop()
         setattr(module, attr, value)
     while _redirected:
-        cell, deprecated = _redirected.pop()
+        _, cell, deprecated = _redirected.pop()
         cell.cell_contents = deprecated
     _originals.clear()
 
