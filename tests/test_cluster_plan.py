@@ -112,8 +112,12 @@ def test_plan_split_errors_name_the_fix():
              [TG("split", 4, "epl.split(4)")], _cfg())
     with pytest.raises(LayoutError, match=r"takes all 4 devices.*colocate_split_and_replicate"):
         plan(c, [TG("replicate", 1, "r"), TG("split", 4, "s")], _cfg())
-    with pytest.raises(NotImplementedError, match="num_micro_batch"):
-        plan(c, [TG("split", 4, "s")], _cfg(pipeline__num_micro_batch=2))
+    with pytest.raises(NotImplementedError, match="pipelines of split and replicate scopes"):
+        plan(c, [TG("replicate", 1, "r"), TG("split", 2, "s")],
+             _cfg(pipeline__num_micro_batch=2))
+    with pytest.raises(LayoutError, match=r"3 pipeline stages of .* 4 devices cannot be "
+                                          r"divided into split groups of 6"):
+        plan(c, [TG("split", 2, "s")] * 3, _cfg(pipeline__num_micro_batch=2))
 
 
 def test_plan_split_groups():
@@ -126,6 +130,13 @@ def test_plan_split_groups():
     assert lay.devices == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert [lay.stage_device(g, 1) for g in range(4)] == [1, 3, 5, 7]
     assert lay.split_devices == {a: [0, 1], b: [0, 1]}    # the user's ops: group 0
+    # With micro-batches every split scope is a stage: 2 stages x 2 shards per group.
+    pipe = plan(c, [a, b], _cfg(pipeline__num_micro_batch=3))
+    assert (pipe.num_stages, pipe.num_replicas, pipe.lanes, pipe.num_clones) == (2, 2, 4, 6)
+    assert pipe.devices == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [pipe.representative(g) for g in range(6)] == [0, 0, 0, 3, 3, 3]
+    accumulate = plan(c, [TG("split", 8, "s8")], _cfg(pipeline__num_micro_batch=2))
+    assert (accumulate.num_stages, accumulate.num_clones, accumulate.lanes) == (1, 2, 8)
     # (splits of different sizes are not groups: the old refusal names them)
     with pytest.raises(LayoutError, match=r"uses 4 devices but this job has 8"):
         plan(c, [TG("split", 2, "s2"), TG("split", 4, "s4")], _cfg())

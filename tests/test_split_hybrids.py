@@ -20,8 +20,10 @@ model whose dense layers compute the same per-shard products (the row-parallel s
 float16 partial products are rounded per shard, not once), under ``amp.level`` O1 on
 one device (weights to absolute 3e-5, see the test).
 
-Pipelines of split scopes and split scopes replicated over more devices than they span
-are refused by name (tested below).
+Data-parallel split groups (every scope split(2) on 4 devices: 2 groups of 2; and 2
+workers, a group each) and pipelines of split blocks (2 split(2) stages, 4 micro-batches,
+both schedules; 2 such pipelines on 8 devices) equal the local model on the global
+batch; pipelines mixing split and replicate stages are refused by name.
 """
 import contextlib
 import os
@@ -306,17 +308,55 @@ def test_amp_inside_split_blocks_matches_the_mixed_precision_program(hybrid, tmp
                 and any(c.type != "Shape" for c in o.outputs[0].consumers())]
 
 
-# -- pipelines of split blocks: refused -------------------------------------------------
+# -- pipelines of split blocks -----------------------------------------------------------
 
-def test_pipeline_of_split_blocks_is_refused_by_name():
-    """Two split(2) stages, 4 micro-batches: not built (a split scope is one instance
-    placed by shard, never cloned per micro-batch); the refusal names the scope and the
-    setting."""
-    epl.init(epl.Config({"cluster.devices_per_worker": 4, "pipeline.num_micro_batch": 4}))
+def _two_split_stages():
     stages = [epl.split(2, name="stage_0"), epl.split(2, name="stage_1")]
-    model = tm.Decoder(scope=lambda i: stages[0] if i < 1 else stages[1])
+    # embeddings and block 0 on stage 0, block 1 and the head on stage 1
+    return lambda i: stages[0] if i < 1 else stages[1]
+
+
+@pytest.mark.parametrize("schedule,devices,micro", [("PreferForward", 4, 4),
+                                                    ("PreferBackward", 4, 4),
+                                                    ("PreferBackward", 8, 2)])
+def test_pipeline_of_split_blocks_matches_local(schedule, devices, micro, tmpdir):
+    """Two split(2) scopes as 2 pipeline stages, ``micro`` micro-batches: stage s shard j
+    on device 2s + j (8 devices: 2 such pipelines, data parallel).  The local model on the
+    global batch (gradient accumulation over the micro-batches); the loss fetched is
+    micro-batch 0's (its rows)."""
+    want = _local(tmpdir, loss_rows=BATCH // (micro * devices // 4))
+    epl.init(epl.Config({"cluster.devices_per_worker": devices,
+                         "pipeline.num_micro_batch": micro, "pipeline.strategy": schedule}))
+    got = _train(tm.Decoder(scope=_two_split_stages()), tmpdir, "pipe")
+    _assert_same(got[:2], want[:2])
+    g = got[2]
+    user = lambda prefix: set(o.device[-5:] for o in g.get_operations()  # noqa: E731
+                              if o.name.startswith(prefix) and "gradients" not in o.name
+                              and o.type in ("BatchMatMulV2", "BatchMatMul"))
+    assert user("block_0/") == {"CPU:0", "CPU:1"} and user("block_1/") == {"CPU:2", "CPU:3"}
+    products = set(o.device[-5:] for o in g.get_operations() if o.type.startswith("BatchMatMul"))
+    assert len(products) == devices, products
+    ends = [o for o in g.get_operations() if o.name.startswith("EPL_SCHEDULE/")]
+    assert len(ends) == 2 * 2 * micro * (devices // 4)   # F and B of every stage, micro-batch
+
+
+def test_gradient_accumulation_of_a_split_model_matches_local(tmpdir):
+    """One split(2) scope around the whole model, 2 micro-batches on 2 devices: the
+    micro-batches' gradients accumulated, one update (the local model on the batch)."""
+    want = _local(tmpdir, loss_rows=BATCH // 2)
+    epl.init(epl.Config({"cluster.devices_per_worker": 2, "pipeline.num_micro_batch": 2}))
+    whole = epl.split(2)
+    got = _train(tm.Decoder(scope=lambda i: whole), tmpdir, "accumulate")
+    _assert_same(got[:2], want[:2])
+
+
+def test_pipeline_of_split_and_replicate_scopes_is_refused_by_name():
+    """Stages under replicate next to split stages, with micro-batches: not built; the
+    refusal names both scopes and the setting."""
+    epl.init(epl.Config({"cluster.devices_per_worker": 4, "pipeline.num_micro_batch": 4}))
+    model = tm.Decoder(scope=lambda i: epl.replicate(1) if i < 0 else epl.split(2))
     with pytest.raises(NotImplementedError, match=r"num_micro_batch = 4: pipelines of split "
-                                                  r"TaskGraphs are not implemented"):
+                                                  r"and replicate scopes together"):
         _train(model, "unused", "refused")
 
 

@@ -148,36 +148,47 @@ class PipelineLayout(object):
 
 
 class SplitGroupLayout(object):
-    """Data parallelism of whole split groups: a model whose every TaskGraph is an
-    ``epl.split(t)`` scope, on ``d * t`` devices, runs as ``d`` copies (clones), each its
-    share of the batch, each split over its own ``t`` consecutive devices (Megatron-LM's
-    t-way tensor parallelism inside a d-way data-parallel job).
+    """Split scopes copied per clone: a model whose every TaskGraph is an
+    ``epl.split(t)`` scope, on more devices than ``t``, or with micro-batches.
 
-    ``devices[r][j]``: the global device of shard ``j`` of group ``r``; a clone is a
-    group, and shard ``j`` of every group is its lane ``j`` (``stage_device``), so the
-    gradients of shard ``j``'s variables are reduced among the devices holding shard
-    ``j`` of every group.
+    * Data parallelism of whole split groups: on ``d * t`` devices the model runs as
+      ``d`` copies (groups), each its share of the batch, each split over its own ``t``
+      consecutive devices (Megatron-LM's t-way tensor parallelism inside a d-way
+      data-parallel job).
+    * With ``pipeline.num_micro_batch`` > 1 every split scope is a pipeline stage of
+      ``t`` devices (``num_stages`` scopes: ``num_stages * t`` devices per group), and a
+      clone is one micro-batch of one group, as in ``PipelineLayout``.
+
+    ``devices[r][s * t + j]``: the global device of shard ``j`` of stage ``s`` of group
+    ``r``: a clone's lane ``s * t + j`` (``stage_device``).  The gradients of shard
+    ``j``'s variables are reduced among the groups' devices of that lane.
     """
 
-    def __init__(self, total_devices, split_count, devices_per_worker, splits, name="split"):
-        if total_devices % split_count:
+    def __init__(self, total_devices, split_count, splits, num_stages=1, num_micro_batch=1,
+                 name="split"):
+        per_group = num_stages * split_count
+        what = ("%d pipeline stages of %s" % (num_stages, name) if num_stages > 1 else name)
+        if per_group > total_devices or total_devices % per_group:
             raise LayoutError(
                 "%s: %d devices cannot be divided into split groups of %d devices each "
-                "(%d %% %d = %d); use a device count divisible by %d, or epl.split(%d). %s"
-                % (name, total_devices, split_count, total_devices, split_count,
-                   total_devices % split_count, split_count, total_devices,
+                "(%d %% %d = %d); use a device count divisible by %d%s. %s"
+                % (what, total_devices, per_group, total_devices, per_group,
+                   total_devices % per_group, per_group,
+                   ", or fewer split scopes (each is a stage with pipeline.num_micro_batch "
+                   "> 1)" if num_stages > 1 else ", or epl.split(%d)" % total_devices,
                    how_to_get_devices()))
         self.device_count = split_count
-        self.num_replicas = total_devices // split_count
-        self.devices = [[r * split_count + j for j in range(split_count)]
+        self.num_stages = num_stages
+        self.num_micro_batch = num_micro_batch
+        self.num_replicas = total_devices // per_group
+        self.devices = [[r * per_group + k for k in range(per_group)]
                         for r in range(self.num_replicas)]
-        self.clones = [(r, 0, self.devices[r][0]) for r in range(self.num_replicas)]
-        self.num_stages = 1
-        self.num_micro_batch = 1
+        self.clones = [(r, m, self.devices[r][0])
+                       for r in range(self.num_replicas) for m in range(num_micro_batch)]
         self.split_groups = True
-        # (the user's ops: group 0's shards)
+        # (the user's ops are group 0's; the devices of a scope are those of its stage,
+        # known once the graph's stage order is: see ``epl.rewrite.split.place``)
         self.split_devices = {tg: list(self.devices[0]) for tg in splits}
-        del devices_per_worker   # (groups are consecutive devices: within a worker when t fits)
 
     @property
     def num_clones(self):
@@ -185,14 +196,15 @@ class SplitGroupLayout(object):
 
     @property
     def lanes(self):
-        """Devices one clone (a group) runs on: its shards'."""
-        return self.device_count
+        """Devices one clone (a group, or a micro-batch of it) runs on: its shards'."""
+        return self.num_stages * self.device_count
 
     def stage_device(self, c, lane):
         return self.devices[self.clones[c][0]][lane]
 
     def representative(self, c):
-        return c
+        """Micro-batch 0 of clone c's group (it owns the group's variables and update)."""
+        return c - self.clones[c][1]
 
     def pull_groups(self, clone_indices):
         return [[c] for c in clone_indices]
@@ -250,11 +262,13 @@ def _plan_split(cluster, splits, replicas, config):
                 "device_count <= %d or add devices. %s"
                 % (tg.strategy, n, total, cluster.worker_num, per, total,
                    how_to_get_devices()))
-    if config.get("pipeline.num_micro_batch") > 1:
+    num_mb = config.get("pipeline.num_micro_batch")
+    if num_mb > 1 and replicas:
         raise NotImplementedError(
-            "%r with pipeline.num_micro_batch = %d: pipelines of split TaskGraphs are not "
-            "implemented yet; set pipeline.num_micro_batch to 1."
-            % (splits[0].strategy, config.get("pipeline.num_micro_batch")))
+            "%r next to %r with pipeline.num_micro_batch = %d: pipelines of split and "
+            "replicate scopes together are not implemented yet; put every stage under "
+            "epl.split (each split scope is a stage), or set pipeline.num_micro_batch to 1."
+            % (splits[0].strategy, replicas[0].strategy, num_mb))
     counts = sorted(set(tg.device_count for tg in replicas))
     if len(counts) > 1:
         raise NotImplementedError(
@@ -263,9 +277,10 @@ def _plan_split(cluster, splits, replicas, config):
             "device_count." % (", ".join(repr(tg.strategy) for tg in replicas),
                                splits[0].strategy))
     n = max(split_device_count(tg, total) for tg in splits)
-    if not replicas and n < total and all(
+    if not replicas and (n < total or num_mb > 1) and all(
             split_device_count(tg, total) == n for tg in splits):
-        return SplitGroupLayout(total, n, per, splits, name=repr(splits[0].strategy))
+        return SplitGroupLayout(total, n, splits, len(splits) if num_mb > 1 else 1, num_mb,
+                                name=repr(splits[0].strategy))
     if not replicas:
         if n != total:
             raise LayoutError(

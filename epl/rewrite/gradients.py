@@ -56,7 +56,7 @@ def reduce_gradients(state, site):
                        key=lambda t: tfg.op_id(t.op))
         last = {}
         for k, g in enumerate(sorted(owners, key=lambda t: tfg.op_id(t.op))):
-            comm = comm_for(state.stage_of(g.op), k)
+            comm = comm_for(state.lane_of(g.op), k)
             root = owners[g]
             out = comm.reduce([state.tensor(c, g) for c in range(n)], root, method)
             for c in range(n):
@@ -66,7 +66,7 @@ def reduce_gradients(state, site):
             last[comm] = out
             installs.append((g, [out[root]]))
         # Buckets never mix pipeline stages: a stage's gradients live on its devices.
-        buckets = fusion.plan_buckets([(g, (state.stage_of(g.op), g.dtype), fusion.nbytes(g))
+        buckets = fusion.plan_buckets([(g, (state.lane_of(g.op), g.dtype), fusion.nbytes(g))
                                        for g in dense], cfg.get("communication.max_splits"))
         for b, ((stage, _), grads) in enumerate(buckets):
             comm = comm_for(stage, b + len(owners))
@@ -80,7 +80,7 @@ def reduce_gradients(state, site):
                 installs.append((g, [out["grads"][c][i] for c in range(users)]))
         for g, _ in pairs:
             if isinstance(g, tf.IndexedSlices):
-                comm = comm_for(state.stage_of(g.values.op), 0)
+                comm = comm_for(state.lane_of(g.values.op), 0)
                 values = comm.all_gather([state.output(c, g.values) for c in range(n)])
                 indices = comm.all_gather([state.output(c, g.indices) for c in range(n)])
                 for c in range(n):
@@ -123,7 +123,7 @@ def _owner_ranks(state, pairs):
         if isinstance(g, tf.IndexedSlices):
             continue
         device = state.zero_owners.get(variable_behind(x))
-        devices = [sd[state.stage_of(g.op)] for sd in state.stage_devices]
+        devices = [sd[state.lane_of(g.op)] for sd in state.stage_devices]
         if device in devices:
             out[g] = devices.index(device)
     return out

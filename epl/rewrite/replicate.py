@@ -137,12 +137,12 @@ def _describe(state, ops, templates):
         # TensorFlow allows, it runs on its stage, like the rest of its clone)
         for t in () if _apart(op) else inputs:
             if ir.is_state_handle(t) and t.op.type in VARIABLE_OPS:
-                where = ("variable", t.op, t.op in members, state.stage_of(op))
+                where = ("variable", t.op, t.op in members, state.lane_of(op))
                 break
         if op.type in VARIABLE_OPS and state.cluster.offload:
             where = ("host",)
         out.append((op, base, own, inputs, op.control_inputs,
-                    where or ("stage", state.stage_of(op))))
+                    where or ("stage", state.lane_of(op))))
     return members, out
 
 

@@ -125,7 +125,7 @@ def schedule_pipeline(state, orders):
                     continue
                 if previous_end is not None:
                     deferred.add_control_edges(state.graph, [previous_end.name], entries)
-                with new_ops(state.graph), tf.device(state.stage_devices[by_micro[m]][s]):
+                with new_ops(state.graph), tf.device(state.stage_devices[by_micro[m]][state.stage_lane(s)]):
                     previous_end = tf.no_op(name="EPL_SCHEDULE/r%d_s%d_%s%d_end"
                                             % (r, s, kind, m))
                 deferred.add_control_edges(state.graph, exits, [previous_end.name])

@@ -70,10 +70,12 @@ def place(state):
         for op in tg.ops:
             if state.ir_graph.phase_of(op) == ir.REWRITE:
                 continue
-            shard = state.ir_graph.shard_of(op) or 0
             if "_class" in op.node_def.attr:
                 tfg.clear_colocation(op)
-            tfg.set_device(op, devices[shard])
+            if state.layout.split_groups:   # (group 0's device of the op's stage and shard)
+                tfg.set_device(op, state.stage_devices[0][state.lane_of(op)])
+            else:
+                tfg.set_device(op, devices[state.ir_graph.shard_of(op) or 0])
 
 
 def _split_ops(state):

@@ -28,15 +28,17 @@ class UndeclaredProduct(RuntimeError):
 
 
 def lane_of(ir_graph, layout, stage_index, op):
-    """Which of a clone's devices runs ``op``: its pipeline stage (``stage_index``:
-    {taskgraph index: stage}), or, in data-parallel split groups
-    (``layout.split_groups``), its shard; 0 for the ops of no scope."""
+    """Which of a clone's devices runs ``op`` (``stage_devices[c][lane]``): the device of
+    its pipeline stage (``stage_index``: {taskgraph index: stage}), or, when split scopes
+    are copied per clone (``layout.split_groups``), of its shard in its stage; 0 for the
+    ops of no scope."""
     tg = ir_graph.taskgraph_of(op)
     if tg is None:
         return 0
+    stage = stage_index[tg.index] if layout.num_stages > 1 else 0
     if layout.split_groups:
-        return ir_graph.shard_of(op) or 0
-    return stage_index[tg.index] if layout.num_stages > 1 else 0
+        return stage * layout.device_count + (ir_graph.shard_of(op) or 0)
+    return stage
 
 
 class RewritePlan(object):
@@ -85,13 +87,22 @@ class RewritePlan(object):
         return len(self.devices)
 
     def stage_of(self, op):
+        """The pipeline stage of ``op`` (0 without a pipeline, or outside the scopes)."""
+        tg = self.ir_graph.taskgraph_of(op)
+        return self.stage_index[tg.index] if tg is not None and self.layout.num_stages > 1 else 0
+
+    def lane_of(self, op):
         """The lane of a clone that runs ``op`` (``stage_devices[c][lane]``, see
         :func:`lane_of`)."""
         return lane_of(self.ir_graph, self.layout, self.stage_index, op)
 
+    def stage_lane(self, stage):
+        """The first lane of a pipeline stage (its first shard's, in split groups)."""
+        return stage * self.layout.device_count if self.layout.split_groups else stage
+
     def device_for(self, c, op):
-        """Where clone c runs ``op``: the device of the op's stage."""
-        return self.stage_devices[c][self.stage_of(op)]
+        """Where clone c runs ``op``: the device of the op's lane."""
+        return self.stage_devices[c][self.lane_of(op)]
 
     def host_device(self, c):
         """Host memory of clone c's worker (``offload.level``: the variables live there)."""
@@ -103,10 +114,10 @@ class RewritePlan(object):
         """Clone c owns its replica's variables and update (micro-batch 0)."""
         return self.reps[c] == c
 
-    def communicator(self, name, stage=0):
-        """A communicator over this worker's clones (their devices of ``stage``) that also
+    def communicator(self, name, lane=0):
+        """A communicator over this worker's clones (their devices of ``lane``) that also
         spans the other workers."""
-        devices = [sd[stage] for sd in self.stage_devices]
+        devices = [sd[lane] for sd in self.stage_devices]
         if self.in_graph:   # devices of several processes in one graph: TF moves the data
             return communicators.InGraphCommunicator(devices, name)
         return communicators.create(devices, name,
