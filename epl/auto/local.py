@@ -195,7 +195,8 @@ def cluster_dict(figures, devices, memory_bytes=None):
                 devices_per_node=int(devices), device=device,
                 intra=dict(link, kind="shm-inprocess"),
                 inter=dict(link, kind="tcp-loopback", nics_per_node=1),
-                accumulate_in_place=False, fusion_buffer=False, stage_cut="epl")
+                accumulate_in_place=False, fusion_buffer=False, stage_cut="epl",
+                shared_cores=True)
 
 
 def _host_memory():

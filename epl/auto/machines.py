@@ -131,6 +131,9 @@ class Cluster(object):
         # the presets) or "epl" (EPL's automatic cut of the built graph, measured here:
         # Cluster.local; a model priced with repeated blocks falls back to "even").
         self.stage_cut = "even"
+        # Devices that share one machine's cores (Cluster.local's virtual devices): an
+        # idle device's share goes to the busy ones
+        self.shared_cores = False
 
     @property
     def num_devices(self):
@@ -176,7 +179,8 @@ class Cluster(object):
         return dict(name=self.name, nodes=self.nodes, devices_per_node=self.devices_per_node,
                     device=self.device.to_dict(), intra=self.intra.to_dict(),
                     inter=self.inter.to_dict(), accumulate_in_place=self.accumulate_in_place,
-                    fusion_buffer=self.fusion_buffer, stage_cut=self.stage_cut)
+                    fusion_buffer=self.fusion_buffer, stage_cut=self.stage_cut,
+                    shared_cores=self.shared_cores)
 
     def to_json(self, path=None):
         text = json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -198,6 +202,7 @@ class Cluster(object):
         out.accumulate_in_place = bool(d.get("accumulate_in_place", True))
         out.fusion_buffer = bool(d.get("fusion_buffer", True))
         out.stage_cut = d.get("stage_cut", "even")
+        out.shared_cores = bool(d.get("shared_cores", False))
         return out
 
     @classmethod

@@ -165,6 +165,15 @@ def price(profile, layout, cluster, global_batch=None):
     # EPL's automatic checkpoints are separators too (where the model has few, little is
     # recomputed): its share of the activations is read from the built graph (one
     # stage); for pipelines or repeated blocks bounded by the activations without it
+    # Devices that share one machine's cores (Cluster.local: each priced at total / N)
+    # get the cores of the idle ones: N / busy, a stage counting by its work against
+    # the busiest one's (EPL's cut of the GPT leaves stage 0 the embedding alone: idle)
+    bandwidth = dev.memory_bandwidth
+    if cluster.shared_cores and staged is not None:
+        work = [flops(r) / flops_s + pw(r) / bandwidth for r in staged]
+        busy = t * d * sum(w / max(max(work), 1e-30) for w in work)
+        speedup = cluster.num_devices / max(1.0, busy)
+        flops_s, bandwidth = flops_s * speedup, bandwidth * speedup
     gc_share = None
     if lay.recompute and cluster.stage_cut == "epl":
         gc_share = profile.gc_fraction if p == 1 and profile.gc_fraction else 1.0
@@ -180,7 +189,7 @@ def price(profile, layout, cluster, global_batch=None):
         pointwise = sum(pw(r) for r in regions + extra) * mb
         compute = (3 * fwd + recompute) / flops_s + (3 * pointwise + (
             sum(pw(r) for r in recomputed) * mb if lay.recompute else 0.0)) \
-            / dev.memory_bandwidth + dev.op_overhead * sum(r.ops for r in regions + extra)
+            / bandwidth + dev.op_overhead * sum(r.ops for r in regions + extra)
         ar = [b * mb * act_scale for r in regions + extra for b in r.allreduce_bytes]
         ar_block = [b * mb * act_scale for r in regions for b in r.allreduce_bytes]
         tp = 2 * sum(tp_allreduce_s(b, cluster, t) for b in ar) if t > 1 else 0.0
