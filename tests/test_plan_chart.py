@@ -154,3 +154,20 @@ def test_epls_automatic_checkpoints_keep_their_share(small):
     preset = Cluster.preset("a100-80gb")
     block = price(prof, Layout(t=1, p=1, d=1, recompute=True), preset).breakdown["stages"][0]
     assert block["activations"] < acts[0] * 0.6
+
+
+def test_plan_skips_stages_epls_cut_cannot_make(small):
+    """A model whose forward pass EPL cannot cut (no separator) runs no pipeline under
+    auto.auto_parallel: plan on Cluster.local offers none, and price says why."""
+    import copy
+    from epl.auto import plan
+    from epl.auto.layout import Layout
+    _, prof = small
+    uncut = copy.copy(prof)
+    uncut.cut, uncut._stages = dict(prof.cut, cuts=[]), {}
+    with pytest.raises(ValueError, match="at most 1 pipeline stages"):
+        price(uncut, Layout(t=1, p=2, d=1, num_micro_batch=2), _local(2))
+    report = plan(None, None, None, _local(2), 8, profile=uncut)
+    assert report.candidates and all(c.layout.p == 1 for c in report.candidates)
+    assert any(c.layout.p == 2 for c in plan(None, None, None, _local(2), 8,
+                                              profile=prof).candidates)

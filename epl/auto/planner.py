@@ -142,7 +142,10 @@ def plan(model_fn, dataset_fn, optimizer_fn, cluster, global_batch, layers=None,
     limit = memory_limit_bytes or cluster.device.memory
     feasible, infeasible = [], []
     for lay in layouts(prof, cluster, global_batch, dtype=dtype, **options):
-        pred = price(prof, lay, cluster, global_batch)
+        try:
+            pred = price(prof, lay, cluster, global_batch)
+        except ValueError:          # more stages than EPL's automatic cut can make
+            continue
         cand = Candidate(lay, pred, cluster.devices_per_node)
         (feasible if pred.peak_memory_bytes <= limit else infeasible).append(cand)
     feasible.sort(key=lambda c: (-c.prediction.samples_per_s, c.prediction.peak_memory_bytes))
