@@ -8,6 +8,9 @@ docs/plan.md; in short, per pipeline stage and micro-batch:
   forward, as many backward and in the recomputed forward), ring over the node's links;
 * pipeline: (m - 1) x slowest stage + sum of the stages (1F1B, GPipe); the interleaved
   schedule divides the fill and drain by its chunks; sends of the boundary tensors;
+* stages: contiguous blocks by count (Megatron, the presets) or, on EPL's runtime
+  (``Cluster.stage_cut == "epl"``), the cut EPL's ``auto.auto_parallel`` makes of the
+  built graph (``Profile.epl_stages``), priced with EPL's own checkpoint rule;
 * data parallelism: the gradient all-reduce of the fullest stage (hierarchical: within
   a node, then across nodes over the node's NICs), less what hides behind the last
   micro-batch's backward; the optimizer's update at memory bandwidth; offload's copies.
@@ -162,9 +165,6 @@ def price(profile, layout, cluster, global_batch=None):
     # EPL's runtime cuts the stages itself (auto.auto_parallel): by cost, only where one
     # tensor carries everything later ops need; Megatron (the presets) by block count
     staged = profile.epl_stages(p) if p > 1 and cluster.stage_cut == "epl" else None
-    # EPL's automatic checkpoints are separators too (where the model has few, little is
-    # recomputed): its share of the activations is read from the built graph (one
-    # stage); for pipelines or repeated blocks bounded by the activations without it
     # Devices that share one machine's cores (Cluster.local: each priced at total / N)
     # get the cores of the idle ones: N / busy, a stage counting by its work against
     # the busiest one's (EPL's cut of the GPT leaves stage 0 the embedding alone: idle)
@@ -174,6 +174,9 @@ def price(profile, layout, cluster, global_batch=None):
         busy = t * d * sum(w / max(max(work), 1e-30) for w in work)
         speedup = cluster.num_devices / max(1.0, busy)
         flops_s, bandwidth = flops_s * speedup, bandwidth * speedup
+    # EPL's automatic checkpoints are separators too (where the model has few, little is
+    # recomputed): its share of the activations is read from the built graph (one
+    # stage); for pipelines or repeated blocks bounded by the activations without it
     gc_share = None
     if lay.recompute and cluster.stage_cut == "epl":
         gc_share = profile.gc_fraction if p == 1 and profile.gc_fraction else 1.0
