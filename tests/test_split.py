@@ -488,12 +488,15 @@ def test_split_with_more_devices_than_a_worker_has():
 
 
 def test_split_leaving_devices_idle_is_refused():
-    epl.init(epl.Config({"cluster.devices_per_worker": 4}))
+    """split(2) alone on 4 devices is 2 data-parallel groups (tests/test_split_hybrids.py);
+    on 3 devices one would sit idle: refused, naming the fix."""
+    epl.init(epl.Config({"cluster.devices_per_worker": 3}))
     px, py = _placeholders()
     with epl.split(2):
         _, loss, _ = sm.mlp(px, py, sm.init_values())
     sm.train_op(loss)
-    with pytest.raises(LayoutError, match=r"uses 2 devices but this job has 4.*epl.split\(4\)"):
+    with pytest.raises(LayoutError, match=r"3 devices cannot be divided into split groups of "
+                                          r"2 .*epl.split\(3\)"):
         tf.Session().run(tf.global_variables_initializer())
 
 

@@ -365,8 +365,8 @@ def test_pipeline_of_split_and_replicate_scopes_is_refused_by_name():
 def test_two_workers_replicas_and_split_blocks_match_local(tmp_path):
     """2 workers x 2 devices (epl-launch), in-graph: the replicated embeddings and head
     on worker 0's devices, the blocks split over worker 1's; the local model on the
-    global batch.  (Each worker splitting over its own devices, data parallel across
-    the workers, is not built: see the refusal above.)"""
+    global batch.  (Each worker splitting over its own devices: the split groups'
+    test below.)"""
     from tests.test_multi_worker import HERE, launch
     code, out = launch(["--num_workers", "2", "--gpu_per_worker", "2",
                         os.path.join(HERE, "mw_split_hybrid.py"), str(tmp_path)],

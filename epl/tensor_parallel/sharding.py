@@ -15,6 +15,7 @@ from epl import ir
 from epl.core import layout
 from epl.core.process_state import Env
 from epl.ir.strategies import current_strategy
+from epl.tensor_parallel import checkpoint_slices
 from epl.tf_adapter import graph as tfg
 
 _local = threading.local()
@@ -163,6 +164,7 @@ def mark_slice(var, full_name, full_shape, axis, offset):
     var_offset[axis] = offset
     tfg.set_save_slice_info(var, tf.Variable.SaveSliceInfo(
         full_name, list(full_shape), var_offset, var.shape.as_list()))
+    checkpoint_slices.note_shard(var)
     return var
 
 

@@ -2,7 +2,7 @@
 contiguous row shards, shard i on device i.
 
 It is TensorFlow's own partitioned variable (``fixed_size_partitioner``), so
-the user's code keeps working: math ops read the concatenation, the optimizer
+the user's code keeps working: math ops and indexing read the concatenation, the optimizer
 updates every shard where it lives, ``tf.nn.embedding_lookup`` gathers rows
 shard by shard, and checkpoints hold the full variable under its local name
 (restorable into the unsplit model and into any other shard count).
@@ -14,7 +14,7 @@ import inspect
 import tensorflow as tf
 
 from epl import ir
-from epl.tensor_parallel import sharding
+from epl.tensor_parallel import checkpoint_slices, sharding
 from epl.tf_adapter import graph as tfg
 from epl.tf_adapter import variables as tf_variables
 
@@ -22,7 +22,7 @@ from epl.tf_adapter import variables as tf_variables
 def get_variable(original, scope, var_store, name, *args, **kwargs):
     strategy = sharding.active_split() if sharding.routing() else None
     if strategy is None:
-        return original(scope, var_store, name, *args, **kwargs)
+        return checkpoint_slices.companion(original(scope, var_store, name, *args, **kwargs))
     bound = inspect.signature(original).bind(scope, var_store, name, *args, **kwargs)
     params = bound.arguments
     shape = params.get("shape")
@@ -45,24 +45,28 @@ def get_variable(original, scope, var_store, name, *args, **kwargs):
             or dims[0] is None or dims[0] < n or n == 1):
         return original(*bound.args, **bound.kwargs)
     params["partitioner"] = tf.compat.v1.fixed_size_partitioner(n, axis=0)
-    if _is_constant(params.get("initializer")):
-        params["initializer"] = _sliced(params["initializer"])
+    init = params.get("initializer")
+    if init is None and tf.as_dtype(params.get("dtype") or tf.float32).is_floating:
+        init = tf.compat.v1.glorot_uniform_initializer()   # (tf.get_variable's default)
+    if init is not None:
+        params["initializer"] = _sliced(init)
     graph = tf.compat.v1.get_default_graph()
     first = tfg.last_op_id(graph) + 1
     var = original(*bound.args, **bound.kwargs)
     if tf_variables.is_partitioned(var):
+        tf_variables.indexable(var)   # (``table[None]``: a user's code for a plain variable)
         var._epl_split = True  # pylint: disable=protected-access
         _tag_parts(graph, var, first)
+        for part in var:
+            checkpoint_slices.note_shard(part)
     return var
 
 
-def _is_constant(init):
-    return isinstance(init, tf.compat.v1.constant_initializer)   # (the class, both lines)
-
-
 def _sliced(init):
-    """A constant initializer gives each shard its rows of the full value (TF's own
-    constant initializer ignores the partition and would not fit a shard)."""
+    """Each shard starts as its rows of the full initial value, as the unsplit variable
+    would: a seeded random initializer gives the unsplit model's values, a fan-scaled one
+    (glorot) its scale, and a constant fits (TF's own ignores the partition).  The full
+    value is made once per shard, at initialization only."""
     def make(shape, dtype=None, partition_info=None):
         if partition_info is None:
             return init(shape, dtype=dtype)

@@ -278,6 +278,12 @@ def set_save_slice_info(variable, info):
     variable._set_save_slice_info(info)  # pylint: disable=protected-access
 
 
+def save_slice_info(variable):
+    """The ``tf.Variable.SaveSliceInfo`` ``variable`` is checkpointed as (a shard of a
+    partitioned variable), or None."""
+    return variable._get_save_slice_info()  # pylint: disable=protected-access
+
+
 def all_saveable_objects():
     """What a default ``Saver`` saves: global variables and saveable objects."""
     from tensorflow.python.ops import variables
