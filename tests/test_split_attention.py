@@ -15,7 +15,6 @@ import tensorflow.compat.v1 as tf
 
 import epl
 from epl import ir
-from tests import split_models as sm
 from tests import transformer_models as tm
 
 STEPS, BATCH = 6, 4
@@ -128,22 +127,28 @@ def test_traced_step_runs_attention_products_on_every_device(tmpdir):
     with epl.split(n):
         loss = model.build(pi, pl)
     op = _adam(loss)
-    meta = tf.RunMetadata()
     with tf.Session() as sess:
         sess.run(tf.global_variables_initializer())
         sess.run(op, {pi: ids, pl: labels})
-        sess.run(op, {pi: ids, pl: labels},
-                 options=tf.RunOptions(trace_level=tf.RunOptions.FULL_TRACE),
-                 run_metadata=meta)
-    devices = {}
+        devices = traced_products(sess, op, {pi: ids, pl: labels})
+    assert len(devices) == n, devices
+
+
+def traced_products(sess, fetch, feed):
+    """{device: names of the block_0 attention products (forward, every clone's) it ran}
+    in one traced step (``FULL_TRACE``)."""
+    meta = tf.RunMetadata()
+    sess.run(fetch, feed, options=tf.RunOptions(trace_level=tf.RunOptions.FULL_TRACE),
+             run_metadata=meta)
+    ran = {}
     for dev in meta.step_stats.dev_stats:
         if "/device:" not in dev.device:
             continue   # (the tracer's host-side entries)
         for node in dev.node_stats:
-            if node.node_name.startswith("block_0/") and "gradients" not in node.node_name \
+            if "block_0/" in node.node_name and "gradients" not in node.node_name \
                     and "MatMul" in node.node_name and "/shard_" in node.node_name:
-                devices.setdefault(dev.device, set()).add(node.node_name)
-    assert len(devices) == n, devices
+                ran.setdefault(dev.device.split("device:")[-1], set()).add(node.node_name)
+    return ran
 
 
 def test_dropout_on_sharded_probabilities_stays_sharded():

@@ -19,6 +19,7 @@ import tensorflow.compat.v1 as tf
 
 import epl
 from tests.corpus import bert
+from tests.test_split_attention import _assert_same
 
 STEPS, BATCH = 5, 4
 
@@ -48,13 +49,6 @@ def _train(tmpdir, name, n=None, loss_rows=None):
     reader = tf.train.load_checkpoint(path)
     weights = {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()}
     return np.array(losses), weights, tf.get_default_graph()
-
-
-def _assert_same(got, want):
-    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, err_msg="losses")
-    assert sorted(got[1]) == sorted(want[1])
-    for k in sorted(want[1]):
-        np.testing.assert_allclose(got[1][k], want[1][k], rtol=1e-5, atol=1e-5, err_msg=k)
 
 
 def _attention_devices(graph):

@@ -37,6 +37,7 @@ from epl.features import gradient_checkpoint
 from epl.rewrite.updates import VARIABLE_OPS
 from tests import models
 from tests import transformer_models as tm
+from tests.test_split_attention import traced_products
 
 STEPS, BATCH = 4, 4
 
@@ -142,23 +143,6 @@ def test_two_replicas_and_split_blocks_match_local(extra, tmpdir):
 
 # -- data-parallel split groups: 2 groups x split(2) ------------------------------------
 
-def _traced_products(graph, sess, fetch, feed):
-    """{device: names of the block_0 attention products (forward) it ran} in one traced
-    step (``FULL_TRACE``)."""
-    meta = tf.RunMetadata()
-    sess.run(fetch, feed, options=tf.RunOptions(trace_level=tf.RunOptions.FULL_TRACE),
-             run_metadata=meta)
-    ran = {}
-    for dev in meta.step_stats.dev_stats:
-        if "/device:" not in dev.device:
-            continue   # (the tracer's host-side entries)
-        for node in dev.node_stats:
-            if "block_0/" in node.node_name and "gradients" not in node.node_name \
-                    and "MatMul" in node.node_name and "/shard_" in node.node_name:
-                ran.setdefault(dev.device.split("device:")[-1], set()).add(node.node_name)
-    return ran
-
-
 @pytest.mark.parametrize("extra", ["", "per_device", "zero", "gc"])
 def test_split_groups_match_local(extra, tmpdir):
     """Every scope ``split(2)`` on 4 devices: 2 groups (data parallel), each its half of
@@ -206,7 +190,7 @@ def test_split_groups_run_their_products_on_their_devices(tmpdir):
     op = _adam(tm.Decoder(scope=lambda i: epl.split(2)).build(pi, pl))
     with tf.Session() as sess:
         sess.run(tf.global_variables_initializer())
-        ran = _traced_products(tf.get_default_graph(), sess, op, {pi: ids, pl: labels})
+        ran = traced_products(sess, op, {pi: ids, pl: labels})
     assert sorted(ran) == ["CPU:0", "CPU:1", "CPU:2", "CPU:3"], ran
 
 
