@@ -99,8 +99,9 @@ def refused(name, config):
     cfg = config if isinstance(config, dict) else {}
     if name == "tensor_parallel" and int(cfg.get("degree", 1)) > 1:
         return ("tensor parallelism is the model's own epl.split blocks (docs/split.md); "
-                "accelerate does not split a model: build the blocks under epl.split(%d)"
-                % int(cfg["degree"]))
+                "accelerate does not split a model: build the blocks under epl.split(%d) "
+                "(EPL runs it as devices / %d data-parallel groups)"
+                % (int(cfg["degree"]), int(cfg["degree"])))
     if name == "pipeline" and cfg.get("schedule", "1f1b") not in ("1f1b", "gpipe"):
         return ("EPL runs the 1f1b and gpipe schedules, not %r (priced by epl.auto.predict "
                 "only)" % cfg.get("schedule"))
