@@ -25,10 +25,12 @@ def _mlp_losses(config):
         return [sess.run([loss, op])[0] for _ in range(STEPS)], tf.get_default_graph()
 
 
-def _bert_losses(config):
+def _bert_losses(config, annotate=False):
     models.reset()
     if config is not None:
         epl.init(epl.Config(config))
+        if annotate:   # (EPL places every op: on the CPU device, not TF's XLA_CPU)
+            epl.set_default_strategy(epl.replicate(1))
     features = bert.batches(bert.data(STEPS * 8), 8)
     loss = bert.model(features)
     op = bert.train_op(loss, num_steps=STEPS, careful=True)
@@ -77,6 +79,25 @@ def test_bfloat16_loss_curve_follows_float32(build):
     assert tf.float16 not in types and len(types[tf.bfloat16]) >= 3, types
     assert not [v for v in tf.global_variables()
                 if v.dtype.base_dtype in (tf.float16, tf.bfloat16)]
+
+
+def test_bfloat16_products_without_a_kernel_stay_float32():
+    """A placed model (replicate(1)): a product TensorFlow has no bfloat16 kernel for on
+    the device (TF 1.15's CPU: BatchMatMulV2, Conv2D) stays float32 instead of failing
+    with "Cannot assign a device" at the first run; the others run in bfloat16."""
+    from epl.tf_adapter import op_types
+    want, _ = _bert_losses(None)
+    got, graph = _bert_losses({"amp.level": "O1", "amp.dtype": "bfloat16",
+                               "amp.loss_scale": 1, "cluster.devices_per_worker": 1},
+                              annotate=True)
+    np.testing.assert_allclose(got, want, rtol=3e-2)
+    for op in graph.get_operations():
+        if op.type in ("MatMul", "BatchMatMulV2", "BatchMatMul"):
+            assert op.device, op.name
+            if op.get_attr("T") == tf.bfloat16:
+                assert op_types.has_kernel(op.type, tf.bfloat16, "CPU"), op.name
+    assert [op for op in graph.get_operations() if op.type == "MatMul"
+            and op.get_attr("T") == tf.bfloat16]
 
 
 def test_amp_dtype_checked():

@@ -71,9 +71,26 @@ def enabled(config):
 
 
 def half_dtype():
-    """``amp.dtype``: float16, or bfloat16 (TF 1.15's CPU kernels of MatMul,
-    BatchMatMul(V2) and Conv2D and their gradients take it)."""
+    """``amp.dtype``: float16, or bfloat16 (not every product has a bfloat16 kernel on
+    every device: see ``_has_half_kernel``)."""
     return tf.bfloat16 if Env.get().config.get("amp.dtype") == "bfloat16" else tf.float16
+
+
+_WARNED = set()
+
+
+def _has_half_kernel(op_type, half):
+    """TensorFlow can run ``op_type`` in ``half`` on the job's devices (TF 1.15's CPU has
+    a bfloat16 MatMul but no bfloat16 BatchMatMulV2 or Conv2D): the others stay float32,
+    said once, instead of failing with "Cannot assign a device" at the first run."""
+    device = "GPU" if Env.get().cluster.device_type == "gpu" else "CPU"
+    if op_types.has_kernel(op_type, half, device):
+        return True
+    if (op_type, half) not in _WARNED:
+        _WARNED.add((op_type, half))
+        log.warning("EPL AMP: TensorFlow %s has no %s kernel of %s on %s: these products "
+                    "stay float32.", tf.__version__, half.name, op_type, device)
+    return False
 
 
 def convert(graph, ys):
@@ -82,7 +99,8 @@ def convert(graph, ys):
     converted = state_of(epl_graph).converted
     half = half_dtype()
     todo = [op for op in ir.upstream([y.op for y in ys], control=False)
-            if op.type in ALLOW and op not in converted and _convertible(epl_graph, op)]
+            if op.type in ALLOW and op not in converted and _convertible(epl_graph, op)
+            and _has_half_kernel(op.type, half)]
     for op in sorted(todo, key=tfg.op_id):
         tg = epl_graph.taskgraph_of(op)
         g = op.graph

@@ -28,3 +28,31 @@ def einsum_products():
     """The op types that compute ``tf.einsum``'s products on this line (what an einsum
     sharded by ``epl.split`` runs once per shard)."""
     return _EINSUM or frozenset(["MatMul", "BatchMatMulV2"])
+
+
+_KERNELS = {}
+
+
+def has_kernel(op_type, dtype, device_type):
+    """TensorFlow has a kernel of ``op_type`` for ``dtype`` (its attribute ``T``) on
+    ``device_type`` ("CPU" / "GPU"): e.g. TF 1.15's CPU has bfloat16 MatMul but not
+    BatchMatMulV2 or Conv2D.  True when the registry cannot be read (then TensorFlow
+    says so at run time)."""
+    key = (op_type, dtype, device_type)
+    if key not in _KERNELS:
+        try:
+            from tensorflow.python.framework import kernels
+            registered = kernels.get_registered_kernels_for_op(op_type).kernel
+        except Exception:  # pylint: disable=broad-except
+            _KERNELS[key] = True
+            return True
+        found = False
+        for kernel in registered:
+            if kernel.device_type != device_type:
+                continue
+            limits = [c for c in kernel.constraint if c.name == "T"]
+            if not limits or dtype.as_datatype_enum in limits[0].allowed_values.list.type:
+                found = True
+                break
+        _KERNELS[key] = found
+    return _KERNELS[key]
