@@ -30,7 +30,10 @@ CASES = {
     "more stages than devices": lambda: PipelineLayout(1, 2, 4, 1),
     "stages do not divide the devices": lambda: PipelineLayout(3, 2, 4, 3),
     "split wider than the job": lambda: plan(_cluster(4), [TG("split", 8, "s")], _cfg()),
-    "split leaves devices idle": lambda: plan(_cluster(4), [TG("split", 2, "s")], _cfg()),
+    "split leaves devices idle": lambda: plan(_cluster(3), [TG("split", 2, "s")], _cfg()),
+    "split stages do not divide the devices": lambda: plan(
+        _cluster(4), [TG("split", 2, "a"), TG("split", 2, "b"), TG("split", 2, "c")],
+        _cfg(pipeline__num_micro_batch=2)),
     "split takes every device": lambda: plan(
         _cluster(4), [TG("replicate", 1, "r"), TG("split", 4, "s")], _cfg()),
     "pipeline from a cluster of one device": lambda: plan(
