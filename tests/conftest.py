@@ -39,11 +39,25 @@ tf.logging.set_verbosity(tf.logging.ERROR)
 HAS_ESTIMATOR = hasattr(tf, "estimator")
 
 
+# Test files whose subject is the processes around TensorFlow (the launcher, restarts,
+# Slurm and MPI, network-namespace hosts, the benchmark watchdog): Python that is the
+# same on every TensorFlow line.  EPL_TEST_LAUNCHERS=0 skips them: CI's run of the
+# TF 2.x line sets it (they run on the default line there) to keep CI's total short.
+# test_multi_worker.py (TF's distributed runtime under epl-launch) runs on every line.
+LAUNCHER_FILES = frozenset([
+    "test_cluster_managers.py", "test_restarts.py", "test_netns.py", "test_launcher.py",
+    "test_launcher_faults.py", "test_benchmark_watchdog.py"])
+SKIP_LAUNCHERS = os.environ.get("EPL_TEST_LAUNCHERS", "1") == "0"
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "estimator: needs tf.estimator (TF 1.15; TF 2.x < 2.16)")
 
 
 def pytest_runtest_setup(item):
+    if SKIP_LAUNCHERS and os.path.basename(str(item.fspath)) in LAUNCHER_FILES:
+        pytest.skip("EPL_TEST_LAUNCHERS=0: the launcher's tests run on the default line "
+                    "(their code is the same on every TensorFlow line)")
     if item.get_closest_marker("estimator") and not HAS_ESTIMATOR:
         pytest.skip("tf.estimator is not in TensorFlow %s (removed in 2.16; the TF=2.15 "
                     "line has it: make test-estimator TF=2.15)" % tf.VERSION)
