@@ -147,7 +147,7 @@ class PipelineLayout(object):
         return [[c] for c in clone_indices]
 
 
-class SplitGroupLayout(object):
+class SplitGroupLayout(PipelineLayout):
     """Split scopes copied per clone: a model whose every TaskGraph is an
     ``epl.split(t)`` scope, on more devices than ``t``, or with micro-batches.
 
@@ -161,11 +161,15 @@ class SplitGroupLayout(object):
 
     ``devices[r][s * t + j]``: the global device of shard ``j`` of stage ``s`` of group
     ``r``: a clone's lane ``s * t + j`` (``stage_device``).  The gradients of shard
-    ``j``'s variables are reduced among the groups' devices of that lane.
+    ``j``'s variables are reduced among the groups' devices of that lane.  Clones,
+    their representatives (micro-batch 0 owns the group's variables and update) and
+    input pulls are a ``PipelineLayout``'s.
     """
 
     def __init__(self, total_devices, split_count, splits, num_stages=1, num_micro_batch=1,
                  name="split"):
+        # (its own checks and rows: a stage is t devices here; PipelineLayout's methods
+        # read only the attributes set below)
         per_group = num_stages * split_count
         what = ("%d pipeline stages of %s" % (num_stages, name) if num_stages > 1 else name)
         if per_group > total_devices or total_devices % per_group:
@@ -191,23 +195,9 @@ class SplitGroupLayout(object):
         self.split_devices = {tg: list(self.devices[0]) for tg in splits}
 
     @property
-    def num_clones(self):
-        return len(self.clones)
-
-    @property
     def lanes(self):
         """Devices one clone (a group, or a micro-batch of it) runs on: its shards'."""
         return self.num_stages * self.device_count
-
-    def stage_device(self, c, lane):
-        return self.devices[self.clones[c][0]][lane]
-
-    def representative(self, c):
-        """Micro-batch 0 of clone c's group (it owns the group's variables and update)."""
-        return c - self.clones[c][1]
-
-    def pull_groups(self, clone_indices):
-        return [[c] for c in clone_indices]
 
 
 def plan(cluster, taskgraphs, config):

@@ -65,7 +65,8 @@ def reduce_gradients(state, site):
                     tfg.add_control_inputs(out[c].op, [last[comm][c].op])
             last[comm] = out
             installs.append((g, [out[root]]))
-        # Buckets never mix pipeline stages: a stage's gradients live on its devices.
+        # Buckets never mix lanes (pipeline stages, split shards): a lane's gradients
+        # live on its devices.
         buckets = fusion.plan_buckets([(g, (state.lane_of(g.op), g.dtype), fusion.nbytes(g))
                                        for g in dense], cfg.get("communication.max_splits"))
         for b, ((stage, _), grads) in enumerate(buckets):
