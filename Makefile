@@ -74,7 +74,8 @@ test: setup
 # disable_v2_behavior(); .ci/run runs this too on the TF 2.x line.
 ORACLE_TESTS := $(addprefix tests/test_,$(addsuffix .py,data_parallel pipeline split layouts \
 	zero gradient_checkpoint amp offload grouped_apply accumulate_runs moe_user_layer \
-	static_shapes corpus update_paths gradient_paths auto_stages read_order metrics split_attention split_comm split_bert))
+	static_shapes corpus update_paths gradient_paths auto_stages read_order metrics split_attention split_comm split_bert \
+	split_hybrids))
 test-eager-off: setup
 	@if [ "$(TF)" != 2 ]; then echo "make test-eager-off: a TF 2.x mode; use TF=2"; exit 2; fi
 	EPL_TEST_GRAPH_MODE=eager_off $(PY) -m pytest -q $(ORACLE_TESTS) -k "not under_load"
