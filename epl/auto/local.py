@@ -16,17 +16,38 @@ measures again):
 * ``allreduce``: bandwidth and latency of EPL's all-reduce between 2 virtual devices
   (``epl.communicators.create``: the in-process shared-memory kernel), from 64 KiB and
   8 MiB tensors.
+
+Measured when first asked for (``cross_process``; ``Cluster.local(devices, processes=P)``),
+and kept in the same cache under keys of their own (``xproc_shm``, ``xproc_tcp``), so a
+cache without them still loads:
+
+* ``xproc_shm``: EPL's all-reduce between 2 worker processes of this machine, the path a
+  multi-worker job's gradients take here (``HierarchicalCommunicator``'s cross-worker
+  step: the C++ ``EplAllReduce`` over the ``shm`` transport), bandwidth and latency from
+  64 KiB and 8 MiB tensors, each rank in a process of its own;
+* ``xproc_tcp``: the same over EPL's TCP ring (``tcp`` transport, between 127.0.0.2 and
+  127.0.0.3): the path between hosts (here, network-namespace hosts).
 """
 import json
 import os
 import platform
 import socket
+import subprocess
+import sys
+import tempfile
 import time
+import uuid
 
 from epl import communicators
 
 CACHE_VERSION = 1
 _SIZES = (256, 512, 1024)
+TRANSPORTS = ("shm", "tcp")
+# EPL's cross-process all-reduce (csrc/crossproc.cc) first exchanges each rank's element
+# count around the ring (size - 1 steps), then reduce-scatters and all-gathers (2 (size - 1)
+# steps): 3 (size - 1) one-way trips against the 2 (size - 1) ring steps the predictor
+# prices, so an added one-way latency L costs 1.5 L per priced ring step.
+LATENCY_TRIPS_PER_RING_STEP = 1.5
 
 
 def cache_path():
@@ -140,27 +161,154 @@ def _allreduce(tf, repeats, quick):
             sess.run(v1.global_variables_initializer())
             for size in sizes:
                 times[size] = _timed(sess, fetches[size], repeats)
-    small, large = sizes
-    bus = lambda s: 2.0 * (2 - 1) / 2 * s    # noqa: E731
-    bandwidth = (bus(large) - bus(small)) / max(times[large] - times[small], 1e-9)
-    latency = max(times[small] - bus(small) / bandwidth, 0.0) / (2 * (2 - 1))
+    bandwidth, latency = _fit(times, 2)
     return {"allreduce_bandwidth": bandwidth, "allreduce_latency_s": latency,
             "allreduce_seconds": {str(k): v for k, v in times.items()}}
 
 
-def calibration(recalibrate=False, path=None, quick=False):
+def _fit(times, ranks):
+    """(bandwidth, latency per ring step) of a ring all-reduce from the seconds of a
+    small and a large tensor ({bytes: seconds}; bus bytes 2(n-1)/n x size)."""
+    small, large = sorted(times)
+    bus = lambda s: 2.0 * (ranks - 1) / ranks * s    # noqa: E731
+    bandwidth = (bus(large) - bus(small)) / max(times[large] - times[small], 1e-9)
+    latency = max(times[small] - bus(small) / bandwidth, 0.0) / (2 * (ranks - 1))
+    return bandwidth, latency
+
+
+def _xproc_child(argv):
+    """One rank of the cross-process calibration (``python -m epl.auto.local --xproc``):
+    EPL's C++ all-reduce between processes, timed per size; rank 0 writes the JSON."""
+    import argparse
+    ap = argparse.ArgumentParser(prog="epl.auto.local --xproc")
+    ap.add_argument("--xproc", action="store_true")
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--ranks", type=int, required=True)
+    ap.add_argument("--transport", required=True, choices=TRANSPORTS)
+    ap.add_argument("--job", required=True)
+    ap.add_argument("--sizes", required=True)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    import numpy as np
+    import tensorflow as tf
+    from epl.communicators import native_ops
+    v1 = tf.compat.v1
+    v1.disable_eager_execution()
+    v1.logging.set_verbosity(v1.logging.ERROR)
+    times = {}
+    for i, size in enumerate(int(x) for x in a.sizes.split(",")):
+        graph = tf.Graph()
+        with graph.as_default():
+            with v1.device("/device:CPU:0"):
+                x = v1.Variable(np.ones(size // 4, np.float32), name="x%d" % i)
+                y = native_ops.all_reduce(x, "%s/calibrate_%d" % (a.job, i), a.rank, a.ranks,
+                                          "sum", timeout_seconds=120, transport=a.transport)
+            with _session(tf, graph, 1) as sess:
+                sess.run(x.initializer)
+                sess.run(y.op)        # the connection (tcp) and the shared segments (shm)
+                times[size] = _timed(sess, y.op, a.repeats)
+    if a.rank == 0:
+        with open(a.out, "w") as f:
+            json.dump({str(k): v for k, v in times.items()}, f)
+
+
+def measure_cross_process(transport="shm", repeats=5, quick=False, timeout=180):
+    """EPL's all-reduce between 2 processes of this machine over ``transport`` ("shm":
+    worker processes of one host; "tcp": EPL's TCP ring, as between hosts): {"bandwidth",
+    "latency_s" (per ring step), "seconds" by bytes, "ranks"}.  Two fresh processes, a
+    few seconds."""
+    if transport not in TRANSPORTS:
+        raise ValueError("epl.auto.local: transport %r; use one of %s" % (transport, TRANSPORTS))
+    sizes = (1 << 14, 1 << 20) if quick else (1 << 16, 8 << 20)
+    ranks = 2
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    job = uuid.uuid4().hex[:12]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", EPL_RUN_ID=job,
+               EPL_JOB_SECRET=uuid.uuid4().hex,
+               PYTHONPATH=os.pathsep.join([root] + [p for p in os.environ.get(
+                   "PYTHONPATH", "").split(os.pathsep) if p]))
+    for key in ("EPL_JOB_ID", "EPL_COMM_TRANSPORT"):
+        env.pop(key, None)
+    if transport == "tcp":     # two "hosts" of the loopback range
+        from epl.launch.ports import free_ports
+        env["EPL_COMM_ADDRESSES"] = ",".join(
+            "127.0.0.%d:%d" % (2 + r, p) for r, p in enumerate(free_ports(ranks)))
+    folder = tempfile.mkdtemp(prefix="epl_xproc_")
+    out = os.path.join(folder, "times.json")
+    procs = []
+    try:
+        for r in range(ranks):
+            log = open(os.path.join(folder, "rank%d.log" % r), "w+")
+            procs.append((subprocess.Popen(
+                [sys.executable, "-m", "epl.auto.local", "--xproc", "--rank", str(r),
+                 "--ranks", str(ranks), "--transport", transport, "--job", job,
+                 "--sizes", ",".join(map(str, sizes)), "--repeats", str(repeats),
+                 "--out", out], stdout=log, stderr=subprocess.STDOUT, env=env), log))
+        deadline = time.time() + timeout
+        while any(p.poll() is None for p, _ in procs) and time.time() < deadline:
+            if any(p.poll() not in (None, 0) for p, _ in procs):
+                break
+            time.sleep(0.05)
+        codes = [p.poll() for p, _ in procs]
+        if codes != [0] * ranks or not os.path.exists(out):
+            logs = []
+            for r, (_, log) in enumerate(procs):
+                log.seek(0)
+                logs.append("---- rank %d ----\n%s" % (r, log.read()[-2000:]))
+            raise RuntimeError("epl.auto.local: the cross-process (%s) calibration failed "
+                               "(exit codes %s, timeout %d s):\n%s"
+                               % (transport, codes, timeout, "\n".join(logs)))
+        with open(out) as f:
+            times = {int(k): v for k, v in json.load(f).items()}
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
+    bandwidth, latency = _fit(times, ranks)
+    return {"bandwidth": bandwidth, "latency_s": latency, "ranks": ranks,
+            "seconds": {str(k): v for k, v in times.items()}, "measured_at": time.time()}
+
+
+def cross_process(figures, transport="shm", quick=False):
+    """``figures`` with ``xproc_<transport>`` (measured now if it lacks it): a new dict."""
+    key = "xproc_" + transport
+    out = dict(figures)
+    if key not in out:
+        out[key] = measure_cross_process(transport, quick=quick)
+    return out
+
+
+def calibration(recalibrate=False, path=None, quick=False, transports=()):
     """The cached figures of this machine (measured on the first call, or when asked
-    again: ``recalibrate`` / ``EPL_RECALIBRATE=1``)."""
+    again: ``recalibrate`` / ``EPL_RECALIBRATE=1``).  ``transports``: also the
+    cross-process figures of these (``xproc_shm``, ``xproc_tcp``), measured when the
+    cache lacks them and added to it."""
     path = path or cache_path()
+    got = None
     if not recalibrate and os.environ.get("EPL_RECALIBRATE", "") not in ("1", "true"):
         try:
             with open(path) as f:
                 got = json.load(f)
-            if got.get("version") == CACHE_VERSION:
-                return got
+            if got.get("version") != CACHE_VERSION:
+                got = None
         except (IOError, OSError, ValueError):
-            pass
-    got = measure(quick=quick)
+            got = None
+    changed = got is None
+    if got is None:
+        got = measure(quick=quick)
+    for transport in transports:
+        if "xproc_" + transport not in got:
+            got = cross_process(got, transport, quick=quick)
+            changed = True
+    if changed:
+        _save(got, path)
+    return got
+
+
+def _save(got, path):
     folder = os.path.dirname(path)
     if folder and not os.path.isdir(folder):
         os.makedirs(folder)
@@ -168,33 +316,65 @@ def calibration(recalibrate=False, path=None, quick=False):
     with open(tmp, "w") as f:
         json.dump(got, f, indent=1, sort_keys=True)
     os.replace(tmp, path)
-    return got
 
 
-def cluster_dict(figures, devices, memory_bytes=None):
+def cluster_dict(figures, devices, memory_bytes=None, processes=1, latency_s=None,
+                 transport=None):
     """The ``Cluster.from_dict`` form of ``devices`` virtual devices from calibration
     figures.  The devices share the cores (TensorFlow's one intra-op pool): with all N
     busy at once (data parallelism, a full pipeline) each gets the total / N of FLOP/s
     and memory bandwidth, whether N is below the cores (each has cores / N of them) or
-    above (they take turns); a device's memory is the host's / N."""
-    share = float(max(1, devices))
+    above (they take turns); a device's memory is the host's / N.
+
+    ``processes`` P > 1: P worker processes of this machine with ``devices`` each (a
+    multi-worker job here, or P network-namespace hosts): P nodes of ``devices``, all
+    P x devices sharing the cores (N = P x devices above); the ``inter`` link is EPL's
+    cross-process all-reduce as calibrated (``figures["xproc_<transport>"]``, see
+    ``cross_process``): ``transport`` "shm" (default; worker processes of one host) or
+    "tcp" (default when ``latency_s`` is given: hosts).  ``latency_s``: a one-way latency
+    added between the processes (namespace hosts with a delay), priced as
+    ``LATENCY_TRIPS_PER_RING_STEP`` trips per ring step."""
+    processes = int(processes or 1)
+    if processes < 1:
+        raise ValueError("epl.auto.local: processes must be >= 1, got %r" % processes)
+    total = max(1, devices) * processes
+    share = float(total)
     peak = dict.fromkeys(("fp32", "tf32"), figures["matmul_flops"] / share)
     for dtype in ("fp16", "bf16"):
         peak[dtype] = figures.get("matmul_flops_" + dtype, figures["matmul_flops"]) / share
     if memory_bytes is None:
-        memory_bytes = _host_memory() // max(1, devices)
+        memory_bytes = _host_memory() // total
     link = dict(bandwidth=figures["allreduce_bandwidth"],
                 latency=figures["allreduce_latency_s"])
+    inter = dict(link, kind="tcp-loopback", nics_per_node=1)
+    if processes > 1 or latency_s:
+        transport = transport or ("tcp" if latency_s else "shm")
+        key = "xproc_" + transport
+        if key not in figures:
+            raise ValueError(
+                "epl.auto.local: the calibration figures lack %r (EPL's all-reduce between "
+                "processes over %s): get them with epl.auto.local.cross_process(figures, %r) "
+                "or Cluster.local(devices, processes=%d)" % (key, transport, transport,
+                                                            processes))
+        xp = figures[key]
+        inter = dict(bandwidth=xp["bandwidth"], nics_per_node=1,
+                     latency=xp["latency_s"] + LATENCY_TRIPS_PER_RING_STEP * float(
+                         latency_s or 0.0),
+                     kind="epl-%s-crossprocess" % transport)
     device = dict(name="local-cpu", peak=peak, memory=int(memory_bytes),
                   memory_bandwidth=figures["memory_bandwidth"] / share,
                   host_bandwidth=figures["memory_bandwidth"] / share,
                   efficiency=dict.fromkeys(peak, 1.0),
                   op_overhead=float(figures.get("op_overhead_s", 0.0)),
                   run_overhead=float(figures.get("run_overhead_s", 0.0)))
-    return dict(name="local x %d virtual CPU devices" % devices, nodes=1,
+    if processes > 1:
+        name = "local x %d processes x %d virtual CPU devices%s" % (
+            processes, devices, " (+%g ms one way)" % (1e3 * latency_s) if latency_s else "")
+    else:
+        name = "local x %d virtual CPU devices" % devices
+    return dict(name=name, nodes=processes,
                 devices_per_node=int(devices), device=device,
-                intra=dict(link, kind="shm-inprocess"),
-                inter=dict(link, kind="tcp-loopback", nics_per_node=1),
+                intra=dict(link, kind="shm-inprocess"), inter=inter,
                 accumulate_in_place=False, fusion_buffer=False, stage_cut="epl",
                 shared_cores=True)
 
@@ -204,3 +384,10 @@ def _host_memory():
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 16 << 30
+
+
+if __name__ == "__main__":
+    if "--xproc" in sys.argv[1:]:
+        _xproc_child(sys.argv[1:])
+    else:
+        print(json.dumps(calibration(transports=TRANSPORTS), indent=1, sort_keys=True))

@@ -158,15 +158,27 @@ class Cluster(object):
                    name="%s x %d nodes" % (key, nodes))
 
     @classmethod
-    def local(cls, devices=1, recalibrate=False, path=None, memory_bytes=None):
+    def local(cls, devices=1, recalibrate=False, path=None, memory_bytes=None, processes=1,
+              latency_s=None, transport=None):
         """This machine's ``devices`` virtual CPU devices as EPL uses them, from a
-        short calibration run cached under ~/.cache/epl (``epl.auto.local``)."""
-        return cls.from_local(local.calibration(recalibrate, path), devices, memory_bytes)
+        short calibration run cached under ~/.cache/epl (``epl.auto.local``).
+        ``processes`` P > 1: P worker processes (or namespace hosts) of ``devices``
+        each, P nodes whose link is EPL's cross-process all-reduce as calibrated here
+        (measured the first time it is asked for); ``latency_s``: a one-way latency
+        added between them (``local.cluster_dict``)."""
+        transports = ()
+        if int(processes or 1) > 1 or latency_s:
+            transports = (transport or ("tcp" if latency_s else "shm"),)
+        return cls.from_local(local.calibration(recalibrate, path, transports=transports),
+                              devices, memory_bytes, processes, latency_s, transport)
 
     @classmethod
-    def from_local(cls, figures, devices=1, memory_bytes=None):
-        """``Cluster.local`` from given calibration figures (``local.measure()``)."""
-        out = cls.from_dict(local.cluster_dict(figures, devices, memory_bytes))
+    def from_local(cls, figures, devices=1, memory_bytes=None, processes=1, latency_s=None,
+                   transport=None):
+        """``Cluster.local`` from given calibration figures (``local.measure()``, with
+        ``local.cross_process(figures, transport)`` for ``processes`` > 1)."""
+        out = cls.from_dict(local.cluster_dict(figures, devices, memory_bytes, processes,
+                                               latency_s, transport))
         out.calibration = figures
         return out
 
