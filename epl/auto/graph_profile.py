@@ -20,7 +20,9 @@ import re
 import tensorflow as tf
 
 from epl import ir
+from epl.auto import liveness
 from epl.features import auto_stages, gradient_checkpoint
+from epl.tf_adapter import grappler
 from epl.tf_adapter import graph as tfg
 
 v1 = tf.compat.v1
@@ -73,6 +75,7 @@ class Profile(object):
         self.shared = {}            # variable name -> regions using it (tied weights)
         self.cut = None             # EPL's automatic cut points (_cut_points)
         self.gc_fraction = None     # activations EPL's automatic GC holds (a share)
+        self.step_peak = None       # updates_last -> a step's transient peak at rows
         self.restaged = None        # stage_of -> the Profile of those stages
         self._stages = {}
 
@@ -85,6 +88,7 @@ class Profile(object):
         out.shared = self.shared
         out.cut, out.restaged, out._stages = self.cut, self.restaged, self._stages
         out.gc_fraction = self.gc_fraction if out.layers == self.layers else None
+        out.step_peak = self.step_peak if out.layers == self.layers else None
         return out
 
     def epl_stages(self, p):
@@ -225,7 +229,7 @@ def profile(model_fn, dataset_fn, optimizer_fn, block_pattern=BLOCK_PATTERN):
         trainable = v1.trainable_variables()
         before = set(v.name for v in v1.global_variables())
         optimizer = optimizer_fn()
-        optimizer.minimize(loss)
+        train_op = optimizer.minimize(loss)
         new_vars = [v for v in v1.global_variables() if v.name not in before]
         backward = graph.get_operations()[n_input_ops + len(forward):]
         slots = _slots_per_param(optimizer, trainable, new_vars)
@@ -234,9 +238,26 @@ def profile(model_fn, dataset_fn, optimizer_fn, block_pattern=BLOCK_PATTERN):
         prof.gc_fraction = _checkpointed_fraction(loss, backward)
     prof.restaged = lambda stage_of: _read(graph, features, forward, backward, trainable,
                                            rows, block_pattern, stage_of)
+    prof.step_peak = _step_peak(graph, train_op, rows)
     prof.slots_per_param = slots
     prof.built_seconds = time.time() - start
     return prof
+
+
+def _step_peak(graph, train_op, rows):
+    """``step_peak(updates_last)``: the transient bytes one device holds at the peak of
+    a step of the whole model at ``rows`` rows (``epl.auto.liveness`` on the graph
+    Grappler makes of it; computed on the first call, kept)."""
+    cache = {}
+
+    def step_peak(updates_last=False):
+        if updates_last not in cache:
+            if "ops" not in cache:
+                _, fetched = grappler.optimized(graph, [train_op])
+                cache["ops"] = sorted(ir.upstream(fetched), key=tfg.op_id)
+            cache[updates_last] = liveness.peak_bytes(cache["ops"], rows, updates_last)
+        return cache[updates_last]
+    return step_peak
 
 
 def _cut_points(loss):

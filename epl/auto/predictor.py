@@ -15,7 +15,6 @@ docs/plan.md; in short, per pipeline stage and micro-batch:
   a node, then across nodes over the node's NICs), less what hides behind the last
   micro-batch's backward; the optimizer's update at memory bandwidth; offload's copies.
 """
-import math
 
 from epl.auto import graph_profile
 from epl.auto.layout import Layout
@@ -234,13 +233,21 @@ def price(profile, layout, cluster, global_batch=None):
         # a fusion bucket only where gradients are all-reduced (d > 1)
         buffers = (min(grads, BUCKET_BYTES) if d > 1 and cluster.fusion_buffer else 0.0) \
             + max(ar or [0.0])
+        # One whole-model stage at the built batch on EPL's runtime: the step's peak is
+        # the liveness walk of the graph the session runs (gradients and activations
+        # together, as TF frees them; under data parallelism the gradients all wait
+        # for the all-reduce): ``epl.auto.liveness``
+        walked = p == 1 and t == 1 and not lay.recompute and lay.dtype == "fp32" \
+            and mb == profile.rows and cluster.stage_cut == "epl" and profile.step_peak
+        if walked:
+            acts = profile.step_peak(updates_last=d > 1) - grads
         mem = weights + grads * grad_copies + states + acts + buffers
         memory.append(int(mem))
         details.append(dict(stage=k, blocks=len(blocks) if staged is None else None,
                             params=n_params, weights=weights,
                             gradients=grads, gradient_copies=grad_copies,
                             optimizer_states=states, activations=acts,
-                            buffers=buffers, in_flight=flight))
+                            buffers=buffers, in_flight=flight, liveness=bool(walked)))
         executed += recompute * m * d * t
     totals = [sum(x) for x in per_stage]
     slowest = max(totals)

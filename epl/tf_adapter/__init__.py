@@ -21,6 +21,7 @@ TensorFlow's internals).
                from its proto
     devices    the devices TensorFlow makes in this process (GPUs counted)
     variables  variable kinds without a public name (partitioned variables)
+    grappler   the graph optimizer run on a built graph (what a session really runs)
 
 It imports nothing else from EPL.
 """

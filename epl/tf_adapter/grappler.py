@@ -1,0 +1,29 @@
+"""TensorFlow's graph optimizer (Grappler), run on a built graph without a session.
+
+A session optimizes the graph before running it: identity transposes go, products fuse
+with their bias, element-wise chains are rewritten.  What a step holds in memory is a
+property of that optimized graph, not of the one the user built (measured on the GPT of
+``epl.auto.gpt``: the built graph's liveness over-predicts the traced peak by 15 %, the
+optimized one's by 2.6 %).  ``optimized(graph, fetches)`` returns the optimized copy as
+a new ``tf.Graph``; ops keep their names where Grappler keeps them."""
+import tensorflow as tf
+
+v1 = tf.compat.v1
+
+
+def optimized(graph, fetches):
+    """(a new tf.Graph holding Grappler's default optimization of ``graph`` for
+    ``fetches`` (ops), the fetched ops in it)."""
+    from tensorflow.python.grappler import tf_optimizer  # pylint: disable=import-outside-toplevel
+    held = graph.get_collection_ref("train_op")     # Grappler's fetches are read there
+    saved = list(held)
+    held[:] = list(fetches)
+    try:
+        meta = v1.train.export_meta_graph(graph=graph, clear_devices=True)
+    finally:
+        held[:] = saved
+    optimized_def = tf_optimizer.OptimizeGraph(v1.ConfigProto(), meta, verbose=False)
+    out = tf.Graph()
+    with out.as_default():
+        tf.import_graph_def(optimized_def, name="")
+    return out, [out.get_operation_by_name(op.name) for op in fetches]

@@ -1,0 +1,81 @@
+"""The planner's liveness walk (``epl.auto.liveness``) against hand-counted steps and
+against the peak TensorFlow's allocator records for a traced step (issue 36: summing
+all activations and gradients over-predicted the corpus GPT by 15 %)."""
+import numpy as np
+import tensorflow as tf
+
+from epl import ir
+from epl.auto import graph_profile, liveness
+from epl.auto.gpt import GPT
+from epl.ir.memory_trace import peak_bytes as traced_peak, traced_run
+from epl.tf_adapter import graph as tfg
+
+v1 = tf.compat.v1
+ROWS, WIDTH = 64, 256
+ONE = ROWS * WIDTH * 4          # bytes of one [ROWS, WIDTH] float32 tensor
+
+
+def _w():
+    return tf.constant(np.ones((WIDTH, WIDTH), np.float32))     # a Const: no step bytes
+
+
+def _walk(build, updates_last=False):
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, WIDTH])
+        out = build(x)
+        return liveness.peak_bytes(sorted(ir.upstream([out.op]), key=tfg.op_id), ROWS,
+                                   updates_last)
+
+
+def test_element_wise_chains_write_in_place_and_views_cost_nothing():
+    def chain(x):
+        y = v1.matmul(x, _w())        # one buffer
+        y = tf.nn.relu(y)                                # its last reader: in place
+        y = tf.reshape(y, [-1, WIDTH // 2, 2])           # a view
+        y = y * 2.0 + 1.0                                # in place, twice
+        return tf.reduce_sum(y)
+    assert _walk(chain) == ONE + 4          # (+ the scalar sum)
+
+
+def test_a_tensor_read_twice_is_not_overwritten():
+    def fork(x):
+        y = v1.matmul(x, _w())
+        a = tf.nn.relu(y)                 # y is still read below: a new buffer
+        b = tf.nn.sigmoid(y)              # y's last reader: in place
+        return tf.reduce_sum(a + b)       # a + b into a's buffer
+    assert _walk(fork) == 2 * ONE
+
+
+def test_a_tensor_is_freed_after_its_last_reader():
+    def sequence(x):
+        ys = [v1.matmul(x, _w())]
+        for _ in range(4):                 # each product reads the one before
+            ys.append(v1.matmul(ys[-1], _w()))
+        return tf.reduce_sum(ys[-1])
+    assert _walk(sequence) == 2 * ONE      # never more than two alive
+
+
+def test_the_gpt_step_matches_the_traced_peak():
+    """The model the summed estimate missed by 15 %: within 8 % of the traced peak
+    (measured 2.5 %), and the summed figure is further off than the walk."""
+    gpt = GPT(2, 128, 4, seq=64, vocab=1000, batch=4)
+    prof = graph_profile.profile(gpt.model_fn, gpt.dataset_fn, gpt.optimizer_fn)
+    walked = prof.step_peak()
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(0)
+        features = v1.data.make_one_shot_iterator(gpt.dataset_fn()).get_next()
+        train = gpt.optimizer_fn().minimize(gpt.model_fn(features))
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            sess.run(train)
+            _, md = traced_run(sess, train)
+    measured = traced_peak(md)
+    summed = sum(r.saved for r in [prof.pre, prof.post] + prof.blocks) * prof.rows \
+        + 4 * prof.params()
+    assert abs(walked - measured) <= 0.08 * measured, (walked, measured)
+    assert abs(walked - measured) < abs(summed - measured), (walked, summed, measured)
+    # data parallelism holds every gradient until the all-reduce: never less
+    assert prof.step_peak(updates_last=True) >= walked
+    assert np.isfinite(walked)
