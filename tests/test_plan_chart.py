@@ -128,9 +128,10 @@ def test_pipeline_stages_are_epls_automatic_cut(small):
     one = price(_summed(prof), Layout(t=1, p=1, d=1), _local(1)).breakdown["stages"][0]
     assert s1["activations"] == pytest.approx(one["activations"], rel=1e-9)
     # the idle stage's share of the machine's cores goes to the busy one: each of the 4
-    # micro-batches computes as fast as the whole model on one device
+    # micro-batches computes about as fast as the whole model on one device (the
+    # schedule simulated with processor sharing; stage 0's lookups add a little)
     whole = price(prof, Layout(t=1, p=1, d=1), _local(1)).breakdown["compute_s"]
-    assert pred.breakdown["compute_s"] == pytest.approx(4 * whole, rel=1e-9)
+    assert 4 * whole <= pred.breakdown["pipeline_s"] <= 1.02 * 4 * whole
     gpipe = price(prof, Layout(schedule="gpipe", **lay), _local(2)).breakdown["stages"][1]
     assert gpipe["activations"] == pytest.approx(4 * one["activations"], rel=1e-9)
     # the presets keep Megatron's even cut by blocks

@@ -6,8 +6,10 @@ docs/plan.md; in short, per pipeline stage and micro-batch:
   recomputation adds the blocks' forward;
 * tensor parallelism: the graph's row-parallel all-reduces (2 per transformer block
   forward, as many backward and in the recomputed forward), ring over the node's links;
-* pipeline: (m - 1) x slowest stage + sum of the stages (1F1B, GPipe); the interleaved
-  schedule divides the fill and drain by its chunks; sends of the boundary tensors;
+* pipeline: the schedule simulated as events (``schedule``: every micro-batch's forward
+  and backward per stage in GPipe's or 1F1B's order, the sends between; devices that
+  share cores lend an idle stage's share to the busy ones); the interleaved schedule
+  (priced only): (m - 1) x slowest stage + the stages' sum / its chunks;
 * stages: contiguous blocks by count (Megatron, the presets) or, on EPL's runtime
   (``Cluster.stage_cut == "epl"``), the cut EPL's ``auto.auto_parallel`` makes of the
   built graph (``Profile.epl_stages``), priced with EPL's own checkpoint rule;
@@ -16,10 +18,11 @@ docs/plan.md; in short, per pipeline stage and micro-batch:
   micro-batch's backward; the optimizer's update at memory bandwidth; offload's copies.
 """
 
-from epl.auto import graph_profile
+from epl.auto import graph_profile, schedule
 from epl.auto.layout import Layout
 
 BUCKET_BYTES = 64 << 20       # gradient fusion bucket (communication.max_splits aside)
+SIMULATED_TASKS = 512         # micro-batches x stages simulated as events (below: closed form)
 _WIDTH = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2}
 
 
@@ -158,21 +161,13 @@ def price(profile, layout, cluster, global_batch=None):
     send_bw = cluster.nic_bandwidth_per_device() if stage_crosses_nodes \
         else cluster.intra.bandwidth
     send_lat = cluster.inter.latency if stage_crosses_nodes else cluster.intra.latency
-    per_stage, memory, details = [], [], []
+    per_stage, memory, details, forward_s = [], [], [], []
     model_flops = 3 * profile.forward_flops(global_batch)
     executed = model_flops
     # EPL's runtime cuts the stages itself (auto.auto_parallel): by cost, only where one
     # tensor carries everything later ops need; Megatron (the presets) by block count
     staged = profile.epl_stages(p) if p > 1 and cluster.stage_cut == "epl" else None
-    # Devices that share one machine's cores (Cluster.local: each priced at total / N)
-    # get the cores of the idle ones: N / busy, a stage counting by its work against
-    # the busiest one's (EPL's cut of the GPT leaves stage 0 the embedding alone: idle)
     bandwidth = dev.memory_bandwidth
-    if cluster.shared_cores and staged is not None:
-        work = [flops(r) / flops_s + pw(r) / bandwidth for r in staged]
-        busy = t * d * sum(w / max(max(work), 1e-30) for w in work)
-        speedup = cluster.num_devices / max(1.0, busy)
-        flops_s, bandwidth = flops_s * speedup, bandwidth * speedup
     # EPL's automatic checkpoints are separators too (where the model has few, little is
     # recomputed): its share of the activations is read from the built graph (one
     # stage); for pipelines or repeated blocks bounded by the activations without it
@@ -189,9 +184,11 @@ def price(profile, layout, cluster, global_batch=None):
         fwd = sum(flops(r) for r in regions + extra) * mb
         recompute = fwd_block if lay.recompute else 0.0
         pointwise = sum(pw(r) for r in regions + extra) * mb
-        compute = (3 * fwd + recompute) / flops_s + (3 * pointwise + (
-            sum(pw(r) for r in recomputed) * mb if lay.recompute else 0.0)) \
-            / bandwidth + dev.op_overhead * sum(r.ops for r in regions + extra)
+        redo = recompute / flops_s + (sum(pw(r) for r in recomputed) * mb / bandwidth
+                                      if lay.recompute else 0.0)
+        compute = 3 * fwd / flops_s + 3 * pointwise / bandwidth + redo \
+            + dev.op_overhead * sum(r.ops for r in regions + extra)
+        forward_s.append((compute - redo) / 3.0)    # the rest (and the recompute): backward
         ar = [b * mb * act_scale for r in regions + extra for b in r.allreduce_bytes]
         ar_block = [b * mb * act_scale for r in regions for b in r.allreduce_bytes]
         tp = 2 * sum(tp_allreduce_s(b, cluster, t) for b in ar) if t > 1 else 0.0
@@ -252,7 +249,21 @@ def price(profile, layout, cluster, global_batch=None):
     totals = [sum(x) for x in per_stage]
     slowest = max(totals)
     v = lay.chunks if p > 1 else 1
-    makespan = m * slowest + (sum(totals) - slowest) / v
+    if p > 1 and lay.schedule in ("1f1b", "gpipe") and (cluster.shared_cores
+                                                       or m * p <= SIMULATED_TASKS):
+        # the schedule as events; devices sharing cores (Cluster.local) lend an idle
+        # stage's cores to the busy ones (EPL's cut of the GPT leaves stage 0 the
+        # embedding alone: nearly idle).  Long schedules on dedicated devices: the
+        # closed form below (the same within 1 % for even stages; the simulation costs
+        # ~0.1 s per layout there)
+        fwd = [f + x[1] / 3.0 for f, x in zip(forward_s, per_stage)]
+        makespan = schedule.simulate(
+            fwd, [tot - x[2] - f for tot, x, f in zip(totals, per_stage, fwd)],
+            [x[2] / 2.0 for x in per_stage], m, lay.schedule,
+            shared=cluster.shared_cores, devices=t * p * d, copies=t * d)
+    else:       # the interleaved schedule (priced only): its fill and drain / v
+        # ((m - 1) x slowest + the stages' sum for 1F1B and GPipe)
+        makespan = m * slowest + (sum(totals) - slowest) / v
     # data-parallel all-reduce, the update, offload
     dp_exposed, dp_total, update, offload, zero_gather = 0.0, 0.0, 0.0, 0.0, 0.0
     for k, det in enumerate(details):
@@ -278,7 +289,8 @@ def price(profile, layout, cluster, global_batch=None):
     slow = totals.index(slowest)
     breakdown = dict(
         compute_s=m * per_stage[slow][0], tp_comm_s=m * per_stage[slow][1],
-        pp_send_s=m * per_stage[slow][2], bubble_s=makespan - m * slowest,
+        pp_send_s=m * per_stage[slow][2], bubble_s=max(0.0, makespan - m * slowest),
+        pipeline_s=makespan,
         dp_allreduce_s=dp_total, dp_exposed_s=dp_exposed, optimizer_s=update,
         offload_s=offload, zero_allgather_s=zero_gather, stages=details,
         global_batch=global_batch, model_flops=model_flops, executed_flops=executed)
