@@ -20,7 +20,7 @@ TF215_VERSION := 2.15.1
 ifeq ($(TF),1)
 VENV := .venv
 OPS_SO := epl/lib/libepl_ops.so
-TF_PACKAGES := tensorflow==1.15.5 'numpy<1.19' 'protobuf<3.21'
+TF_PACKAGES := tensorflow==1.15.5 'numpy<1.19' 'protobuf<3.21' tf-slim==1.1.0
 PIP_PIN := 'pip<24'
 else ifeq ($(TF),2)
 VENV := .venv-tf2

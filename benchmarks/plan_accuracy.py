@@ -10,13 +10,27 @@ cached calibration of ``Cluster.local`` (measured first if there is none).  The 
 pick: the layout ``predict`` ranks first by samples/s among a model's layouts, against
 the measured fastest (a hit when within 5% of it).
 
-The machine has 2 cores shared with other users: timings are noisy; the step is the
-median of its steps, and cases of one model run one after another (interleaved with
-nothing else of ours).
+The machine has 2 cores shared with other users: timings are noisy; a case's step is
+the median of its steps, measured ``--rounds`` times round-robin over a model's cases
+(case 1, 2, ..., then again), the fastest round kept (``step_s``; all in
+``step_s_rounds``; the peak: the largest).  Cases of one model run one after another
+(interleaved with nothing else of ours).
 
-    python benchmarks/plan_accuracy.py [--quick] [--models mlp,gpt,convnet]
-        [--layouts "DP 2,PP 4 x m8 gpipe"]  (default: mlp and gpt x DEFAULT; all: LAYOUTS)
-        [--json benchmarks/results/plan_accuracy.json] [--recalibrate]
+Models: ``mlp``, ``convnet``, ``gpt`` (``epl.auto.gpt.GPT``), ``widehead`` (an MLP with
+an 8192-class head, for the split head), ``resnet`` (a small TF-Slim ResNet v1, a model
+written elsewhere: needs ``pip install tf-slim==1.1.0``, skipped with a line without
+it).  Layouts beyond DP / PP / memory features: ``... + offload``, ``split head N`` (the
+data-parallel backbone with ``search.split_head``'s layer split over N devices; the
+planner does not price it: its row shows the measurement, ``-`` predicted, status
+``unpriced``, left out of the summary), ``TP 2`` and ``TP 2 x DP 2`` (the model's
+``epl.split(2)`` variant, ``SPLIT_VARIANTS``, on 2 and 4 devices: 1 and 2 groups, priced
+as ``["tensor_parallel", {"degree": 2}]`` of the model built whole).  A layout a model
+cannot run (no head, no split variant) is skipped with a line.
+
+    python benchmarks/plan_accuracy.py [--quick] [--models mlp,gpt,convnet,widehead,resnet]
+        [--layouts "DP 2,PP 4 x m8 gpipe"]  (default: DEFAULT_MODELS x DEFAULT; all: LAYOUTS)
+        [--rounds 2] [--steps 5] [--json benchmarks/results/plan_accuracy.json]
+        [--recalibrate] [--reprice old.json]
 """
 import argparse
 import json
@@ -75,9 +89,58 @@ def conv_model(features):
     return tf.losses.sparse_softmax_cross_entropy(labels=y, logits=logits)
 
 
-def _gpt():
+def widehead_dataset():
+    import tensorflow.compat.v1 as tf
+    rng = np.random.RandomState(3)
+    x = rng.randn(4 * ROWS, 256).astype(np.float32)
+    y = rng.randint(0, WIDE_CLASSES, 4 * ROWS).astype(np.int64)
+    return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(ROWS, drop_remainder=True)
+
+
+WIDE_CLASSES = 8192
+
+
+def widehead_model(features):
+    """An MLP whose last Dense (the head, 8192 classes) is its largest: the layer
+    ``search.split_head`` finds, for the "split head" layouts."""
+    import tensorflow.compat.v1 as tf
+    x, y = features
+    h = x
+    for i in range(2):
+        h = tf.layers.dense(h, 512, activation=tf.nn.relu, name="layer_%d" % i)
+    logits = tf.layers.dense(h, WIDE_CLASSES, name="logits")
+    return tf.losses.sparse_softmax_cross_entropy(labels=y, logits=logits)
+
+
+def resnet_dataset():
+    import tensorflow.compat.v1 as tf
+    rng = np.random.RandomState(2)
+    x = rng.randn(2 * 32, 32, 32, 3).astype(np.float32)
+    y = rng.randint(0, 10, 2 * 32).astype(np.int64)
+    return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(32, drop_remainder=True)
+
+
+def resnet_model(features):
+    """A model written elsewhere: TF-Slim's ResNet v1 (``tf_slim.nets.resnet_v1``, with
+    its batch norm arg scope), 3 bottleneck blocks of 2 units at 32 x 32 x 3 (ResNet-50
+    is too slow on 2 shared cores)."""
+    import tensorflow.compat.v1 as tf
+    import tf_slim as slim
+    from tf_slim.nets import resnet_v1
+    x, y = features
+    blocks = [resnet_v1.resnet_v1_block("block1", base_depth=32, num_units=2, stride=2),
+              resnet_v1.resnet_v1_block("block2", base_depth=64, num_units=2, stride=2),
+              resnet_v1.resnet_v1_block("block3", base_depth=128, num_units=2, stride=1)]
+    with slim.arg_scope(resnet_v1.resnet_arg_scope()):
+        logits, _ = resnet_v1.resnet_v1(x, blocks, num_classes=10, is_training=True,
+                                        global_pool=True, scope="resnet_small")
+    logits = tf.squeeze(logits, [1, 2])
+    return tf.losses.sparse_softmax_cross_entropy(labels=y, logits=logits)
+
+
+def _gpt(split=None):
     from epl.auto.gpt import GPT
-    return GPT(4, 256, 4, seq=128, vocab=2000, batch=8)
+    return GPT(4, 256, 4, seq=128, vocab=2000, batch=8, split=split)
 
 
 def gpt_dataset():
@@ -86,6 +149,16 @@ def gpt_dataset():
 
 def gpt_model(features):
     return _gpt().model_fn(features)
+
+
+def gpt_split2_model(features):
+    """The GPT with its embeddings, blocks and head each under ``epl.split(2)``.  No
+    default strategy: ``search.build`` sets ``replicate(1)`` as the default (for
+    data_parallel) and a ``replicate`` scope beside the split ones would make the
+    replicated-backbone hybrid; split scopes alone on d * t devices are d groups."""
+    import epl
+    epl.set_default_strategy(None)
+    return _gpt(split=2).model_fn(features)
 
 
 def sgd():
@@ -102,7 +175,15 @@ MODELS = {
     "mlp": (mlp_model, mlp_dataset, adam),
     "convnet": (conv_model, conv_dataset, adam),
     "gpt": (gpt_model, gpt_dataset, adam),
+    "widehead": (widehead_model, widehead_dataset, adam),
+    "resnet": (resnet_model, resnet_dataset, adam),
 }
+# (model, t): the same model built with its own epl.split(t) scopes, run for a layout
+# with ["tensor_parallel", {"degree": t}] (priced from the model above, built whole)
+SPLIT_VARIANTS = {
+    ("gpt", 2): (gpt_split2_model, gpt_dataset, adam),
+}
+NEEDS = {"resnet": "tf_slim"}      # a model's extra package (pip install tf-slim==1.1.0)
 
 
 def pipe(p, m, schedule):
@@ -124,9 +205,20 @@ LAYOUTS = [
     ("DP 2 + GC", 2, ["data_parallel", ["gradient_checkpoint", "auto"]]),
     ("DP 2 + ZeRO", 2, ["data_parallel", ["zero", {"level": "v1"}]]),
     ("DP 2 + AMP bf16", 2, ["data_parallel", ["amp", {"dtype": "bfloat16"}]]),
+    ("1 device + offload", 1, ["data_parallel", "offload"]),
+    ("DP 2 + offload", 2, ["data_parallel", "offload"]),
+    # the data-parallel backbone with the model's head split over every device
+    # (search.split_head's layer; models without such a head are skipped)
+    ("split head 2", 2, ["split"]),
+    ("split head 4", 4, ["split"]),
+    # the model's epl.split(2) variant (SPLIT_VARIANTS): 1 group, then 2 groups
+    ("TP 2", 2, [["tensor_parallel", {"degree": 2}]]),
+    ("TP 2 x DP 2", 4, [["tensor_parallel", {"degree": 2}]]),
 ]
 DEFAULT = ("1 device", "DP 2", "DP 4", "PP 2 x m4 1f1b", "PP 2 x m4 gpipe", "PP 2 x m8 1f1b",
-           "PP 4 x m8 1f1b", "DP 2 + GC", "DP 2 + ZeRO", "DP 2 + AMP bf16")
+           "PP 4 x m8 1f1b", "DP 2 + GC", "DP 2 + ZeRO", "DP 2 + AMP bf16", "DP 2 + offload",
+           "split head 2", "TP 2", "TP 2 x DP 2")
+DEFAULT_MODELS = "mlp,gpt,convnet,widehead,resnet"
 QUICK = ("1 device", "DP 2", "PP 2 x m4 1f1b")
 
 
@@ -143,15 +235,91 @@ def err(pred, got):
     return 100.0 * (pred - got) / got
 
 
+def _names(strategy):
+    return [i if isinstance(i, str) else i[0] for i in strategy]
+
+
+def tp_degree(strategy):
+    """t of the strategy's ["tensor_parallel", {"degree": t}] (1 without one)."""
+    for item in strategy:
+        if not isinstance(item, str) and item[0] == "tensor_parallel":
+            return int((item[1] or {}).get("degree", 1))
+    return 1
+
+
+def missing_package(name):
+    """The package a model needs that is not installed (None when none is missing)."""
+    import importlib.util
+    need = NEEDS.get(name)
+    return need if need and importlib.util.find_spec(need) is None else None
+
+
+def run_case(name, strategy, head):
+    """What EPL runs for a layout of a model: (fns, strategy, None), or (None, None, why
+    it is skipped).  Tensor parallelism is the model's epl.split variant, run with the
+    strategy's other entries (search.normalize refuses a degree > 1: build does not split
+    a model); ``split`` needs a head to split (``head``: search.split_head's index)."""
+    t = tp_degree(strategy)
+    run = [i for i in strategy if isinstance(i, str) or i[0] != "tensor_parallel"]
+    if t > 1:
+        fns = SPLIT_VARIANTS.get((name, t))
+        if fns is None:
+            return None, None, "no epl.split(%d) variant of %s (SPLIT_VARIANTS)" % (t, name)
+        return fns, run, None
+    if "split" in _names(run) and head is None:
+        return None, None, "its largest Dense layer is not its last: no head to split"
+    return MODELS[name], run, None
+
+
+def _price(row, profile, cluster):
+    """Prices the row (pred_* figures), or marks it unpriced (pred_* None, ``pricing``:
+    why) where the planner raises: the split head has no Layout field."""
+    try:
+        pred = predict_case(profile, row["strategy"], row["devices"], profile.rows, cluster)
+    except Exception as e:  # pylint: disable=broad-except
+        row.update(pred_step_s=None, pred_peak_bytes=None, pred_samples_per_s=None,
+                   pred_global_batch=None, breakdown=None,
+                   pricing="%s: %s" % (type(e).__name__, e))
+        return
+    row.pop("pricing", None)
+    row.update(pred_step_s=pred.step_time_s, pred_peak_bytes=pred.peak_memory_bytes,
+               pred_samples_per_s=pred.samples_per_s,
+               pred_global_batch=pred.breakdown["global_batch"],
+               breakdown={k: v for k, v in pred.breakdown.items() if k != "stages"})
+
+
+def _settle(row):
+    """status and errors of a row from its rounds: ``ok`` (measured and priced),
+    ``unpriced`` (measured, not priced) or the measurement's failure."""
+    for k in ("time_err", "mem_err", "samples_per_s", "message"):
+        row.pop(k, None)
+    if row.get("step_s_rounds"):
+        row["step_s"] = min(row["step_s_rounds"])      # noise only adds time
+        rows = row["pred_global_batch"] or row["rows_per_step"]
+        row["samples_per_s"] = rows / row["step_s"]
+        if row["pred_step_s"] is None:
+            row["status"], row["message"] = "unpriced", row["pricing"]
+        else:
+            row.update(status="ok", time_err=err(row["pred_step_s"], row["step_s"]),
+                       mem_err=err(row["pred_peak_bytes"], row["peak_bytes"]))
+    else:
+        row["status"], row["message"] = row["failures"][-1]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a 2-minute subset")
-    ap.add_argument("--models", default=None)
+    ap.add_argument("--models", default=None, help="comma-separated, of %s (default %s)"
+                    % (",".join(MODELS), DEFAULT_MODELS))
     ap.add_argument("--layouts", default=None, help="labels, comma-separated")
     ap.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results",
                                                    "plan_accuracy.json"))
     ap.add_argument("--recalibrate", action="store_true")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="measure every case of a model this many times, round-robin over "
+                    "its cases; a case's step: the fastest round's median, its peak: the "
+                    "largest")
     ap.add_argument("--no-calibrate-each-model", dest="calibrate_each_model",
                     action="store_false", help="use the cached calibration throughout "
                     "(default: measure it again before each model, under today's load)")
@@ -164,49 +332,73 @@ def main(argv=None):
     from epl.auto import Cluster, graph_profile
     from epl.auto import search
     start = time.time()
-    names = (args.models or ("mlp" if args.quick else "mlp,gpt")).split(",")
+    names = (args.models or ("mlp" if args.quick else DEFAULT_MODELS)).split(",")
+    unknown = [n for n in names if n not in MODELS]
+    labels = [label for label, _, _ in LAYOUTS]
     wanted = QUICK if args.quick else DEFAULT
     if args.layouts:
         wanted = args.layouts.split(",")
+    unknown += [w for w in wanted if w not in labels]
+    if unknown:
+        ap.error("unknown %s; the models are %s, the layouts %s" % (
+            ", ".join(unknown), ", ".join(MODELS), ", ".join(labels)))
     from epl.auto import local
     calib = Cluster.local(1, recalibrate=args.recalibrate).calibration
     rows_out = []
+    print(HEAD, flush=True)
     for name in names:
+        need = missing_package(name)
+        if need:
+            print("%-8s skipped: the package %s is not installed (pip install tf-slim==1.1.0"
+                  ")" % (name, need), flush=True)
+            continue
         fns = MODELS[name]
         profile = graph_profile.profile(*fns)
-        rows = profile.rows
+        head = None
+        if any(label in wanted and "split" in _names(s) for label, _, s in LAYOUTS):
+            head = search.split_head(fns[0], fns[1])    # the layer "split" would split
         if args.calibrate_each_model:     # side by side: the load of the cores now
             calib = local.measure()
+        cases = []
         for label, devices, strategy in LAYOUTS:
             if label not in wanted:
                 continue
-            cluster = Cluster.from_local(calib, devices)
-            pred = predict_case(profile, strategy, devices, rows, cluster)
-            status, got = search.measure(fns, strategy, devices, args.steps, 600)
+            run_fns, run, why = run_case(name, strategy, head)
+            if why:
+                print("%-8s %-20s skipped: %s" % (name, label, why), flush=True)
+                continue
             row = dict(model=name, layout=label, devices=devices, strategy=strategy,
-                       calibration=calib,
-                       pred_step_s=pred.step_time_s, pred_peak_bytes=pred.peak_memory_bytes,
-                       pred_samples_per_s=pred.samples_per_s, status=status,
-                       breakdown={k: v for k, v in pred.breakdown.items() if k != "stages"})
-            if status == "ok":
-                row.update(step_s=got["step_s"], peak_bytes=got["peak_bytes"],
-                           samples_per_s=pred.breakdown["global_batch"] / got["step_s"],
-                           time_err=err(pred.step_time_s, got["step_s"]),
-                           mem_err=err(pred.peak_memory_bytes, got["peak_bytes"]))
-            else:
-                row["message"] = got
-            rows_out.append(row)
-            print(_line(row), flush=True)
-            if args.json:
-                _write(args.json, calib, rows_out, None)
+                       run_strategy=run, calibration=calib, step_s_rounds=[], failures=[])
+            _price(row, profile, Cluster.from_local(calib, devices))
+            cases.append((row, run_fns))
+        for r in range(args.rounds):
+            for row, run_fns in cases:
+                status, got = search.measure(run_fns, row["run_strategy"], row["devices"],
+                                             args.steps, 600)
+                if status == "ok":
+                    row["step_s_rounds"].append(got["step_s"])
+                    row["peak_bytes"] = max(row.get("peak_bytes", 0), got["peak_bytes"])
+                    row["rows_per_step"] = got["rows_per_step"]
+                else:
+                    row["failures"].append([status, got])
+                if r + 1 < args.rounds:
+                    print("  (round %d of %d) %s %s: %s" % (
+                        r + 1, args.rounds, name, row["layout"], "%.2f ms" % (
+                            1e3 * got["step_s"]) if status == "ok" else status), flush=True)
+                    continue
+                _settle(row)
+                rows_out.append(row)
+                print(_line(row), flush=True)
+                if args.json:
+                    _write(args.json, calib, rows_out, None)
     summary = summarize(rows_out)
     print()
     print(table(rows_out))
     print()
     for line in summary["lines"]:
         print(line)
-    print("(%.0f s; 2 shared cores: timings are noisy, each the median of its steps)"
-          % (time.time() - start))
+    print("(%.0f s; 2 shared cores: timings are noisy, each the fastest of %d rounds' "
+          "median steps)" % (time.time() - start, args.rounds))
     if args.json:
         _write(args.json, calib, rows_out, summary)
     return rows_out
@@ -219,16 +411,19 @@ def reprice(path, out):
     profiles = {}
     for r in old["rows"]:
         if r["model"] not in profiles:
-            profiles[r["model"]] = graph_profile.profile(*MODELS[r["model"]])
+            profiles[r["model"]] = None if missing_package(r["model"]) else \
+                graph_profile.profile(*MODELS[r["model"]])
         prof = profiles[r["model"]]
-        pred = predict_case(prof, r["strategy"], r["devices"], prof.rows,
-                            Cluster.from_local(r.get("calibration", old["calibration"]),
-                                               r["devices"]))
-        r.update(pred_step_s=pred.step_time_s, pred_peak_bytes=pred.peak_memory_bytes,
-                 pred_samples_per_s=pred.samples_per_s)
-        if r["status"] == "ok":
-            r.update(time_err=err(pred.step_time_s, r["step_s"]),
-                     mem_err=err(pred.peak_memory_bytes, r["peak_bytes"]))
+        if prof is None:
+            print("%-8s %-20s not repriced: %s is not installed" % (
+                r["model"], r["layout"], missing_package(r["model"])))
+            continue
+        _price(r, prof, Cluster.from_local(r.get("calibration", old["calibration"]),
+                                           r["devices"]))
+        if "step_s" in r:                   # measured (rows of before --rounds too)
+            r.setdefault("step_s_rounds", [r["step_s"]])
+            r.setdefault("rows_per_step", r.get("pred_global_batch"))
+            _settle(r)
     summary = summarize(old["rows"])
     print(table(old["rows"]))
     print()
@@ -247,18 +442,25 @@ def _write(path, calib, rows, summary):
             f, indent=1, sort_keys=True, default=str)
 
 
-HEAD = "%-8s %-17s %9s %9s %7s %9s %9s %7s" % (
+HEAD = "%-8s %-20s %9s %9s %7s %9s %9s %7s" % (
     "model", "layout", "pred ms", "meas ms", "err%", "pred MiB", "meas MiB", "err%")
 
 
+def _f(x, scale, fmt):
+    return "-" if x is None else fmt % (x * scale)
+
+
 def _line(r):
-    if r["status"] != "ok":
-        return "%-8s %-17s %9.2f %9s %7s %9.1f %9s  %s" % (
-            r["model"], r["layout"], 1e3 * r["pred_step_s"], "-", "-",
-            r["pred_peak_bytes"] / 2.0 ** 20, "-", r.get("message", r["status"])[:60])
-    return "%-8s %-17s %9.2f %9.2f %7.1f %9.1f %9.1f %7.1f" % (
-        r["model"], r["layout"], 1e3 * r["pred_step_s"], 1e3 * r["step_s"], r["time_err"],
-        r["pred_peak_bytes"] / 2.0 ** 20, r["peak_bytes"] / 2.0 ** 20, r["mem_err"])
+    mib = 1.0 / 2.0 ** 20
+    if r["status"] == "ok":
+        return "%-8s %-20s %9.2f %9.2f %7.1f %9.1f %9.1f %7.1f" % (
+            r["model"], r["layout"], 1e3 * r["pred_step_s"], 1e3 * r["step_s"],
+            r["time_err"], r["pred_peak_bytes"] * mib, r["peak_bytes"] * mib, r["mem_err"])
+    return "%-8s %-20s %9s %9s %7s %9s %9s %7s  %s: %s" % (
+        r["model"], r["layout"], _f(r.get("pred_step_s"), 1e3, "%.2f"),
+        _f(r.get("step_s"), 1e3, "%.2f"), "-", _f(r.get("pred_peak_bytes"), mib, "%.1f"),
+        _f(r.get("peak_bytes"), mib, "%.1f"), "-", r["status"],
+        str(r.get("message", ""))[:70])
 
 
 def table(rows):
@@ -266,6 +468,8 @@ def table(rows):
 
 
 def summarize(rows):
+    """Errors and picks over the rows measured and priced (``ok``; unpriced rows and
+    failures are left out)."""
     ok = [r for r in rows if r["status"] == "ok"]
     out = {"lines": []}
     if not ok:
@@ -289,10 +493,14 @@ def summarize(rows):
         gap = 100.0 * (1 - chosen["samples_per_s"] / fastest["samples_per_s"])
         picks[model] = dict(predicted_best=chosen["layout"], measured_best=fastest["layout"],
                             gap_pct=gap, hit=gap <= 5.0)
-        out["lines"].append("%-8s plan's first: %-17s measured fastest: %-17s (%.1f%% slower"
+        out["lines"].append("%-8s plan's first: %-20s measured fastest: %-20s (%.1f%% slower"
                             ": %s)" % (model, chosen["layout"], fastest["layout"], gap,
                                        "hit" if gap <= 5.0 else "miss"))
     out["picks"] = picks
+    unpriced = [r for r in rows if r["status"] == "unpriced"]
+    if unpriced:
+        out["lines"].append("measured, not priced (left out above): %s" % ", ".join(
+            "%s %s" % (r["model"], r["layout"]) for r in unpriced))
     return out
 
 

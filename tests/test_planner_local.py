@@ -178,3 +178,50 @@ def test_unpriced_candidates_are_always_dry_run(cache, monkeypatch):
         assert cands[0][0] == [["split", {"layer": 1}]] and cands[0][1] is None
     finally:
         SPEED.pop("split")
+
+
+def test_layout_of_reads_the_models_own_tensor_parallelism():
+    """``["tensor_parallel", {"degree": t}]`` (the model's epl.split(t) scopes, which EPL
+    runs as devices / t groups) is t x d for the planner; accelerate still refuses to
+    build it (it does not split a model); the split head stays unpriced."""
+    tp = [["tensor_parallel", {"degree": 2}]]
+    for devices, d in ((2, 1), (4, 2)):
+        lay = search.layout_of(tp, devices)
+        assert (lay.t, lay.p, lay.d) == (2, 1, d)
+    lay = search.layout_of(tp + [["pipeline", {"num_stages": 2, "num_micro_batch": 4}]], 8)
+    assert (lay.t, lay.p, lay.d, lay.num_micro_batch) == (2, 2, 2, 4)
+    lay = search.layout_of(["data_parallel", "offload"], 2)
+    assert (lay.t, lay.d, lay.offload) == (1, 2, True)
+    assert search.layout_of(["data_parallel"], 4).t == 1
+    with pytest.raises(ValueError, match="degree 2 on 3 devices"):
+        search.layout_of(tp, 3)
+    with pytest.raises(ValueError, match="split head is not priced"):
+        search.layout_of(["split"], 2)
+    with pytest.raises(ValueError, match="epl.split"):
+        search.normalize(tp)
+
+
+@pytest.mark.parametrize("split", [None, 2])
+def test_gpt_split_builds_every_part_under_its_own_split_scope(split):
+    """GPT(split=t): the embeddings, each block and the head (with the loss) are split
+    task graphs of t devices, their weights sharded; without it, none is."""
+    import tensorflow.compat.v1 as tf
+    import epl
+    from epl import ir
+    from epl.auto.gpt import GPT
+    with pytest.raises(ValueError, match="divide heads"):
+        GPT(1, 12, 3, split=2)
+    epl.init(epl.Config({"cluster.devices_per_worker": 4}))
+    gpt = GPT(2, 16, 4, seq=8, vocab=32, batch=2, split=split)
+    loss = gpt.model_fn(tf.data.make_one_shot_iterator(gpt.dataset_fn()).get_next())
+    groups = [tg for tg in ir.Graph.get().taskgraphs if tg.kind == "split"]
+    names = [v.op.name for v in tf.global_variables()]
+    if split is None:
+        assert not groups and not [n for n in names if "/part_" in n]
+        return
+    assert len(groups) == 4 and all(tg.device_count == 2 for tg in groups)
+    assert loss.op in groups[-1].ops
+    for i, part in enumerate(groups[1:3]):       # the blocks, in order
+        assert any(op.name.startswith("gpt/layer_%d/" % i) for op in part.ops)
+    for layer in ("qkv", "proj", "fc1", "fc2"):
+        assert "gpt/layer_1/%s/kernel/part_1" % layer in names

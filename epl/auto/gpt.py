@@ -6,7 +6,16 @@ a 4h GELU MLP), a final LayerNorm and an LM head tied to the token embedding.  I
 parameter count is Eq. 2 of the paper plus the final LayerNorm's 2h.  Every block lives
 under the name scope ``layer_<i>``, which is how the planner finds repeated blocks.
 No dropout (it adds masks to the activations; docs/plan.md).
+
+``GPT(..., split=t)`` builds the same model with tensor parallelism EPL runs: the
+embeddings, every block and the head (final LayerNorm, LM head, loss) each under its own
+``epl.split(t)`` (docs/split.md: column/row-parallel dense layers, head-parallel
+attention).  On ``d * t`` devices with no ``replicate`` scope EPL runs it as ``d``
+data-parallel groups of ``t`` devices (Megatron-LM's t x d).  Build it after
+``epl.init``; the planner prices the model built without ``split`` (``t`` comes from the
+strategy's ``["tensor_parallel", {"degree": t}]``).
 """
+import contextlib
 import math
 
 import numpy as np
@@ -31,9 +40,13 @@ class GPT(object):
     (Adam) as ``epl.auto.predict`` / ``plan`` / ``accelerate`` take them."""
 
     def __init__(self, layers, hidden, heads, seq=2048, vocab=51200, batch=1,
-                 learning_rate=1e-4):
+                 learning_rate=1e-4, split=None):
         if hidden % heads:
             raise ValueError("GPT: hidden %d is not a multiple of heads %d" % (hidden, heads))
+        if split is not None and (int(split) < 1 or heads % int(split)):
+            raise ValueError("GPT: split %r must be >= 1 and divide heads %d"
+                             % (split, heads))
+        self.split = int(split) if split is not None else None
         self.layers, self.hidden, self.heads = layers, hidden, heads
         self.seq, self.vocab, self.batch = seq, vocab, batch
         self.learning_rate = learning_rate
@@ -59,19 +72,27 @@ class GPT(object):
     def optimizer_fn(self):
         return v1.train.AdamOptimizer(self.learning_rate)
 
+    def _scope(self):
+        """A new ``epl.split(t)`` scope (``split=t``), else a context doing nothing."""
+        if self.split is None:
+            return contextlib.contextmanager(lambda: (yield))()
+        import epl      # (here: epl imports epl.auto, which imports this module)
+        return epl.split(self.split)
+
     def model_fn(self, features):
         tokens, labels = features
         b, s, h, a = self.batch, self.seq, self.hidden, self.heads
         d = h // a
         with v1.variable_scope("gpt", reuse=v1.AUTO_REUSE):
-            wte = v1.get_variable("wte", [self.vocab, h],
-                                  initializer=v1.random_normal_initializer(stddev=0.02))
-            wpe = v1.get_variable("wpe", [s, h],
-                                  initializer=v1.random_normal_initializer(stddev=0.02))
-            x = tf.gather(wte, tokens) + wpe[None, :, :]
-            mask = tf.linalg.band_part(tf.ones([s, s]), -1, 0)
+            with self._scope():
+                wte = v1.get_variable("wte", [self.vocab, h],
+                                      initializer=v1.random_normal_initializer(stddev=0.02))
+                wpe = v1.get_variable("wpe", [s, h],
+                                      initializer=v1.random_normal_initializer(stddev=0.02))
+                x = tf.gather(wte, tokens) + wpe[None, :, :]
+                mask = tf.linalg.band_part(tf.ones([s, s]), -1, 0)
             for i in range(self.layers):
-                with v1.variable_scope("layer_%d" % i):
+                with v1.variable_scope("layer_%d" % i), self._scope():
                     with v1.variable_scope("ln1"):
                         y = _layer_norm(x, h)
                     qkv = _dense(y, 3 * h, "qkv")
@@ -87,12 +108,13 @@ class GPT(object):
                     y = _dense(y, 4 * h, "fc1")
                     y = 0.5 * y * (1.0 + tf.tanh(0.7978845608 * (y + 0.044715 * y * y * y)))
                     x = x + _dense(y, h, "fc2")
-            with v1.variable_scope("ln_f"):
-                x = _layer_norm(x, h)
-            logits = tf.matmul(tf.reshape(x, [b * s, h]), wte, transpose_b=True)
-            loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
-                labels=tf.reshape(labels, [b * s]), logits=logits)
-            return tf.reduce_mean(loss)
+            with self._scope():
+                with v1.variable_scope("ln_f"):
+                    x = _layer_norm(x, h)
+                logits = tf.matmul(tf.reshape(x, [b * s, h]), wte, transpose_b=True)
+                loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
+                    labels=tf.reshape(labels, [b * s]), logits=logits)
+                return tf.reduce_mean(loss)
 
 
 def table1():

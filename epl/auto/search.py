@@ -371,9 +371,17 @@ def measure(fns, strategy, devices, steps, timeout):
 
 def layout_of(strategy, devices):
     """The planner's Layout (``epl.auto.layout``) of a strategy run on ``devices``
-    devices of this worker; ValueError for what the planner does not price (split)."""
-    kw = {"d": devices}
-    for name, arg in normalize(strategy):
+    devices of this worker; ValueError for what it does not price (split).  ``tensor_parallel``
+    ``{"degree": t}``: the model's own ``epl.split(t)`` scopes, ``devices / t`` groups."""
+    items = read_strategy(strategy)     # (normalize refuses a degree > 1: read it here)
+    tp = [i[1] or {} for i in items if not isinstance(i, str) and i[0] == "tensor_parallel"]
+    t = int(tp[-1].get("degree", 1)) if tp else 1
+    rest = [i for i in items if isinstance(i, str) or i[0] != "tensor_parallel"]
+    if t < 1 or devices % t:
+        raise ValueError("epl.auto: tensor_parallel degree %d on %d devices: the degree "
+                         "must divide the devices" % (t, devices))
+    kw = {"t": t, "d": devices // t}
+    for name, arg in normalize(rest):
         arg = arg if isinstance(arg, dict) else {}
         if name == "split":
             raise ValueError("epl.auto: the split head is not priced")
@@ -381,7 +389,7 @@ def layout_of(strategy, devices):
             kw["num_micro_batch"] = int(arg.get("num_micro_batch", 2))
         elif name == "pipeline":
             p = int(arg.get("num_stages", 2))
-            kw.update(p=p, d=max(1, devices // p),
+            kw.update(p=p, d=max(1, devices // (p * t)),
                       num_micro_batch=int(arg.get("num_micro_batch", 4)),
                       schedule=arg.get("schedule", "1f1b"))
         elif name == "gradient_checkpoint":
