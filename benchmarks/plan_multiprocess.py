@@ -17,14 +17,17 @@ Predicted: ``benchmarks.plan_accuracy.predict_case`` (``price`` of ``data_parall
 P devices, the global batch rows x P) on ``Cluster.from_local(figures, 1, processes=P,
 latency_s=...)``: P nodes of 1 device sharing the cores, the inter-node link EPL's
 cross-process all-reduce as calibrated (``epl.auto.local.measure_cross_process``: shm
-for worker processes, tcp for hosts).
+for worker processes, tcp for hosts).  A control row first: "DP 2 in-process", plan_accuracy's
+"DP 2" (2 virtual devices of one process, ``epl.auto.search.measure``) measured and
+priced the same way under the same load, so that the cross-process rows' errors can be
+read against the in-process one's.
 
 The machine has 2 cores shared with other users: timings are noisy.  The latency
 relay of the namespace hosts is Python: with latency it also caps the bandwidth, which
 the calibration (tcp over loopback, no relay) does not see.
 
-    python benchmarks/plan_multiprocess.py [--models mlp,gpt] [--cases "DP 2 proc,DP 3 proc,
-        DP 2 hosts +5ms"] [--steps 10] [--json benchmarks/results/plan_multiprocess.json]
+    python benchmarks/plan_multiprocess.py [--models mlp,gpt] [--cases "DP 2 in-process,
+        DP 2 proc,DP 3 proc,DP 2 hosts +5ms"] [--steps 10] [--json benchmarks/results/plan_multiprocess.json]
         [--no-calibrate-each-model]
 """
 import argparse
@@ -48,12 +51,16 @@ from plan_accuracy import MODELS, err, predict_case  # noqa: E402
 PORT = 7000         # namespace hosts: TensorFlow on 7000, EPL's collectives on 7001
 STRATEGY = ["data_parallel"]
 
-# (label, processes, one-way latency in ms or None for worker processes of this host)
+# (label, processes, one-way latency in ms or None for worker processes of this host);
+# processes None: the control, DP on 2 virtual devices of ONE process (plan_accuracy's
+# "DP 2", epl.auto.search.measure) under the same load, side by side
 CASES = [
+    ("DP 2 in-process", None, None),
     ("DP 2 proc", 2, None),
     ("DP 3 proc", 3, None),
     ("DP 2 hosts +5ms", 2, 5.0),
 ]
+CONTROL_DEVICES = 2
 
 
 def _median(xs):
@@ -205,6 +212,8 @@ def measure_multiprocess(model_key, processes, steps, latency_ms=None, timeout=6
 
 def cluster_of(figures, processes, latency_ms):
     from epl.auto import Cluster
+    if processes is None:
+        return Cluster.from_local(figures, CONTROL_DEVICES)
     return Cluster.from_local(figures, 1, processes=processes,
                               latency_s=None if latency_ms is None else latency_ms / 1000.0)
 
@@ -261,7 +270,7 @@ def main(argv=None):
         return worker_main(args.model, args.steps, args.out)
     # SIGTERM (a watchdog, a person) ends the run through the Networks' cleanup
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("plan_multiprocess: terminated"))
-    from epl.auto import graph_profile
+    from epl.auto import graph_profile, search
     start = time.time()
     wanted = [c.strip() for c in args.cases.split(",")] if args.cases else [c[0] for c in CASES]
     rows = []
@@ -276,9 +285,14 @@ def main(argv=None):
             if label not in wanted:
                 continue
             cluster = cluster_of(figures, processes, latency_ms)
-            pred = predict_case(profile, STRATEGY, processes, profile.rows, cluster)
-            status, got = measure_multiprocess(name, processes, args.steps, latency_ms,
-                                               args.timeout)
+            pred = predict_case(profile, STRATEGY, processes or CONTROL_DEVICES, profile.rows,
+                                cluster)
+            if processes is None:
+                status, got = search.measure(fns, STRATEGY, CONTROL_DEVICES, args.steps,
+                                             args.timeout)
+            else:
+                status, got = measure_multiprocess(name, processes, args.steps, latency_ms,
+                                                   args.timeout)
             row = dict(model=name, case=label, processes=processes, latency_ms=latency_ms,
                        cluster=cluster.to_dict(), calibration=figures,
                        pred_step_s=pred.step_time_s, pred_peak_bytes=pred.peak_memory_bytes,
@@ -286,7 +300,7 @@ def main(argv=None):
                        breakdown={k: v for k, v in pred.breakdown.items() if k != "stages"})
             if status == "ok":
                 row.update(step_s=got["step_s"], peak_bytes=got["peak_bytes"],
-                           rows_per_step=got["rows_per_step"], workers=got["workers"],
+                           rows_per_step=got["rows_per_step"], workers=got.get("workers"),
                            samples_per_s=got["rows_per_step"] / got["step_s"],
                            time_err=err(pred.step_time_s, got["step_s"]),
                            mem_err=err(pred.peak_memory_bytes, got["peak_bytes"]))
