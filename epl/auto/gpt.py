@@ -43,9 +43,8 @@ class GPT(object):
                  learning_rate=1e-4, split=None):
         if hidden % heads:
             raise ValueError("GPT: hidden %d is not a multiple of heads %d" % (hidden, heads))
-        if split is not None and (int(split) < 1 or heads % int(split)):
-            raise ValueError("GPT: split %r must be >= 1 and divide heads %d"
-                             % (split, heads))
+        if split is not None and int(split) < 1:
+            raise ValueError("GPT: split %r: the devices of a split are >= 1" % (split,))
         self.split = int(split) if split is not None else None
         self.layers, self.hidden, self.heads = layers, hidden, heads
         self.seq, self.vocab, self.batch = seq, vocab, batch
