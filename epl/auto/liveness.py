@@ -15,6 +15,10 @@ with the two ways TensorFlow's CPU kernels avoid an allocation:
 * element-wise kernels write into an input whose last reader they are, when it has the
   output's size (``forward_input_or_allocate_output``).
 
+and the one scratch buffer that matters on the CPU: a convolution's gradient kernels
+unfold patches into up to ~30 MiB while they run (``scratch_bytes``; the two gradients
+of one convolution are ready together and may run side by side).
+
 Variables and constants are not step allocations (the caller adds the variables);
 update ops write into their variables.  The result is the peak of the live bytes at
 the graph's built batch.
@@ -48,6 +52,36 @@ def _is_view(op):
         perm = tf.get_static_value(op.inputs[1])
         return perm is not None and list(perm) == list(range(len(perm)))
     return False
+
+
+# TensorFlow's CPU kernels for a convolution's gradients unfold image patches into a
+# scratch buffer sized to a ~30 MiB working set (conv_grad_{input,filter}_ops.cc: whole
+# images per shard, the patches' share of each image's work), freed when they return
+_CONV_GRADS = ("Conv2DBackpropInput", "Conv2DBackpropFilter")
+_WORKING_SET = 30 << 20
+# ... except the input gradient of a large convolution per image, which goes one image
+# at a time (traced here: per-image work of 29,696-39,424 elements took whole-shard
+# buffers, 152,576-253,952 one image's patches; the threshold between, in elements)
+_PARALLEL_IMAGE = 1 << 17
+
+
+def scratch_bytes(op):
+    """Bytes a kernel allocates for itself while it runs (0 where none is known)."""
+    if op.type not in _CONV_GRADS:
+        return 0
+    grad = op.inputs[2].shape                     # [batch, out_h, out_w, out_depth]
+    filt = op.inputs[1].shape if op.type == "Conv2DBackpropInput" else op.outputs[0].shape
+    if not (grad.is_fully_defined() and filt.is_fully_defined()) or grad.rank != 4:
+        return 0
+    _, out_h, out_w, out_depth = grad.as_list()
+    k_h, k_w, in_depth, _ = filt.as_list()
+    size = op.inputs[2].dtype.size
+    patches = out_h * out_w * k_h * k_w * in_depth
+    work = patches + out_h * out_w * out_depth + k_h * k_w * in_depth * out_depth
+    images = -(-(_WORKING_SET // size) // work)
+    if op.type == "Conv2DBackpropInput" and work >= _PARALLEL_IMAGE:
+        images = 1      # one image at a time, its product split over the threads
+    return images * patches * size
 
 
 def _nbytes(t, rows):
@@ -121,6 +155,7 @@ def peak_bytes(ops, rows, updates_last=False, trace=None):
                 readers[buffer_of[t]].add(op)
     live, peak = 0, 0
     alive = set()
+    before = 0                      # the previous op's scratch: they may run together
     for op in ops:
         freed = []
         for t in set(op.inputs):
@@ -142,12 +177,14 @@ def peak_bytes(ops, rows, updates_last=False, trace=None):
             live += size[t]
             if not readers[t]:      # read by nobody: freed with the op's inputs
                 freed.append(t)
-        if live > peak:
-            peak = live
+        scratch = scratch_bytes(op)
+        if live + scratch + before > peak:
+            peak = live + scratch + before
             if trace is not None:
                 trace[:] = [(op.name, sorted(((size[b], b.name) for b in alive),
                                              reverse=True))]
         for b in freed:
             alive.discard(b)
             live -= size[b]
+        before = scratch
     return peak
