@@ -174,9 +174,18 @@ def test_unpriced_candidates_are_always_dry_run(cache, monkeypatch):
     try:
         calls, _, chosen = _search(monkeypatch, dry_run_top=1, excluded=["split"])
         assert len(calls) == 1 and chosen == calls[0]       # the planner's first
-        cands = search.rank(auto_models.big_head_model, auto_models.dataset,
-                            auto_models.optimizer,
-                            search.candidates(2, head=1), 2)
+        args = (auto_models.big_head_model, auto_models.dataset, auto_models.optimizer,
+                search.candidates(2, head=1), 2)
+        split = [c for c in search.rank(*args) if c[0] == [["split", {"layer": 1}]]]
+        assert split[0][1] is not None and split[0][1].layout.split_head   # priced now
+        real = search.layout_of
+
+        def unpriced_split(strategy, devices):
+            if any(not isinstance(i, str) and i[0] == "split" for i in strategy):
+                raise ValueError("epl.auto: not priced")
+            return real(strategy, devices)
+        monkeypatch.setattr(search, "layout_of", unpriced_split)
+        cands = search.rank(*args)
         assert cands[0][0] == [["split", {"layer": 1}]] and cands[0][1] is None
     finally:
         SPEED.pop("split")
@@ -185,7 +194,7 @@ def test_unpriced_candidates_are_always_dry_run(cache, monkeypatch):
 def test_layout_of_reads_the_models_own_tensor_parallelism():
     """``["tensor_parallel", {"degree": t}]`` (the model's epl.split(t) scopes, which EPL
     runs as devices / t groups) is t x d for the planner; accelerate still refuses to
-    build it (it does not split a model); the split head stays unpriced."""
+    build it (it does not split a model)."""
     tp = [["tensor_parallel", {"degree": 2}]]
     for devices, d in ((2, 1), (4, 2)):
         lay = search.layout_of(tp, devices)
@@ -197,8 +206,7 @@ def test_layout_of_reads_the_models_own_tensor_parallelism():
     assert search.layout_of(["data_parallel"], 4).t == 1
     with pytest.raises(ValueError, match="degree 2 on 3 devices"):
         search.layout_of(tp, 3)
-    with pytest.raises(ValueError, match="split head is not priced"):
-        search.layout_of(["split"], 2)
+    assert search.layout_of(["split"], 2).split_head
     with pytest.raises(ValueError, match="epl.split"):
         search.normalize(tp)
 
@@ -227,3 +235,30 @@ def test_gpt_split_builds_every_part_under_its_own_split_scope(split):
         assert any(op.name.startswith("gpt/layer_%d/" % i) for op in part.ops)
     for layer in ("qkv", "proj", "fc1", "fc2"):
         assert "gpt/layer_1/%s/kernel/part_1" % layer in names
+
+
+def test_the_split_head_is_priced(cache):
+    """The replicated-backbone / split-head hybrid (accelerate's "split"): the head's
+    matrices are held 1/d per device and left out of the gradient all-reduce; its
+    input is gathered from every replica.  Its strategy round-trips."""
+    from epl.auto import graph_profile
+    from epl.auto.predictor import price
+    prof = graph_profile.profile(auto_models.big_head_model, auto_models.dataset,
+                                 auto_models.optimizer)
+    head = prof.post.params_split
+    assert head >= 64 * auto_models.HEAD_CLASSES
+    cluster = Cluster.local(2)
+    dp = price(prof, Layout(d=2), cluster)
+    split = price(prof, search.layout_of(["split"], 2), cluster)
+    s_dp, s_split = dp.breakdown["stages"][0], split.breakdown["stages"][0]
+    assert s_dp["params"] - s_split["params"] == pytest.approx(head / 2.0)
+    assert s_split["reduced"] == pytest.approx(s_split["gradients"] - head / 2.0 * 4)
+    assert s_dp["reduced"] == s_dp["gradients"]
+    assert split.breakdown["tp_comm_s"] > 0 == dp.breakdown["tp_comm_s"]
+    # (plain SGD: half the head's weights and gradients fewer per device)
+    assert dp.peak_memory_bytes - split.peak_memory_bytes == pytest.approx(head / 2.0 * 8)
+    lay = search.layout_of(["split"], 2)
+    assert lay.split_head and lay.to_strategy() == ["split"]
+    assert search.layout_of(lay.to_strategy(), 2).describe() == lay.describe()
+    with pytest.raises(ValueError, match="split head"):
+        price(prof, Layout(d=1, p=2, num_micro_batch=2, split_head=True), Cluster.local(2))

@@ -46,6 +46,7 @@ class Region(object):
         self.name = name
         self.flops = 0.0            # forward FLOPs of matrix products, per row
         self.flops_split = 0.0      # ... of those sharded by tensor parallelism
+        self.flops_by_dim = {}      # the products' smallest dimension -> their flops/row
         self.saved = 0.0            # bytes per row the backward pass reads (activations)
         self.saved_split = 0.0      # ... of those sharded
         self.saved_float32 = 0.0    # ... of those float32 (AMP halves them)
@@ -178,6 +179,26 @@ def op_flops(op, rows):
     return 0.0
 
 
+def smallest_dim(op, rows):
+    """The smallest of a product's M, K, N (a convolution's as the product of its
+    unfolded patches: batch x output pixels, kernel area x input depth, output
+    depth); thin products run below the device's peak (``Device.product_share``)."""
+    out = _dims(op.outputs[0], rows)
+    a = _dims(op.inputs[0], rows)
+    if not out or not a:
+        return 1 << 30
+    if op.type == "MatMul":
+        k = a[0] if op.get_attr("transpose_a") else a[1]
+        return min(out[0], out[1], k)
+    if op.type.startswith("BatchMatMul") and len(out) >= 2:
+        adj = op.get_attr("adj_x") if "adj_x" in op.node_def.attr else False
+        return min(out[-2], out[-1], a[-2] if adj else a[-1])
+    if op.type == "Conv2D" and len(out) == 4:
+        w = _dims(op.inputs[1], rows)
+        return min(out[0] * out[1] * out[2], w[0] * w[1] * w[2], out[3])
+    return 1 << 30
+
+
 def _variable_of(tensor):
     """The variable op a tensor reads (through identities and casts), or None."""
     op = tensor.op
@@ -245,18 +266,20 @@ def profile(model_fn, dataset_fn, optimizer_fn, block_pattern=BLOCK_PATTERN):
 
 
 def _step_peak(graph, train_op, rows):
-    """``step_peak(updates_last)``: the transient bytes one device holds at the peak of
+    """``step_peak(updates_last, side_by_side)``: the transient bytes one device holds at the peak of
     a step of the whole model at ``rows`` rows (``epl.auto.liveness`` on the graph
     Grappler makes of it; computed on the first call, kept)."""
     cache = {}
 
-    def step_peak(updates_last=False):
-        if updates_last not in cache:
+    def step_peak(updates_last=False, side_by_side=True):
+        key = (updates_last, side_by_side)
+        if key not in cache:
             if "ops" not in cache:
                 _, fetched = grappler.optimized(graph, [train_op])
                 cache["ops"] = sorted(ir.upstream(fetched), key=tfg.op_id)
-            cache[updates_last] = liveness.peak_bytes(cache["ops"], rows, updates_last)
-        return cache[updates_last]
+            cache[key] = liveness.peak_bytes(cache["ops"], rows, updates_last,
+                                             side_by_side)
+        return cache[key]
     return step_peak
 
 
@@ -391,6 +414,8 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
         if op.type in _MATMULS:
             flops = op_flops(op, rows) / rows
             reg.flops += flops
+            dim = smallest_dim(op, rows)
+            reg.flops_by_dim[dim] = reg.flops_by_dim.get(dim, 0.0) + flops
             if weight:
                 out_split = not in_split
                 if in_split:

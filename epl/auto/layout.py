@@ -54,7 +54,7 @@ class Layout(object):
 
     def __init__(self, t=1, p=1, d=None, micro_batch_size=None, num_micro_batch=None,
                  schedule="1f1b", chunks=1, recompute=False, zero=None, offload=False,
-                 dtype="fp32"):
+                 dtype="fp32", split_head=False):
         if schedule not in SCHEDULES:
             raise ValueError("epl.auto: schedule %r; the schedules are %s"
                              % (schedule, ", ".join(SCHEDULES)))
@@ -63,6 +63,9 @@ class Layout(object):
         self.schedule, self.chunks = schedule, int(chunks) if schedule == "interleaved" else 1
         self.recompute, self.zero, self.offload = bool(recompute), zero, bool(offload)
         self.dtype = _DTYPES[dtype]
+        # the replicated-backbone / split-head hybrid: the model's last region (its
+        # head and loss) split over the d replicas' devices (accelerate's "split")
+        self.split_head = bool(split_head)
 
     @classmethod
     def from_strategy(cls, strategy):
@@ -84,8 +87,7 @@ class Layout(object):
                 kw["schedule"] = arg.get("schedule", "1f1b")
                 kw["chunks"] = int(arg.get("chunks", 2))
             elif name == "split":
-                raise ValueError("epl.auto.predict: the split head is not priced yet; use "
-                                 "tensor_parallel for transformer blocks")
+                kw["split_head"] = True
             elif name == "gradient_checkpoint":
                 kw["recompute"] = True
             elif name == "zero":
@@ -108,7 +110,10 @@ class Layout(object):
             out.append(["pipeline", {k: v for k, v in pipe.items() if v is not None}])
         elif self.num_micro_batch and self.num_micro_batch > 1:
             out.append(["accumulation", {"num_micro_batch": self.num_micro_batch}])
-        out.append(["data_parallel", {"degree": self.d}] if self.d else "data_parallel")
+        if self.split_head:         # data parallel, the head split (accelerate's "split")
+            out.append("split")
+        else:
+            out.append(["data_parallel", {"degree": self.d}] if self.d else "data_parallel")
         if self.recompute:
             out.append(["gradient_checkpoint", "auto"])
         if self.zero:
@@ -130,6 +135,8 @@ class Layout(object):
                 else "PreferBackward"
         if self.num_micro_batch and self.num_micro_batch > 1:
             cfg["pipeline.num_micro_batch"] = self.num_micro_batch
+        if self.split_head:
+            cfg["cluster.colocate_split_and_replicate"] = True
         if self.recompute:
             cfg["gradient_checkpoint.type"] = "auto"
         if self.zero:
@@ -147,7 +154,7 @@ class Layout(object):
         if self.schedule == "interleaved":
             s += "x%d" % self.chunks
         for flag, name in ((self.recompute, "gc"), (self.zero, "zero"),
-                           (self.offload, "offload")):
+                           (self.offload, "offload"), (self.split_head, "split-head")):
             if flag:
                 s += " " + name
         return s + " " + self.dtype

@@ -130,10 +130,14 @@ def dataflow_order(ops, updates_last=False):
     return out
 
 
-def peak_bytes(ops, rows, updates_last=False, trace=None):
+def peak_bytes(ops, rows, updates_last=False, side_by_side=True, trace=None):
     """The peak of the live bytes while ``ops`` run (a list of ``tf.Operation`` in
     creation order; tensors of ops outside it are inputs already there: not counted)
-    in ``dataflow_order``.  ``rows``: the size of an unknown dimension.  ``trace``: a
+    in ``dataflow_order``.  ``rows``: the size of an unknown dimension.
+    ``side_by_side``: an op's scratch overlaps the previous op's (a device with the
+    cores to itself runs ready kernels together; traced: one device held both
+    gradient kernels' buffers of a convolution, each of 2 devices on 2 cores one at a
+    time).  ``trace``: a
     list that gets [(op at the peak, [(bytes, buffer) alive])]."""
     ops = dataflow_order(ops, updates_last)
     ops = [op for op in ops if op.type not in _NO_ALLOCATION]
@@ -186,5 +190,5 @@ def peak_bytes(ops, rows, updates_last=False, trace=None):
         for b in freed:
             alive.discard(b)
             live -= size[b]
-        before = scratch
+        before = scratch if side_by_side else 0
     return peak

@@ -10,6 +10,10 @@ measures again):
 * ``matmul_flops``: fp32 ``MatMul`` FLOP/s at 256, 512 and 1024 (the best is the peak;
   the smaller sizes' fractions of it are kept, not used);
 * ``memory_bandwidth``: bytes/s an element-wise op reads and writes (16 MiB tensors);
+* ``thin_products``: {16, 64, 256: the share of that peak a product gets whose
+  smallest dimension is that size (the others 1024; the mean of the three places it
+  can be)}: a model's products are thin (a batch of 64 rows, a 64-row weight
+  gradient), measured 0.4-0.8 of the peak here;
 * ``op_overhead_s``: seconds TensorFlow's executor spends per op (a chain of tiny ops),
   and ``run_overhead_s``: a ``Session.run`` of one op: the floor of a CPU step that
   FLOPs and bytes do not see;
@@ -40,8 +44,9 @@ import uuid
 
 from epl import communicators
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2          # 2: thin_products
 _SIZES = (256, 512, 1024)
+_THIN = (16, 64, 256)
 TRANSPORTS = ("shm", "tcp")
 # EPL's cross-process all-reduce (csrc/crossproc.cc) first exchanges each rank's element
 # count around the ring (size - 1 steps), then reduce-scatters and all-gathers (2 (size - 1)
@@ -107,6 +112,19 @@ def measure(repeats=5, quick=False):
             for _ in range(chain):
                 y = v1.matmul(y, x)
             halves[name] = v1.reduce_sum(v1.cast(y, tf.float32))
+        # thin products: one dimension small (a batch of rows, a narrow layer), the
+        # others the largest size, in each of the three places
+        big_n = sizes[-1]
+        thin = {}
+        for small in ((16,) if quick else _THIN):
+            fetches = []
+            for shape in ((small, big_n, big_n), (big_n, small, big_n),
+                          (big_n, big_n, small)):
+                m, k, n = shape
+                a = v1.Variable(np.random.RandomState(1).rand(m, k).astype(np.float32))
+                b = v1.Variable(np.random.RandomState(2).rand(k, n).astype(np.float32))
+                fetches.append(v1.reduce_sum(v1.matmul(a, b)))
+            thin[small] = fetches
         elems = (16 << 20) // 4 if not quick else (1 << 18)
         big = v1.Variable(np.ones(elems, np.float32))
         scaled = v1.reduce_sum(big * 1.0001 + 0.5)    # two element-wise passes + a read
@@ -115,6 +133,12 @@ def measure(repeats=5, quick=False):
         ops = 200
         for _ in range(ops):
             z = v1.nn.relu(z)      # (a chain grappler cannot fold)
+        # kernels the executor hands to its thread pool (products, convolutions, most
+        # of a model's ops) cost more per op than the inlined cheap ones above
+        w = v1.Variable(np.eye(16, dtype=np.float32))
+        pooled = tiny
+        for _ in range(ops):
+            pooled = v1.matmul(pooled, w)
         with _session(tf, graph, 1) as sess:
             sess.run(v1.global_variables_initializer())
             flops = {}
@@ -126,6 +150,12 @@ def measure(repeats=5, quick=False):
                 out["matmul_flops_" + name] = 2.0 * half ** 3 * chain / _timed(
                     sess, fetch, repeats)
             out["matmul_flops"] = max(flops.values())
+            shares = {}
+            for small, fetches in thin.items():
+                rates = [2.0 * small * big_n * big_n / _timed(sess, f, repeats)
+                         for f in fetches]
+                shares[str(small)] = min(1.0, sum(rates) / len(rates) / out["matmul_flops"])
+            out["thin_products"] = shares
             # big * c writes n, + c reads n and writes n, reduce reads n: 5 passes of
             # 4 bytes (reading the variable is a copy-free view)
             sec = _timed(sess, scaled, repeats)
@@ -133,6 +163,8 @@ def measure(repeats=5, quick=False):
             base = _timed(sess, tiny, repeats * 4)
             sec = _timed(sess, z, repeats * 4)
             out["op_overhead_s"] = max(0.0, (sec - base) / ops)
+            sec = _timed(sess, pooled, repeats * 4)
+            out["pooled_op_overhead_s"] = max(0.0, (sec - base) / ops)
             out["run_overhead_s"] = base
     out.update(_allreduce(tf, repeats, quick))
     return out
@@ -366,7 +398,8 @@ def cluster_dict(figures, devices, memory_bytes=None, processes=1, latency_s=Non
                   host_bandwidth=figures["memory_bandwidth"] / share,
                   efficiency=dict.fromkeys(peak, 1.0),
                   op_overhead=float(figures.get("op_overhead_s", 0.0)),
-                  run_overhead=float(figures.get("run_overhead_s", 0.0)))
+                  run_overhead=float(figures.get("run_overhead_s", 0.0)),
+                  thin_products=figures.get("thin_products"))
     if processes > 1:
         name = "local x %d processes x %d virtual CPU devices%s" % (
             processes, devices, " (+%g ms one way)" % (1e3 * latency_s) if latency_s else "")

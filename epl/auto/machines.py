@@ -14,6 +14,7 @@ Gb/s), in DGX-style nodes of 8 GPUs on NVSwitch.
 """
 import copy
 import json
+import math
 
 from epl.auto import local
 
@@ -64,7 +65,7 @@ class Device(object):
     """One accelerator: peak FLOP/s and efficiency per dtype, memory, bandwidths."""
 
     def __init__(self, name, peak, memory, memory_bandwidth, host_bandwidth=16 * GB,
-                 efficiency=None, op_overhead=0.0, run_overhead=0.0):
+                 efficiency=None, op_overhead=0.0, run_overhead=0.0, thin_products=None):
         self.name = name
         self.peak = {k: float(v) for k, v in peak.items()}
         missing = [d for d in DTYPES if d not in self.peak]
@@ -80,16 +81,34 @@ class Device(object):
         # CPU executors (Cluster.local): seconds per op and per Session.run; presets: 0
         self.op_overhead = float(op_overhead)
         self.run_overhead = float(run_overhead)
+        # A product's speed against the peak by its smallest dimension ({dim: share},
+        # measured by Cluster.local; the presets: none, their efficiency is fitted)
+        self.thin_products = {int(k): float(v) for k, v in (thin_products or {}).items()}
 
     def flops(self, dtype):
         """Sustained FLOP/s of matrix products in ``dtype``: peak x efficiency."""
         return self.peak[dtype] * self.efficiency[dtype]
 
+    def product_share(self, dim):
+        """The share of ``flops`` a product whose smallest dimension is ``dim`` gets
+        (log-linear between the measured dimensions; 1 above the largest)."""
+        known = sorted(self.thin_products.items())
+        if not known or dim >= known[-1][0]:
+            return 1.0
+        if dim <= known[0][0]:
+            return known[0][1]
+        for (d0, s0), (d1, s1) in zip(known, known[1:]):
+            if d0 <= dim <= d1:
+                w = math.log(float(dim) / d0) / math.log(float(d1) / d0)
+                return s0 + w * (s1 - s0)
+        return 1.0
+
     def to_dict(self):
         return dict(name=self.name, peak=self.peak, memory=self.memory,
                     memory_bandwidth=self.memory_bandwidth,
                     host_bandwidth=self.host_bandwidth, efficiency=self.efficiency,
-                    op_overhead=self.op_overhead, run_overhead=self.run_overhead)
+                    op_overhead=self.op_overhead, run_overhead=self.run_overhead,
+                    thin_products={str(k): v for k, v in self.thin_products.items()})
 
 
 class Link(object):
@@ -208,7 +227,8 @@ class Cluster(object):
         dev = d["device"]
         device = Device(dev["name"], dev["peak"], dev["memory"], dev["memory_bandwidth"],
                         dev.get("host_bandwidth", 16 * GB), dev.get("efficiency"),
-                        dev.get("op_overhead", 0.0), dev.get("run_overhead", 0.0))
+                        dev.get("op_overhead", 0.0), dev.get("run_overhead", 0.0),
+                        dev.get("thin_products"))
         out = cls(device, d["nodes"], d["devices_per_node"], Link(**d["intra"]),
                   Link(**d["inter"]), name=d.get("name"))
         out.accumulate_in_place = bool(d.get("accumulate_in_place", True))

@@ -89,7 +89,7 @@ def stages_of(layers, p):
 def _resolve(layout, profile, cluster, global_batch):
     lay = Layout(**{k: getattr(layout, k) for k in (
         "t", "p", "d", "micro_batch_size", "num_micro_batch", "schedule", "chunks",
-        "recompute", "zero", "offload", "dtype")})
+        "recompute", "zero", "offload", "dtype", "split_head")})
     n = cluster.num_devices
     if lay.d is None:
         if n % (lay.t * lay.p):
@@ -153,7 +153,22 @@ def price(profile, layout, cluster, global_batch=None):
     def flops(r):
         return (r.flops - r.flops_split) + r.flops_split / float(t)
 
+    if lay.split_head and (p > 1 or t > 1):
+        raise ValueError("epl.auto: the split head is priced with data parallelism only "
+                         "(EPL refuses it with pipelines; tensor_parallel splits blocks)")
+    head = profile.post if lay.split_head and d > 1 else None
+
+    def thin(r):
+        """How much slower than the peak the region's products run: thin ones (a small
+        M, K or N) below it (``Device.product_share``, measured by Cluster.local)."""
+        if not dev.thin_products or not r.flops or not r.flops_by_dim:
+            return 1.0
+        return sum(f / dev.product_share(dim) for dim, f in r.flops_by_dim.items()) \
+            / sum(r.flops_by_dim.values())
+
     def params(r):
+        if r is head:                   # the head's matrices split over the d devices
+            return (r.params - r.params_split) + r.params_split / float(d)
         return (r.params - r.params_split) + r.params_split / float(t)
 
     groups = stages_of(profile.layers, p)
@@ -181,12 +196,12 @@ def price(profile, layout, cluster, global_batch=None):
             regions, extra = [], [staged[k]]
         recomputed = regions if staged is None else extra
         fwd_block = sum(flops(r) for r in recomputed) * mb
-        fwd = sum(flops(r) for r in regions + extra) * mb
         recompute = fwd_block if lay.recompute else 0.0
         pointwise = sum(pw(r) for r in regions + extra) * mb
-        redo = recompute / flops_s + (sum(pw(r) for r in recomputed) * mb / bandwidth
-                                      if lay.recompute else 0.0)
-        compute = 3 * fwd / flops_s + 3 * pointwise / bandwidth + redo \
+        redo = (sum(flops(r) * thin(r) for r in recomputed) * mb / flops_s
+                + sum(pw(r) for r in recomputed) * mb / bandwidth) if lay.recompute else 0.0
+        products = sum(flops(r) * thin(r) for r in regions + extra) * mb
+        compute = 3 * products / flops_s + 3 * pointwise / bandwidth + redo \
             + dev.op_overhead * sum(r.ops for r in regions + extra)
         forward_s.append((compute - redo) / 3.0)    # the rest (and the recompute): backward
         ar = [b * mb * act_scale for r in regions + extra for b in r.allreduce_bytes]
@@ -202,6 +217,9 @@ def price(profile, layout, cluster, global_batch=None):
             one = nbytes / t / send_bw + send_lat + (
                 (t - 1.0) / t * nbytes / cluster.intra.bandwidth if t > 1 else 0.0)
             send = 2 * one * lay.chunks
+        if head is not None:   # its input gathered from every replica, its gradient back
+            tp += ring_allreduce_s(head.input_bytes * mb * d * act_scale, d,
+                                   cluster.intra.bandwidth, cluster.intra.latency)
         per_stage.append((compute, tp, send))
         # memory
         n_params = sum(params(r) for r in regions + extra)
@@ -229,20 +247,28 @@ def price(profile, layout, cluster, global_batch=None):
             acts = sum(saved(r) for r in regions + extra) * mb * flight * (gc_share or 1.0)
         # a fusion bucket only where gradients are all-reduced (d > 1)
         buffers = (min(grads, BUCKET_BYTES) if d > 1 and cluster.fusion_buffer else 0.0) \
-            + max(ar or [0.0])
+            + (max(ar or [0.0]) if t > 1 else 0.0)
         # One whole-model stage at the built batch on EPL's runtime: the step's peak is
         # the liveness walk of the graph the session runs (gradients and activations
         # together, as TF frees them; under data parallelism the gradients all wait
         # for the all-reduce): ``epl.auto.liveness``
         walked = p == 1 and t == 1 and not lay.recompute and lay.dtype == "fp32" \
             and mb == profile.rows and cluster.stage_cut == "epl" and profile.step_peak
-        if walked:
-            acts = profile.step_peak(updates_last=d > 1) - grads
-        mem = weights + grads * grad_copies + states + acts + buffers
+        split_off = head.params_split * (1.0 - 1.0 / d) * 4 if head is not None else 0.0
+        if walked:      # (the walk holds the whole head's gradient)
+            acts = profile.step_peak(updates_last=d > 1, side_by_side=t * p * d == 1) \
+                - grads - split_off
+        held = weights
+        if lay.offload:     # the variables live on the host: a GPU copies the weights in
+            # for the step; EPL's CPU devices read them where they are (measured)
+            held = 0.0 if dev.name.startswith("local") else weights
+        mem = held + grads * grad_copies + states + acts + buffers
         memory.append(int(mem))
         details.append(dict(stage=k, blocks=len(blocks) if staged is None else None,
                             params=n_params, weights=weights,
                             gradients=grads, gradient_copies=grad_copies,
+                            reduced=grads - (head.params_split / float(d) * width
+                                             if head is not None else 0.0),
                             optimizer_states=states, activations=acts,
                             buffers=buffers, in_flight=flight, liveness=bool(walked)))
         executed += recompute * m * d * t
@@ -268,7 +294,7 @@ def price(profile, layout, cluster, global_batch=None):
     dp_exposed, dp_total, update, offload, zero_gather = 0.0, 0.0, 0.0, 0.0, 0.0
     for k, det in enumerate(details):
         compute_k = per_stage[k][0]
-        ar_s = dp_allreduce_s(det["gradients"], cluster, t, d) if d > 1 else 0.0
+        ar_s = dp_allreduce_s(det["reduced"], cluster, t, d) if d > 1 else 0.0
         bucket_s = ar_s * min(1.0, BUCKET_BYTES / max(det["gradients"], 1.0))
         exposed = max(bucket_s, ar_s - compute_k * 2.0 / 3) if ar_s else 0.0
         dp_total = max(dp_total, ar_s)

@@ -371,7 +371,7 @@ def measure(fns, strategy, devices, steps, timeout):
 
 def layout_of(strategy, devices):
     """The planner's Layout (``epl.auto.layout``) of a strategy run on ``devices``
-    devices of this worker; ValueError for what it does not price (split).  ``tensor_parallel``
+    devices of this worker (``split``: the head split over them).  ``tensor_parallel``
     ``{"degree": t}``: the model's own ``epl.split(t)`` scopes, ``devices / t`` groups."""
     items = read_strategy(strategy)     # (normalize refuses a degree > 1: read it here)
     tp = [i[1] or {} for i in items if not isinstance(i, str) and i[0] == "tensor_parallel"]
@@ -384,8 +384,8 @@ def layout_of(strategy, devices):
     for name, arg in normalize(rest):
         arg = arg if isinstance(arg, dict) else {}
         if name == "split":
-            raise ValueError("epl.auto: the split head is not priced")
-        if name == "accumulation":
+            kw["split_head"] = True
+        elif name == "accumulation":
             kw["num_micro_batch"] = int(arg.get("num_micro_batch", 2))
         elif name == "pipeline":
             p = int(arg.get("num_stages", 2))
