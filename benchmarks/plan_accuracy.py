@@ -222,6 +222,15 @@ DEFAULT_MODELS = "mlp,gpt,convnet,widehead,resnet"
 QUICK = ("1 device", "DP 2", "PP 2 x m4 1f1b")
 
 
+def local_cluster(calib, devices):
+    """``Cluster.local`` from these figures, pricing the model's products by timing
+    each on this machine (``epl.auto.product_timing``)."""
+    from epl.auto import Cluster
+    out = Cluster.from_local(calib, devices)
+    out.time_products = True
+    return out
+
+
 def predict_case(profile, strategy, devices, rows, cluster):
     from epl.auto.predictor import price
     from epl.auto.search import layout_of
@@ -369,7 +378,7 @@ def main(argv=None):
                 continue
             row = dict(model=name, layout=label, devices=devices, strategy=strategy,
                        run_strategy=run, calibration=calib, step_s_rounds=[], failures=[])
-            _price(row, profile, Cluster.from_local(calib, devices))
+            _price(row, profile, local_cluster(calib, devices))
             cases.append((row, run_fns))
         for r in range(args.rounds):
             for row, run_fns in cases:
@@ -405,7 +414,7 @@ def main(argv=None):
 
 
 def reprice(path, out):
-    from epl.auto import Cluster, graph_profile
+    from epl.auto import graph_profile
     with open(path) as f:
         old = json.load(f)
     profiles = {}
@@ -418,7 +427,7 @@ def reprice(path, out):
             print("%-8s %-20s not repriced: %s is not installed" % (
                 r["model"], r["layout"], missing_package(r["model"])))
             continue
-        _price(r, prof, Cluster.from_local(r.get("calibration", old["calibration"]),
+        _price(r, prof, local_cluster(r.get("calibration", old["calibration"]),
                                            r["devices"]))
         if "step_s" in r:                   # measured (rows of before --rounds too)
             r.setdefault("step_s_rounds", [r["step_s"]])

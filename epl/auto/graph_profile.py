@@ -20,7 +20,7 @@ import re
 import tensorflow as tf
 
 from epl import ir
-from epl.auto import liveness
+from epl.auto import liveness, product_timing
 from epl.features import auto_stages, gradient_checkpoint
 from epl.tf_adapter import grappler
 from epl.tf_adapter import graph as tfg
@@ -47,6 +47,10 @@ class Region(object):
         self.flops = 0.0            # forward FLOPs of matrix products, per row
         self.flops_split = 0.0      # ... of those sharded by tensor parallelism
         self.flops_by_dim = {}      # the products' smallest dimension -> their flops/row
+        # each distinct product (product_timing.signature at the built rows): [forward,
+        # backward] kernels of it; the forward flops/row of products without one
+        self.products = {}
+        self.untimed_flops = 0.0
         self.saved = 0.0            # bytes per row the backward pass reads (activations)
         self.saved_split = 0.0      # ... of those sharded
         self.saved_float32 = 0.0    # ... of those float32 (AMP halves them)
@@ -386,6 +390,9 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
             where = int(m.group(1)) if m and int(m.group(1)) in regions else \
                 region_of.get(grad_of.group(1), "post" if stage_of is None else 0)
             regions[where].ops += 1
+            sig = product_timing.signature(op, rows)
+            if sig is not None:
+                regions[where].products.setdefault(sig, [0, 0])[1] += 1
         for t in op.inputs:
             if t.op.name in batch_ops:
                 if m and int(m.group(1)) in regions:
@@ -416,6 +423,11 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
             reg.flops += flops
             dim = smallest_dim(op, rows)
             reg.flops_by_dim[dim] = reg.flops_by_dim.get(dim, 0.0) + flops
+            sig = product_timing.signature(op, rows)
+            if sig is None:
+                reg.untimed_flops += flops
+            else:
+                reg.products.setdefault(sig, [0, 0])[0] += 1
             if weight:
                 out_split = not in_split
                 if in_split:

@@ -27,6 +27,8 @@ import collections
 
 import tensorflow as tf
 
+from epl.tf_adapter import graph as tfg
+
 _VIEWS = frozenset(["Identity", "Reshape", "Squeeze", "ExpandDims", "StopGradient",
                     "Snapshot", "PreventGradient", "IdentityN", "RefIdentity",
                     "EnsureShape", "CheckNumerics"])
@@ -85,7 +87,7 @@ def scratch_bytes(op):
 
 
 def _nbytes(t, rows):
-    if t.dtype._is_ref_dtype or t.dtype == tf.resource or t.dtype == tf.variant \
+    if tfg.is_ref_dtype(t.dtype) or t.dtype == tf.resource or t.dtype == tf.variant \
             or t.dtype == tf.string:
         return 0
     shape = t.shape

@@ -224,7 +224,7 @@ def _xproc_child(argv):
     a = ap.parse_args(argv)
     import numpy as np
     import tensorflow as tf
-    from epl.communicators import native_ops
+    from epl.communicators import native_ops  # (in the child process: loads the op library)
     v1 = tf.compat.v1
     v1.disable_eager_execution()
     v1.logging.set_verbosity(v1.logging.ERROR)
@@ -263,7 +263,7 @@ def measure_cross_process(transport="shm", repeats=5, quick=False, timeout=180):
     for key in ("EPL_JOB_ID", "EPL_COMM_TRANSPORT"):
         env.pop(key, None)
     if transport == "tcp":     # two "hosts" of the loopback range
-        from epl.launch.ports import free_ports
+        from epl.launch.ports import free_ports  # (only for the tcp transport)
         env["EPL_COMM_ADDRESSES"] = ",".join(
             "127.0.0.%d:%d" % (2 + r, p) for r, p in enumerate(free_ports(ranks)))
     folder = tempfile.mkdtemp(prefix="epl_xproc_")

@@ -153,6 +153,10 @@ class Cluster(object):
         # Devices that share one machine's cores (Cluster.local's virtual devices): an
         # idle device's share goes to the busy ones
         self.shared_cores = False
+        # Price a model's products by timing each on this machine (Cluster.local with
+        # products=True: epl.auto.product_timing), on this many cores
+        self.time_products = False
+        self.cores = 1
 
     @property
     def num_devices(self):
@@ -178,18 +182,22 @@ class Cluster(object):
 
     @classmethod
     def local(cls, devices=1, recalibrate=False, path=None, memory_bytes=None, processes=1,
-              latency_s=None, transport=None):
+              latency_s=None, transport=None, products=False):
         """This machine's ``devices`` virtual CPU devices as EPL uses them, from a
         short calibration run cached under ~/.cache/epl (``epl.auto.local``).
         ``processes`` P > 1: P worker processes (or namespace hosts) of ``devices``
         each, P nodes whose link is EPL's cross-process all-reduce as calibrated here
         (measured the first time it is asked for); ``latency_s``: a one-way latency
-        added between them (``local.cluster_dict``)."""
+        added between them (``local.cluster_dict``).  ``products``: price a model's
+        products by timing each on this machine (``epl.auto.product_timing``, cached;
+        seconds the first time a model is priced)."""
         transports = ()
         if int(processes or 1) > 1 or latency_s:
             transports = (transport or ("tcp" if latency_s else "shm"),)
-        return cls.from_local(local.calibration(recalibrate, path, transports=transports),
-                              devices, memory_bytes, processes, latency_s, transport)
+        out = cls.from_local(local.calibration(recalibrate, path, transports=transports),
+                             devices, memory_bytes, processes, latency_s, transport)
+        out.time_products = bool(products)
+        return out
 
     @classmethod
     def from_local(cls, figures, devices=1, memory_bytes=None, processes=1, latency_s=None,
@@ -199,6 +207,7 @@ class Cluster(object):
         out = cls.from_dict(local.cluster_dict(figures, devices, memory_bytes, processes,
                                                latency_s, transport))
         out.calibration = figures
+        out.cores = int(figures.get("cores", 1))
         return out
 
     def with_nodes(self, nodes):

@@ -18,7 +18,7 @@ docs/plan.md; in short, per pipeline stage and micro-batch:
   micro-batch's backward; the optimizer's update at memory bandwidth; offload's copies.
 """
 
-from epl.auto import graph_profile, schedule
+from epl.auto import graph_profile, product_timing, schedule
 from epl.auto.layout import Layout
 
 BUCKET_BYTES = 64 << 20       # gradient fusion bucket (communication.max_splits aside)
@@ -166,6 +166,33 @@ def price(profile, layout, cluster, global_batch=None):
         return sum(f / dev.product_share(dim) for dim, f in r.flops_by_dim.items()) \
             / sum(r.flops_by_dim.values())
 
+    # Cluster.local(products=True): the model's own products timed on this machine,
+    # alone (one busy device) or shared (every core's device busy; more devices than
+    # cores take turns); the rest, and what could not be timed, by FLOPs
+    timings = None
+    busy = t * p * d
+    if cluster.time_products and t == 1 and lay.dtype == "fp32":
+        regions_all = [profile.pre, profile.post] + list(profile.blocks)
+        if p > 1 and cluster.stage_cut == "epl":
+            regions_all += list(profile.epl_stages(p) or [])
+        timings = product_timing.timed(
+            set(sig for r in regions_all for sig in r.products), cluster.cores)
+
+    def kernel_s(sig):
+        x = timings[sig]
+        return x["alone"] if busy == 1 else x["shared"] * max(1.0, busy / float(cluster.cores))
+
+    def products_s(r, backward):
+        """Seconds of the region's products over the micro-batch: timed forward (or
+        backward) kernels, the untimed ones by FLOPs (backward = 2 x forward)."""
+        if timings is None:
+            return (2.0 if backward else 1.0) * flops(r) * thin(r) * mb / flops_s
+        kernels = sum(n[1 if backward else 0] * kernel_s(sig) for sig, n in r.products.items())
+        untimed = r.untimed_flops * (1.0 - (r.flops_split / r.flops if r.flops else 0.0)
+                                     * (1.0 - 1.0 / t))
+        return kernels * mb / float(profile.rows) \
+            + (2.0 if backward else 1.0) * untimed * thin(r) * mb / flops_s
+
     def params(r):
         if r is head:                   # the head's matrices split over the d devices
             return (r.params - r.params_split) + r.params_split / float(d)
@@ -198,12 +225,14 @@ def price(profile, layout, cluster, global_batch=None):
         fwd_block = sum(flops(r) for r in recomputed) * mb
         recompute = fwd_block if lay.recompute else 0.0
         pointwise = sum(pw(r) for r in regions + extra) * mb
-        redo = (sum(flops(r) * thin(r) for r in recomputed) * mb / flops_s
+        redo = (sum(products_s(r, False) for r in recomputed)
                 + sum(pw(r) for r in recomputed) * mb / bandwidth) if lay.recompute else 0.0
-        products = sum(flops(r) * thin(r) for r in regions + extra) * mb
-        compute = 3 * products / flops_s + 3 * pointwise / bandwidth + redo \
+        products = sum(products_s(r, False) + products_s(r, True) for r in regions + extra)
+        compute = products + 3 * pointwise / bandwidth + redo \
             + dev.op_overhead * sum(r.ops for r in regions + extra)
-        forward_s.append((compute - redo) / 3.0)    # the rest (and the recompute): backward
+        forward_s.append(sum(products_s(r, False) for r in regions + extra)
+                         + (pointwise / bandwidth + dev.op_overhead
+                            * sum(r.ops for r in regions + extra)) / 3.0)
         ar = [b * mb * act_scale for r in regions + extra for b in r.allreduce_bytes]
         ar_block = [b * mb * act_scale for r in regions for b in r.allreduce_bytes]
         tp = 2 * sum(tp_allreduce_s(b, cluster, t) for b in ar) if t > 1 else 0.0
