@@ -22,6 +22,8 @@ from epl.auto import graph_profile, product_timing, schedule
 from epl.auto.layout import Layout
 
 BUCKET_BYTES = 64 << 20       # gradient fusion bucket (communication.max_splits aside)
+EPL_MAX_SPLITS = 5            # communication.max_splits: fusion buckets per step
+EPL_COMMUNICATORS = 2         # communication.num_communicators: buckets alternate
 SIMULATED_TASKS = 512         # micro-batches x stages simulated as events (below: closed form)
 _WIDTH = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2}
 
@@ -61,16 +63,19 @@ def tp_allreduce_s(nbytes, cluster, t):
                             cluster.inter.latency)
 
 
-def dp_allreduce_s(nbytes, cluster, t, d):
+def dp_allreduce_s(nbytes, cluster, t, d, chained=1):
     """Gradient all-reduce over the d replicas (ranks: t fastest, then d, then p): the
     replicas on one node reduce-scatter over NVSwitch, the nodes all-reduce their shard
-    over the NICs, then all-gather within the node."""
+    over the NICs, then all-gather within the node.  ``chained``: collectives run one
+    after another (EPL's fusion buckets on one communicator): the bytes are sent once,
+    the latency paid per collective."""
     local = max(1, min(d, cluster.devices_per_node // t)) if t < cluster.devices_per_node \
         else 1
     nodes = d // local
-    intra = ring_allreduce_s(nbytes, local, cluster.intra.bandwidth, cluster.intra.latency)
+    intra = ring_allreduce_s(nbytes, local, cluster.intra.bandwidth,
+                             cluster.intra.latency * chained)
     inter = ring_allreduce_s(nbytes / float(local), nodes, cluster.nic_bandwidth_per_device(),
-                             cluster.inter.latency)
+                             cluster.inter.latency * chained)
     return intra + inter
 
 
@@ -299,7 +304,9 @@ def price(profile, layout, cluster, global_batch=None):
                             reduced=grads - (head.params_split / float(d) * width
                                              if head is not None else 0.0),
                             optimizer_states=states, activations=acts,
-                            buffers=buffers, in_flight=flight, liveness=bool(walked)))
+                            buffers=buffers, in_flight=flight,
+                            variables=sum(len(r.variables) for r in regions + extra),
+                            liveness=bool(walked)))
         executed += recompute * m * d * t
     totals = [sum(x) for x in per_stage]
     slowest = max(totals)
@@ -323,7 +330,13 @@ def price(profile, layout, cluster, global_batch=None):
     dp_exposed, dp_total, update, offload, zero_gather = 0.0, 0.0, 0.0, 0.0, 0.0
     for k, det in enumerate(details):
         compute_k = per_stage[k][0]
-        ar_s = dp_allreduce_s(det["reduced"], cluster, t, d) if d > 1 else 0.0
+        # EPL (Cluster.local) reduces the gradients in up to communication.max_splits
+        # buckets alternating over num_communicators, each communicator's in a chain
+        chained = 1
+        if cluster.stage_cut == "epl":
+            buckets = min(EPL_MAX_SPLITS, max(1, det["variables"]))
+            chained = -(-buckets // EPL_COMMUNICATORS)
+        ar_s = dp_allreduce_s(det["reduced"], cluster, t, d, chained) if d > 1 else 0.0
         bucket_s = ar_s * min(1.0, BUCKET_BYTES / max(det["gradients"], 1.0))
         exposed = max(bucket_s, ar_s - compute_k * 2.0 / 3) if ar_s else 0.0
         dp_total = max(dp_total, ar_s)
