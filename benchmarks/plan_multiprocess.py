@@ -211,11 +211,16 @@ def measure_multiprocess(model_key, processes, steps, latency_ms=None, timeout=6
 
 
 def cluster_of(figures, processes, latency_ms):
+    """The cluster a row is priced on, its products timed on this machine (as in
+    plan_accuracy)."""
     from epl.auto import Cluster
     if processes is None:
-        return Cluster.from_local(figures, CONTROL_DEVICES)
-    return Cluster.from_local(figures, 1, processes=processes,
-                              latency_s=None if latency_ms is None else latency_ms / 1000.0)
+        out = Cluster.from_local(figures, CONTROL_DEVICES)
+    else:
+        out = Cluster.from_local(figures, 1, processes=processes,
+                                 latency_s=None if latency_ms is None else latency_ms / 1e3)
+    out.time_products = True
+    return out
 
 
 def _calibrate(fresh):
