@@ -10,7 +10,9 @@ No dropout (it adds masks to the activations; docs/plan.md).
 ``GPT(..., split=t)`` builds the same model with tensor parallelism EPL runs: the
 embeddings, every block and the head (final LayerNorm, LM head, loss) each under its own
 ``epl.split(t)`` (docs/split.md: column/row-parallel dense layers, head-parallel
-attention).  On ``d * t`` devices with no ``replicate`` scope EPL runs it as ``d``
+attention: with ``split`` Q, K and V are three products, the heads EPL splits; the
+fused Q/K/V product's slices would run whole on the split's first device; the LM head
+tied to the embedding and its loss do: EPL says so when it rewrites).  On ``d * t`` devices with no ``replicate`` scope EPL runs it as ``d``
 data-parallel groups of ``t`` devices (Megatron-LM's t x d).  Build it after
 ``epl.init``; the planner prices the model built without ``split`` (``t`` comes from the
 strategy's ``["tensor_parallel", {"degree": t}]``).
@@ -94,9 +96,13 @@ class GPT(object):
                 with v1.variable_scope("layer_%d" % i), self._scope():
                     with v1.variable_scope("ln1"):
                         y = _layer_norm(x, h)
-                    qkv = _dense(y, 3 * h, "qkv")
-                    qkv = tf.transpose(tf.reshape(qkv, [b, s, 3, a, d]), [2, 0, 3, 1, 4])
-                    q, k, v = qkv[0], qkv[1], qkv[2]
+                    if self.split is None:      # Megatron's fused Q/K/V product
+                        qkv = _dense(y, 3 * h, "qkv")
+                        qkv = tf.transpose(tf.reshape(qkv, [b, s, 3, a, d]), [2, 0, 3, 1, 4])
+                        q, k, v = qkv[0], qkv[1], qkv[2]
+                    else:       # one product each: EPL splits these heads (docs/split.md)
+                        q, k, v = [tf.transpose(tf.reshape(_dense(y, h, name), [b, s, a, d]),
+                                                [0, 2, 1, 3]) for name in ("q", "k", "v")]
                     scores = tf.matmul(q, k, transpose_b=True) * (1.0 / math.sqrt(d))
                     scores = scores * mask - 1e4 * (1.0 - mask)
                     ctx = tf.matmul(tf.nn.softmax(scores), v)

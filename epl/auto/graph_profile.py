@@ -51,6 +51,7 @@ class Region(object):
         # backward] kernels of it; the forward flops/row of products without one
         self.products = {}
         self.untimed_flops = 0.0
+        self.scratch = 0            # bytes: the largest kernel scratch of its backward
         self.saved = 0.0            # bytes per row the backward pass reads (activations)
         self.saved_split = 0.0      # ... of those sharded
         self.saved_float32 = 0.0    # ... of those float32 (AMP halves them)
@@ -81,6 +82,7 @@ class Profile(object):
         self.cut = None             # EPL's automatic cut points (_cut_points)
         self.gc_fraction = None     # activations EPL's automatic GC holds (a share)
         self.step_peak = None       # updates_last -> a step's transient peak at rows
+        self.variable_sizes = []    # elements of each trainable variable, largest first
         self.restaged = None        # stage_of -> the Profile of those stages
         self._stages = {}
 
@@ -94,6 +96,7 @@ class Profile(object):
         out.cut, out.restaged, out._stages = self.cut, self.restaged, self._stages
         out.gc_fraction = self.gc_fraction if out.layers == self.layers else None
         out.step_peak = self.step_peak if out.layers == self.layers else None
+        out.variable_sizes = self.variable_sizes if out.layers == self.layers else []
         return out
 
     def epl_stages(self, p):
@@ -259,6 +262,8 @@ def profile(model_fn, dataset_fn, optimizer_fn, block_pattern=BLOCK_PATTERN):
         backward = graph.get_operations()[n_input_ops + len(forward):]
         slots = _slots_per_param(optimizer, trainable, new_vars)
         prof = _read(graph, features, forward, backward, trainable, rows, block_pattern)
+        prof.variable_sizes = sorted((_elements(v.shape.as_list()) for v in trainable),
+                                     reverse=True)
         prof.cut = _cut_points(loss)
         prof.gc_fraction = _checkpointed_fraction(loss, backward)
     prof.restaged = lambda stage_of: _read(graph, features, forward, backward, trainable,
@@ -393,6 +398,7 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
             sig = product_timing.signature(op, rows)
             if sig is not None:
                 regions[where].products.setdefault(sig, [0, 0])[1] += 1
+            regions[where].scratch = max(regions[where].scratch, liveness.scratch_bytes(op))
         for t in op.inputs:
             if t.op.name in batch_ops:
                 if m and int(m.group(1)) in regions:

@@ -79,6 +79,19 @@ def dp_allreduce_s(nbytes, cluster, t, d, chained=1):
     return intra + inter
 
 
+def zero_share(profile, d):
+    """The fullest device's share of the optimizer state under EPL's ZeRO v1: whole
+    variables, the largest first onto the least loaded of the d devices
+    (``rewrite.zero.plan_owners``); 1/d when the sizes are not known."""
+    sizes = profile.variable_sizes
+    if not sizes or d <= 1:
+        return 1.0 / d
+    load = [0] * d
+    for n in sizes:
+        load[load.index(min(load))] += n
+    return max(load) / float(sum(sizes))
+
+
 def stages_of(layers, p):
     """Blocks of each stage: contiguous, as even as can be (the first stages get one
     more when p does not divide the blocks)."""
@@ -143,13 +156,16 @@ def price(profile, layout, cluster, global_batch=None):
     amp = lay.dtype in ("fp16", "bf16")
     width = _WIDTH[lay.dtype]
     act_scale = 0.5 if amp else 1.0            # float32 tensors become 16-bit under AMP
+    # ... in time and on Megatron's GPUs; EPL's AMP on its CPU devices keeps the float32
+    # activations beside the 16-bit copies (measured, below)
+    kept_scale = 1.0 if amp and cluster.stage_cut == "epl" else act_scale
 
     def saved(r):
         """Activation bytes per row the backward pass reads, on one device."""
         if not r.saved:
             return 0.0
         b = (r.saved - r.saved_split) + r.saved_split / float(t)
-        return b * (1.0 - r.saved_float32 / r.saved * (1.0 - act_scale))
+        return b * (1.0 - r.saved_float32 / r.saved * (1.0 - kept_scale))
 
     def pw(r):
         """Bytes per row the non-product ops write, on one device (AMP: 16-bit)."""
@@ -266,15 +282,30 @@ def price(profile, layout, cluster, global_batch=None):
         # EPL's rewrite keeps each micro-batch's gradients until their sum (measured)
         grad_copies = 1 if cluster.accumulate_in_place else m
         master = n_params * 4 if amp else 0.0
+        # EPL's AMP (O1) on its CPU devices keeps the float32 variables and activations
+        # and adds 16-bit copies (measured: the GPT and the MLP hold as much as in
+        # float32, 230.6 vs 232.2 and 57.9 vs 56.6 MiB): float32's figures + the weights'
+        # 16-bit copies, not Megatron's halves
+        cast_copies = 0.0
+        if amp and cluster.stage_cut == "epl":
+            weights, grads, master, cast_copies = n_params * 4, n_params * 4, 0.0, n_params * 2
         slots = n_params * 4 * profile.slots_per_param
         states = master + slots
+        zero_grads = 0.0
         if lay.zero:
-            states /= d
+            share = zero_share(profile, d) if cluster.stage_cut == "epl" and p == 1 \
+                else 1.0 / d
+            states *= share
+            if cluster.stage_cut == "epl" and d > 1:
+                # EPL reduces each variable's gradients to its owner: the owner holds
+                # the peers' copies of what it owns beside its own (measured: the wide
+                # head's owner 97.5 MiB against 71.0 without ZeRO)
+                zero_grads = grads * share
         if lay.offload:
             states = 0.0
         flight = _in_flight(lay, k)
         if lay.recompute and gc_share is None:
-            kept = sum(r.input_bytes for r in regions) * act_scale * mb * flight
+            kept = sum(r.input_bytes for r in regions) * kept_scale * mb * flight
             working = max([saved(r) for r in regions] or [0.0]) * mb
             acts = kept + working + sum(saved(r) for r in extra) * mb * flight
         else:
@@ -282,21 +313,27 @@ def price(profile, layout, cluster, global_batch=None):
         # a fusion bucket only where gradients are all-reduced (d > 1)
         buffers = (min(grads, BUCKET_BYTES) if d > 1 and cluster.fusion_buffer else 0.0) \
             + (max(ar or [0.0]) if t > 1 else 0.0)
+        # the CPU convolution-gradient kernels' scratch (liveness.scratch_bytes; two side
+        # by side on a lone device), where the liveness walk below does not count it
+        scratch = max([r.scratch for r in regions + extra] or [0]) \
+            * (2 if t * p * d == 1 else 1) if cluster.stage_cut == "epl" else 0.0
         # One whole-model stage at the built batch on EPL's runtime: the step's peak is
         # the liveness walk of the graph the session runs (gradients and activations
         # together, as TF frees them; under data parallelism the gradients all wait
         # for the all-reduce): ``epl.auto.liveness``
-        walked = p == 1 and t == 1 and not lay.recompute and lay.dtype == "fp32" \
-            and mb == profile.rows and cluster.stage_cut == "epl" and profile.step_peak
+        walked = p == 1 and t == 1 and not lay.recompute and mb == profile.rows \
+            and cluster.stage_cut == "epl" and profile.step_peak
         split_off = head.params_split * (1.0 - 1.0 / d) * 4 if head is not None else 0.0
-        if walked:      # (the walk holds the whole head's gradient)
+        if walked:      # (the walk holds the whole head's gradient, and the scratch)
             acts = profile.step_peak(updates_last=d > 1, side_by_side=t * p * d == 1) \
                 - grads - split_off
+            scratch = 0.0
         held = weights
         if lay.offload:     # the variables live on the host: a GPU copies the weights in
             # for the step; EPL's CPU devices read them where they are (measured)
             held = 0.0 if dev.name.startswith("local") else weights
-        mem = held + grads * grad_copies + states + acts + buffers
+        mem = held + grads * grad_copies + states + acts + buffers + cast_copies + scratch \
+            + zero_grads
         memory.append(int(mem))
         details.append(dict(stage=k, blocks=len(blocks) if staged is None else None,
                             params=n_params, weights=weights,
