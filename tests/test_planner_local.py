@@ -233,8 +233,9 @@ def test_gpt_split_builds_every_part_under_its_own_split_scope(split):
     assert loss.op in groups[-1].ops
     for i, part in enumerate(groups[1:3]):       # the blocks, in order
         assert any(op.name.startswith("gpt/layer_%d/" % i) for op in part.ops)
-    for layer in ("qkv", "proj", "fc1", "fc2"):
+    for layer in ("q", "k", "v", "proj", "fc1", "fc2"):     # (Q, K, V: heads EPL splits)
         assert "gpt/layer_1/%s/kernel/part_1" % layer in names
+    assert not [n for n in names if "/qkv/" in n]
 
 
 def test_the_split_head_is_priced(cache):
