@@ -334,11 +334,12 @@ def calibration(recalibrate=False, path=None, quick=False, transports=()):
             got = cross_process(got, transport, quick=quick)
             changed = True
     if changed:
-        _save(got, path)
+        save_cache(got, path)
     return got
 
 
-def _save(got, path):
+def save_cache(got, path):
+    """Write a cache file whole (a temporary file renamed: readers never see half)."""
     folder = os.path.dirname(path)
     if folder and not os.path.isdir(folder):
         os.makedirs(folder)

@@ -133,11 +133,5 @@ def timed(sigs, cores, path=None):
     missing = sorted(set(s for s in sigs if s not in cached))
     if missing:
         cached.update(measure(missing, cores))
-        folder = os.path.dirname(path)
-        if folder and not os.path.isdir(folder):
-            os.makedirs(folder)
-        tmp = path + ".%d.tmp" % os.getpid()
-        with open(tmp, "w") as f:
-            json.dump(cached, f, indent=0, sort_keys=True)
-        os.replace(tmp, path)
+        local.save_cache(cached, path)
     return dict((s, cached[s]) for s in sigs)
