@@ -20,9 +20,9 @@ Models: ``mlp``, ``convnet``, ``gpt`` (``epl.auto.gpt.GPT``), ``widehead`` (an M
 an 8192-class head, for the split head), ``resnet`` (a small TF-Slim ResNet v1, a model
 written elsewhere: needs ``pip install tf-slim==1.1.0``, skipped with a line without
 it).  Layouts beyond DP / PP / memory features: ``... + offload``, ``split head N`` (the
-data-parallel backbone with ``search.split_head``'s layer split over N devices; the
-planner does not price it: its row shows the measurement, ``-`` predicted, status
-``unpriced``, left out of the summary), ``TP 2`` and ``TP 2 x DP 2`` (the model's
+data-parallel backbone with ``search.split_head``'s layer split over N devices, priced
+as ``Layout(split_head=True)``; a layout the planner cannot price shows the measurement,
+``-`` predicted, status ``unpriced``, left out of the summary), ``TP 2`` and ``TP 2 x DP 2`` (the model's
 ``epl.split(2)`` variant, ``SPLIT_VARIANTS``, on 2 and 4 devices: 1 and 2 groups, priced
 as ``["tensor_parallel", {"degree": 2}]`` of the model built whole).  A layout a model
 cannot run (no head, no split variant) is skipped with a line.
