@@ -19,7 +19,7 @@ def model(features):
     rng = np.random.RandomState(5)
     h = x
     for i in range(4):
-        k = (rng.randn(h.shape[-1].value, 32) * 0.2).astype(np.float32)
+        k = (rng.randn(tf.compat.dimension_value(h.shape[-1]), 32) * 0.2).astype(np.float32)
         h = tf.layers.dense(h, 32, activation=tf.nn.tanh, name="layer_%d" % i,
                             kernel_initializer=tf.constant_initializer(k))
     logits = tf.layers.dense(h, models.CLASSES, name="logits",
