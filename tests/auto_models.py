@@ -46,3 +46,20 @@ def big_head_model(features):
 
 
 HEAD_CLASSES = 8000
+
+
+def install_calibration(figures, tmp_path, monkeypatch):
+    """A calibration cache (``epl.auto.local``) holding ``figures`` under ``tmp_path``;
+    measuring the machine again is an error: the path."""
+    import json
+    from epl.auto import local
+    monkeypatch.setenv("EPL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("EPL_RECALIBRATE", raising=False)
+    path = local.cache_path()
+    with open(path, "w") as f:
+        json.dump(figures, f)
+
+    def no_measure(**_):
+        raise AssertionError("the cached calibration should have been used")
+    monkeypatch.setattr(local, "measure", no_measure)
+    return path

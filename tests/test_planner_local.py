@@ -20,16 +20,7 @@ FAKE = {"version": local.CACHE_VERSION, "cores": 2, "matmul_flops": 8e10,
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     """A calibration cache holding FAKE; measuring again is an error unless asked."""
-    monkeypatch.setenv("EPL_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("EPL_RECALIBRATE", raising=False)
-    path = local.cache_path()
-    with open(path, "w") as f:
-        json.dump(FAKE, f)
-
-    def no_measure(**_):
-        raise AssertionError("the cached calibration should have been used")
-    monkeypatch.setattr(local, "measure", no_measure)
-    return path
+    return auto_models.install_calibration(FAKE, tmp_path, monkeypatch)
 
 
 def test_local_cluster_shares_the_cores_between_virtual_devices(cache):

@@ -30,16 +30,7 @@ FIGURES = dict(FAKE, xproc_shm=SHM, xproc_tcp=TCP)
 def cache(tmp_path, monkeypatch):
     """A calibration cache of an earlier version of this code: FAKE, without the
     cross-process keys; measuring the in-process figures again is an error."""
-    monkeypatch.setenv("EPL_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("EPL_RECALIBRATE", raising=False)
-    path = local.cache_path()
-    with open(path, "w") as f:
-        json.dump(FAKE, f)
-
-    def no_measure(**_):
-        raise AssertionError("the cached calibration should have been used")
-    monkeypatch.setattr(local, "measure", no_measure)
-    return path
+    return auto_models.install_calibration(FAKE, tmp_path, monkeypatch)
 
 
 def test_processes_are_nodes_linked_by_the_cross_process_all_reduce():
