@@ -51,6 +51,11 @@ class Region(object):
         # backward] kernels of it; the forward flops/row of products without one
         self.products = {}
         self.untimed_flops = 0.0
+        # the other kernels (product_timing.kernel_signature): [forward, backward] of
+        # each, and the bytes per row its forward ops write (the roofline's part they
+        # replace when timed)
+        self.kernels = {}
+        self.kernel_pointwise = {}
         self.scratch = 0            # bytes: the largest kernel scratch of its backward
         self.saved = 0.0            # bytes per row the backward pass reads (activations)
         self.saved_split = 0.0      # ... of those sharded
@@ -82,6 +87,7 @@ class Profile(object):
         self.cut = None             # EPL's automatic cut points (_cut_points)
         self.gc_fraction = None     # activations EPL's automatic GC holds (a share)
         self.step_peak = None       # updates_last -> a step's transient peak at rows
+        self.dataflow = None        # () -> the step's ops at rows (_dataflow; epl.auto.dataflow)
         self.variable_sizes = []    # elements of each trainable variable, largest first
         self.restaged = None        # stage_of -> the Profile of those stages
         self._stages = {}
@@ -96,6 +102,7 @@ class Profile(object):
         out.cut, out.restaged, out._stages = self.cut, self.restaged, self._stages
         out.gc_fraction = self.gc_fraction if out.layers == self.layers else None
         out.step_peak = self.step_peak if out.layers == self.layers else None
+        out.dataflow = self.dataflow if out.layers == self.layers else None
         out.variable_sizes = self.variable_sizes if out.layers == self.layers else []
         return out
 
@@ -268,26 +275,60 @@ def profile(model_fn, dataset_fn, optimizer_fn, block_pattern=BLOCK_PATTERN):
         prof.gc_fraction = _checkpointed_fraction(loss, backward)
     prof.restaged = lambda stage_of: _read(graph, features, forward, backward, trainable,
                                            rows, block_pattern, stage_of)
-    prof.step_peak = _step_peak(graph, train_op, rows)
+    step_ops = _optimized_step(graph, train_op)
+    prof.step_peak = _step_peak(step_ops, rows)
+    flows = {}
+
+    def dataflow():
+        if "flow" not in flows:
+            flows["flow"] = _dataflow(step_ops(), rows)
+        return flows["flow"]
+    prof.dataflow = dataflow
     prof.slots_per_param = slots
     prof.built_seconds = time.time() - start
     return prof
 
 
-def _step_peak(graph, train_op, rows):
+def _optimized_step(graph, train_op):
+    """``ops()``: the ops of a step as the session runs them (Grappler's optimization of
+    the built graph: folded constants, fused products; ``tf_adapter.grappler``), in
+    dataflow order; computed on the first call, kept."""
+    cache = {}
+
+    def ops():
+        if "ops" not in cache:
+            _, fetched = grappler.optimized(graph, [train_op])
+            cache["ops"] = sorted(ir.upstream(fetched), key=tfg.op_id)
+        return cache["ops"]
+    return ops
+
+
+def _dataflow(ops, rows):
+    """The step's ops for ``epl.auto.dataflow``, in dataflow order:
+    {"sigs": each op's product or kernel signature (None: no time of its own),
+    "flops": forward FLOPs of the products without a signature, "deps": the indices
+    each op waits for (inputs and control inputs)}."""
+    index = dict((op, i) for i, op in enumerate(ops))
+    sigs, flops, deps = [], [], []
+    for op in ops:
+        sig = product_timing.signature(op, rows) or product_timing.kernel_signature(op, rows)
+        sigs.append(sig)
+        flops.append(op_flops(op, rows) if sig is None and op.type in _MATMULS else 0.0)
+        deps.append(sorted(set(index[t.op] for t in op.inputs if t.op in index)
+                           | set(index[c] for c in op.control_inputs if c in index)))
+    return dict(sigs=sigs, flops=flops, deps=deps)
+
+
+def _step_peak(step_ops, rows):
     """``step_peak(updates_last, side_by_side)``: the transient bytes one device holds at the peak of
     a step of the whole model at ``rows`` rows (``epl.auto.liveness`` on the graph
-    Grappler makes of it; computed on the first call, kept)."""
+    Grappler makes of it: ``step_ops``; computed on the first call, kept)."""
     cache = {}
 
     def step_peak(updates_last=False, side_by_side=True):
         key = (updates_last, side_by_side)
         if key not in cache:
-            if "ops" not in cache:
-                _, fetched = grappler.optimized(graph, [train_op])
-                cache["ops"] = sorted(ir.upstream(fetched), key=tfg.op_id)
-            cache[key] = liveness.peak_bytes(cache["ops"], rows, updates_last,
-                                             side_by_side)
+            cache[key] = liveness.peak_bytes(step_ops(), rows, updates_last, side_by_side)
         return cache[key]
     return step_peak
 
@@ -398,6 +439,10 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
             sig = product_timing.signature(op, rows)
             if sig is not None:
                 regions[where].products.setdefault(sig, [0, 0])[1] += 1
+            else:
+                sig = product_timing.kernel_signature(op, rows)
+                if sig is not None:
+                    regions[where].kernels.setdefault(sig, [0, 0])[1] += 1
             regions[where].scratch = max(regions[where].scratch, liveness.scratch_bytes(op))
         for t in op.inputs:
             if t.op.name in batch_ops:
@@ -447,12 +492,17 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
         elif op.type in _GATHERS and weight and reg.name == "pre":
             out_split = False
             reg.allreduce_bytes.append(_bytes(op.outputs[0], rows) / float(rows))
+        kernel = None if op.type in _MATMULS else product_timing.kernel_signature(op, rows)
+        if kernel is not None:
+            reg.kernels.setdefault(kernel, [0, 0])[0] += 1
         for t in op.outputs:
             if out_split:
                 split.add(t.name)
             if op.type not in _MATMULS and op.type not in _VIEWS and t.dtype.is_floating:
                 b = _bytes(t, rows) / float(rows)
                 reg.pointwise += b
+                if kernel is not None:
+                    reg.kernel_pointwise[kernel] = reg.kernel_pointwise.get(kernel, 0.0) + b
                 if out_split:
                     reg.pointwise_split += b
             if t.name not in consumers or not t.dtype.is_floating or t.op.name not in fwd_names:

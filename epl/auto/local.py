@@ -408,7 +408,7 @@ def cluster_dict(figures, devices, memory_bytes=None, processes=1, latency_s=Non
                 devices_per_node=int(devices), device=device,
                 intra=dict(link, kind="shm-inprocess"), inter=inter,
                 accumulate_in_place=False, fusion_buffer=False, stage_cut="epl",
-                shared_cores=True)
+                shared_cores=True, shared_variables=True)
 
 
 def _host_memory():

@@ -153,6 +153,9 @@ class Cluster(object):
         # Devices that share one machine's cores (Cluster.local's virtual devices): an
         # idle device's share goes to the busy ones
         self.shared_cores = False
+        # A worker's replicas share one copy of each variable and update it once (EPL on
+        # CPU devices: cluster.variable_copies "auto"); GPUs (the presets) mirror it
+        self.shared_variables = False
         # Price a model's products by timing each on this machine (Cluster.local with
         # products=True: epl.auto.product_timing), on this many cores
         self.time_products = False
@@ -220,7 +223,7 @@ class Cluster(object):
                     device=self.device.to_dict(), intra=self.intra.to_dict(),
                     inter=self.inter.to_dict(), accumulate_in_place=self.accumulate_in_place,
                     fusion_buffer=self.fusion_buffer, stage_cut=self.stage_cut,
-                    shared_cores=self.shared_cores)
+                    shared_cores=self.shared_cores, shared_variables=self.shared_variables)
 
     def to_json(self, path=None):
         text = json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -244,6 +247,7 @@ class Cluster(object):
         out.fusion_buffer = bool(d.get("fusion_buffer", True))
         out.stage_cut = d.get("stage_cut", "even")
         out.shared_cores = bool(d.get("shared_cores", False))
+        out.shared_variables = bool(d.get("shared_variables", False))
         return out
 
     @classmethod

@@ -18,7 +18,7 @@ docs/plan.md; in short, per pipeline stage and micro-batch:
   micro-batch's backward; the optimizer's update at memory bandwidth; offload's copies.
 """
 
-from epl.auto import graph_profile, product_timing, schedule
+from epl.auto import dataflow, graph_profile, product_timing, schedule
 from epl.auto.layout import Layout
 
 BUCKET_BYTES = 64 << 20       # gradient fusion bucket (communication.max_splits aside)
@@ -190,14 +190,53 @@ def price(profile, layout, cluster, global_batch=None):
     # Cluster.local(products=True): the model's own products timed on this machine,
     # alone (one busy device) or shared (every core's device busy; more devices than
     # cores take turns); the rest, and what could not be timed, by FLOPs
-    timings = None
+    timings, sigs = None, None
     busy = t * p * d
     if cluster.time_products and t == 1 and lay.dtype == "fp32":
         regions_all = [profile.pre, profile.post] + list(profile.blocks)
         if p > 1 and cluster.stage_cut == "epl":
             regions_all += list(profile.epl_stages(p) or [])
-        timings = product_timing.timed(
-            set(sig for r in regions_all for sig in r.products), cluster.cores)
+        sigs = set(sig for r in regions_all for sig in list(r.products) + list(r.kernels))
+    # One stage on one machine (Cluster.local, data parallel): the step's own dataflow
+    # graph, as the session runs it, replayed on the shared cores, d replicas side by
+    # side (epl.auto.dataflow)
+    flow = profile.dataflow() if cluster.time_products and t == 1 and lay.dtype == "fp32" \
+        and p == 1 and not lay.recompute and mb == profile.rows and cluster.nodes == 1 \
+        and head is None and profile.dataflow else None
+    if flow is not None:
+        sigs.update(sig for sig in flow["sigs"] if sig is not None)
+    if sigs is not None:
+        timings = product_timing.timed(sigs | {product_timing.ISOLATION}, cluster.cores)
+        isolation = timings.pop(product_timing.ISOLATION)
+        timings = dict((sig, product_timing.in_step(x, isolation) if x else None)
+                       for sig, x in timings.items())
+    replayed = None
+    if flow is not None:
+        machine_flops = flops_s * cluster.devices_per_node
+        jobs = []
+        for sig, f in zip(flow["sigs"], flow["flops"]):
+            x = timings.get(sig) if sig is not None else None
+            if x:
+                jobs.append(dataflow.job(x["alone"], x["shared"], cluster.cores))
+            elif f:                         # an untimed product: by FLOPs, on every core
+                jobs.append((f / machine_flops * cluster.cores, float(cluster.cores)))
+            else:
+                jobs.append((0.0, 1.0))
+        replayed = dataflow.makespan(jobs, flow["deps"], cluster.cores, d)
+
+    def timed_kernels(r):
+        """The region's other kernels that were timed: {sig: [forward, backward]}."""
+        if timings is None:
+            return {}
+        return dict((sig, n) for sig, n in r.kernels.items() if timings.get(sig))
+
+    def untimed_pw(r):
+        """``pw`` less what the timed kernels write (they are priced by their times)."""
+        return pw(r) - sum(r.kernel_pointwise.get(sig, 0.0) for sig in timed_kernels(r)) \
+            * act_scale
+
+    def untimed_ops(r):
+        return r.ops - sum(a + b for a, b in timed_kernels(r).values())
 
     def kernel_s(sig):
         x = timings[sig]
@@ -208,7 +247,8 @@ def price(profile, layout, cluster, global_batch=None):
         backward) kernels, the untimed ones by FLOPs (backward = 2 x forward)."""
         if timings is None:
             return (2.0 if backward else 1.0) * flops(r) * thin(r) * mb / flops_s
-        kernels = sum(n[1 if backward else 0] * kernel_s(sig) for sig, n in r.products.items())
+        kernels = sum(n[1 if backward else 0] * kernel_s(sig) for sig, n in
+                      list(r.products.items()) + list(timed_kernels(r).items()))
         untimed = r.untimed_flops * (1.0 - (r.flops_split / r.flops if r.flops else 0.0)
                                      * (1.0 - 1.0 / t))
         return kernels * mb / float(profile.rows) \
@@ -245,15 +285,19 @@ def price(profile, layout, cluster, global_batch=None):
         recomputed = regions if staged is None else extra
         fwd_block = sum(flops(r) for r in recomputed) * mb
         recompute = fwd_block if lay.recompute else 0.0
-        pointwise = sum(pw(r) for r in regions + extra) * mb
+        # (timed kernels, products and the others, by their times; the rest by the
+        # roofline: bytes over bandwidth, forward and 2 x backward, plus op overhead)
+        pointwise = sum(untimed_pw(r) for r in regions + extra) * mb
+        n_ops = sum(untimed_ops(r) for r in regions + extra)
         redo = (sum(products_s(r, False) for r in recomputed)
-                + sum(pw(r) for r in recomputed) * mb / bandwidth) if lay.recompute else 0.0
+                + sum(untimed_pw(r) for r in recomputed) * mb / bandwidth) \
+            if lay.recompute else 0.0
         products = sum(products_s(r, False) + products_s(r, True) for r in regions + extra)
-        compute = products + 3 * pointwise / bandwidth + redo \
-            + dev.op_overhead * sum(r.ops for r in regions + extra)
+        compute = products + 3 * pointwise / bandwidth + redo + dev.op_overhead * n_ops
+        if replayed is not None:
+            compute = replayed
         forward_s.append(sum(products_s(r, False) for r in regions + extra)
-                         + (pointwise / bandwidth + dev.op_overhead
-                            * sum(r.ops for r in regions + extra)) / 3.0)
+                         + (pointwise / bandwidth + dev.op_overhead * n_ops) / 3.0)
         ar = [b * mb * act_scale for r in regions + extra for b in r.allreduce_bytes]
         ar_block = [b * mb * act_scale for r in regions for b in r.allreduce_bytes]
         tp = 2 * sum(tp_allreduce_s(b, cluster, t) for b in ar) if t > 1 else 0.0
@@ -381,8 +425,13 @@ def price(profile, layout, cluster, global_batch=None):
         state_bytes = det["params"] * (4 + 4 * profile.slots_per_param) / (d if lay.zero else 1)
         # the update reads and writes the state (offload: on the host, priced at the
         # device's bandwidth: the host's is not in the cluster model)
+        # EPL on CPU devices (Cluster.shared_variables): a worker's replicas share one
+        # copy, updated once with the worker's cores (measured: the MLP's ApplyAdam took
+        # 5.6 ms at 1 and at 2 replicas)
+        copies = max(1, d // cluster.nodes) if cluster.shared_variables and not lay.zero \
+            else 1
         update = max(update, (2 * state_bytes + det["gradients"] + det["weights"])
-                     / dev.memory_bandwidth)
+                     / (dev.memory_bandwidth * copies))
         if lay.zero and d > 1:      # each replica updates 1/d: the weights all-gathered
             ag = ring_allreduce_s(det["weights"], d, cluster.intra.bandwidth,
                                   cluster.intra.latency) / 2.0
