@@ -6,7 +6,7 @@ import json
 import pytest
 import tensorflow as tf
 
-from epl.auto import Cluster, graph_profile, local, product_timing
+from epl.auto import Cluster, dataflow, graph_profile, local, product_timing
 from epl.auto.layout import Layout
 from epl.auto.predictor import price
 from tests import auto_models
@@ -48,34 +48,78 @@ def test_convolution_kernels_are_timed(tmp_path):
     assert json.load(open(str(tmp_path / "p.json"))).keys() == got.keys()   # cached
 
 
-def test_price_adds_the_timed_kernels(monkeypatch, tmp_path):
-    """With fixed timings every kernel costs 1 ms alone and 3 ms shared: one device's
-    products take (kernels) ms, two devices' 3 x (kernels) ms; the FLOP model is not
-    used for them."""
+def _fixed(alone, shared):
+    """``product_timing.timed`` with every kernel at these times (ISOLATION free)."""
+    return lambda sigs, cores, path=None: dict(
+        (s, {"alone": 0.0, "shared": 0.0} if s == product_timing.ISOLATION
+         else {"alone": alone, "shared": shared}) for s in sigs)
+
+
+def test_pipeline_stages_add_the_timed_kernels(monkeypatch, tmp_path):
+    """Pipeline stages are priced by region: each timed kernel (products and the other
+    kernels, forward and backward) adds its time.  Raising every kernel's shared time
+    (two busy devices) by 1 ms raises the slowest stage's compute by 1 ms per kernel
+    per micro-batch; the FLOP model is not used for them."""
     monkeypatch.setenv("EPL_CACHE_DIR", str(tmp_path))
     prof = graph_profile.profile(auto_models.model, auto_models.dataset, auto_models.optimizer)
-    monkeypatch.setattr(product_timing, "timed", lambda sigs, cores, path=None: dict(
-        (s, {"alone": 1e-3, "shared": 3e-3}) for s in sigs))
     figures = dict(local.measure(quick=True), cores=2)
-    kernels = sum(a + b for r in [prof.pre, prof.post] + prof.blocks
-                  for a, b in r.products.values())
-    for devices, per in ((1, 1e-3), (2, 3e-3)):
+    cluster = Cluster.from_local(figures, 2)
+    cluster.time_products = True
+    lay = Layout(p=2, num_micro_batch=2)
+    got = []
+    for shared in (3e-3, 4e-3):
+        monkeypatch.setattr(product_timing, "timed", _fixed(1e-3, shared))
+        got.append(price(prof, lay, cluster).breakdown["compute_s"])
+    stages = prof.epl_stages(2)
+    assert sum(len(r.kernels) for r in stages) > 0            # the other kernels too
+    assert sum(r.untimed_flops for r in stages) == 0
+    counts = [sum(a + b for a, b in list(r.products.values()) + list(r.kernels.values()))
+              for r in stages]
+    assert got[1] - got[0] == pytest.approx(2 * max(counts) * 1e-3, rel=1e-6)
+
+
+def test_one_stage_replays_the_steps_dataflow(monkeypatch, tmp_path):
+    """One stage on Cluster.local: compute is the step's dataflow graph replayed on the
+    cores (epl.auto.dataflow) with the kernels' times: every kernel 1 ms alone and 2 ms
+    shared (2 cores of width 2) gives the replay of those jobs, and two replicas side
+    by side take twice the work of one."""
+    monkeypatch.setenv("EPL_CACHE_DIR", str(tmp_path))
+    prof = graph_profile.profile(auto_models.model, auto_models.dataset, auto_models.optimizer)
+    monkeypatch.setattr(product_timing, "timed", _fixed(1e-3, 2e-3))
+    figures = dict(local.measure(quick=True), cores=2)
+    flow = prof.dataflow()
+    timed_ops = sum(1 for s in flow["sigs"] if s is not None)
+    assert timed_ops >= 10 and len(flow["deps"]) == len(flow["sigs"])
+    jobs = [(2e-3, 2.0) if s is not None else (0.0, 1.0) for s in flow["sigs"]]
+    for devices in (1, 2):
         cluster = Cluster.from_local(figures, devices)
-        flop_model = price(prof, Layout(d=devices), cluster).breakdown["compute_s"]
         cluster.time_products = True
-        timed = price(prof, Layout(d=devices), cluster).breakdown["compute_s"]
-        untimed = sum(r.untimed_flops for r in [prof.pre, prof.post] + prof.blocks)
-        assert untimed == 0
-        # compute = products + pointwise + op overhead: only the products changed
-        assert timed - kernels * per == pytest.approx(
-            flop_model - _flop_products(prof, cluster), rel=1e-6, abs=1e-9)
+        got = price(prof, Layout(d=devices), cluster).breakdown["compute_s"]
+        assert got == pytest.approx(dataflow.makespan(jobs, flow["deps"], 2, devices))
+    # work: 2 ms per kernel per replica over 2 cores; the critical path bounds one
+    assert dataflow.makespan(jobs, flow["deps"], 2, 2) == pytest.approx(
+        2 * timed_ops * 2e-3 / 2, rel=0.25)
 
 
-def _flop_products(prof, cluster):
-    dev = cluster.device
-    total = 0.0
-    for r in [prof.pre, prof.post] + prof.blocks:
-        share = sum(f / dev.product_share(d) for d, f in r.flops_by_dim.items()) / \
-            sum(r.flops_by_dim.values()) if r.flops_by_dim and dev.thin_products else 1.0
-        total += 3 * r.flops * share * prof.rows / dev.flops("fp32")
-    return total
+def test_every_other_kernel_is_rebuilt_alone_with_its_shapes():
+    """The step's other kernels (not products) rebuild from their signatures: the
+    op's type and its output's shape, and they run."""
+    import numpy as np
+    prof = graph_profile.profile(auto_models.model, auto_models.dataset, auto_models.optimizer)
+    sigs = sorted(set(s for s in prof.dataflow()["sigs"]
+                      if s is not None and s.startswith('["kernel"')))
+    kinds = set(json.loads(s)[1] for s in sigs)
+    assert {"BiasAdd", "ReluGrad"} & kinds and len(sigs) >= 5
+    for sig in sigs:
+        with tf.Graph().as_default():
+            op = product_timing._build_kernel(sig, np.random.RandomState(0), "/device:CPU:0")
+            assert op.type == json.loads(sig)[1]
+            with v1.Session() as sess:
+                sess.run(v1.global_variables_initializer())
+                sess.run(op)
+
+
+def test_isolation_cost_is_removed():
+    got = product_timing.in_step({"alone": 5e-4, "shared": 1e-4}, {"alone": 6e-5,
+                                                                  "shared": 2e-4})
+    assert got == {"alone": pytest.approx(4.4e-4), "shared": 0.0}

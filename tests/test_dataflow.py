@@ -1,0 +1,59 @@
+"""The planner's replay of a step's dataflow graph on shared cores (``epl.auto.dataflow``):
+jobs of work (core-seconds) and width (cores), at most ``cores`` running, processor
+sharing by water-filling.  Oracles: schedules whose makespan is known by hand."""
+import pytest
+
+from epl.auto import dataflow
+
+
+def test_a_chain_takes_the_sum_of_its_ops_alone():
+    jobs = [(2e-3, 2.0), (1e-3, 1.0), (4e-3, 2.0)]        # alone: 1, 1, 2 ms
+    assert dataflow.makespan(jobs, [[], [0], [1]], cores=2) == pytest.approx(4e-3)
+
+
+def test_independent_thin_ops_share_the_cores():
+    # two 1-core ops side by side on 2 cores: the longer one; on 1 core: the sum
+    jobs = [(3e-3, 1.0), (2e-3, 1.0)]
+    assert dataflow.makespan(jobs, [[], []], cores=2) == pytest.approx(3e-3)
+    assert dataflow.makespan(jobs, [[], []], cores=1) == pytest.approx(5e-3)
+
+
+def test_wide_ops_beside_each_other_take_their_work_over_the_cores():
+    # each could use 2 cores: together they get 1 each until the first ends, then the
+    # other gets both: (2 + 2) / 2 ms ... and never less than the work over the cores
+    jobs = [(2e-3, 2.0), (4e-3, 2.0)]
+    assert dataflow.makespan(jobs, [[], []], cores=2) == pytest.approx(3e-3)
+
+
+def test_water_filling_gives_a_thin_ops_leftover_to_a_wide_one():
+    # a 1-core op of 2 ms beside a 4-core op of 8 core-ms on 4 cores: the wide one gets
+    # 3 cores for 2 ms (6 core-ms), then 4 cores for the last 2 core-ms (0.5 ms)
+    jobs = [(2e-3, 1.0), (8e-3, 4.0)]
+    assert dataflow.makespan(jobs, [[], []], cores=4) == pytest.approx(2.5e-3)
+
+
+def test_instant_ops_keep_the_order():
+    # 0 -> 1 (instant) -> 3, and 0 -> 2 (instant) -> 3: op 3 waits for op 0 only once
+    jobs = [(1e-3, 1.0), (0.0, 1.0), (0.0, 1.0), (1e-3, 1.0)]
+    assert dataflow.makespan(jobs, [[], [0], [0], [1, 2]], cores=2) == pytest.approx(2e-3)
+
+
+def test_replicas_side_by_side_share_the_cores():
+    jobs = [(2e-3, 2.0), (2e-3, 2.0)]
+    one = dataflow.makespan(jobs, [[], [0]], cores=2)
+    assert one == pytest.approx(2e-3)
+    assert dataflow.makespan(jobs, [[], [0]], cores=2, copies=2) == pytest.approx(4e-3)
+    assert dataflow.makespan(jobs, [[], [0]], cores=2, copies=4) == pytest.approx(8e-3)
+
+
+def test_at_most_cores_ops_run_at_once():
+    # three 1-core ops of 1 ms on 2 cores: two run, then the third: 2 ms
+    jobs = [(1e-3, 1.0)] * 3
+    assert dataflow.makespan(jobs, [[], [], []], cores=2) == pytest.approx(2e-3)
+
+
+def test_job_from_alone_and_shared_times():
+    assert dataflow.job(1e-3, 2e-3, 2) == (pytest.approx(2e-3), 2.0)     # uses both cores
+    assert dataflow.job(1e-3, 1e-3, 2) == (pytest.approx(1e-3), 1.0)     # one core
+    assert dataflow.job(1e-3, 9e-3, 2) == (pytest.approx(2e-3), 2.0)     # at most cores
+    assert dataflow.job(0.0, 1e-4, 2) == (pytest.approx(1e-4), 1.0)
