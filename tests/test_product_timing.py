@@ -123,3 +123,33 @@ def test_isolation_cost_is_removed():
     got = product_timing.in_step({"alone": 5e-4, "shared": 1e-4}, {"alone": 6e-5,
                                                                   "shared": 2e-4})
     assert got == {"alone": pytest.approx(4.4e-4), "shared": 0.0}
+
+
+def _convnet(features):
+    """Two conv layers (separators between them: EPL's GC finds checkpoints)."""
+    x, y = features
+    x = tf.reshape(x, [-1, 3, 4, 1])
+    for i in range(3):
+        x = v1.layers.conv2d(x, 4, 2, padding="same", activation=tf.nn.relu,
+                             name="layer_%d" % i)
+    logits = v1.layers.dense(tf.reshape(x, [-1, 3 * 4 * 4]), 4, name="logits")
+    return v1.losses.sparse_softmax_cross_entropy(labels=y % 4, logits=logits)
+
+
+@pytest.mark.parametrize("model_fn", [auto_models.model, _convnet])
+def test_gc_recompute_is_what_epls_rewrite_copies(model_fn):
+    """The kernels the planner charges GC for running again are the forward ops EPL's
+    automatic gradient checkpoint copies (``*_recompute``), signature for signature."""
+    import collections
+    from epl.auto import search
+    prof = graph_profile.profile(model_fn, auto_models.dataset, auto_models.optimizer)
+    with tf.Graph().as_default() as graph:
+        search.build(model_fn, auto_models.dataset, auto_models.optimizer,
+                     ["data_parallel", ["gradient_checkpoint", "auto"]], 1)
+        copies = [op for op in graph.get_operations() if op.name.endswith("_recompute")]
+        got = collections.Counter(
+            product_timing.signature(op, prof.rows)
+            or product_timing.kernel_signature(op, prof.rows) for op in copies)
+    got.pop(None, None)
+    assert copies and prof.gc_recomputed
+    assert dict(got) == prof.gc_recomputed

@@ -86,6 +86,7 @@ class Profile(object):
         self.shared = {}            # variable name -> regions using it (tied weights)
         self.cut = None             # EPL's automatic cut points (_cut_points)
         self.gc_fraction = None     # activations EPL's automatic GC holds (a share)
+        self.gc_recomputed = None   # {kernel signature: count} that GC runs again
         self.step_peak = None       # updates_last -> a step's transient peak at rows
         self.dataflow = None        # () -> the step's ops at rows (_dataflow; epl.auto.dataflow)
         self.variable_sizes = []    # elements of each trainable variable, largest first
@@ -101,6 +102,7 @@ class Profile(object):
         out.shared = self.shared
         out.cut, out.restaged, out._stages = self.cut, self.restaged, self._stages
         out.gc_fraction = self.gc_fraction if out.layers == self.layers else None
+        out.gc_recomputed = self.gc_recomputed if out.layers == self.layers else None
         out.step_peak = self.step_peak if out.layers == self.layers else None
         out.dataflow = self.dataflow if out.layers == self.layers else None
         out.variable_sizes = self.variable_sizes if out.layers == self.layers else []
@@ -272,7 +274,13 @@ def profile(model_fn, dataset_fn, optimizer_fn, block_pattern=BLOCK_PATTERN):
         prof.variable_sizes = sorted((_elements(v.shape.as_list()) for v in trainable),
                                      reverse=True)
         prof.cut = _cut_points(loss)
-        prof.gc_fraction = _checkpointed_fraction(loss, backward)
+        prof.gc_fraction, recomputed = _checkpointed_fraction(loss, backward)
+        prof.gc_recomputed = {}
+        for op in recomputed:
+            sig = product_timing.signature(op, rows) or product_timing.kernel_signature(
+                op, rows)
+            if sig is not None:
+                prof.gc_recomputed[sig] = prof.gc_recomputed.get(sig, 0) + 1
     prof.restaged = lambda stage_of: _read(graph, features, forward, backward, trainable,
                                            rows, block_pattern, stage_of)
     step_ops = _optimized_step(graph, train_op)
@@ -351,7 +359,9 @@ def _checkpointed_fraction(loss, backward):
     nothing after the last one is recomputed (the tail stays); each segment before it
     is recomputed once the backward pass has left the later ones, so the peak is the
     checkpoints plus the larger of the tail and the largest segment.  1.0 where it
-    finds fewer than two separators (nothing recomputed)."""
+    finds fewer than two separators (nothing recomputed).  Returns (that share, the
+    forward ops the rewrite copies: those between checkpoints the backward pass reads,
+    and what they are computed from back to the checkpoints)."""
     stop = set(backward)
     ops = sorted(ir.upstream([loss.op], stop=stop), key=tfg.op_id)
     never = gradient_checkpoint._NEVER | gradient_checkpoint._CONTROL_FLOW
@@ -364,8 +374,17 @@ def _checkpointed_fraction(loss, backward):
     total = float(sum(gradient_checkpoint._nbytes(t) for t in wanted))
     picks = gradient_checkpoint.choose(cands, wanted) if total else []
     if not picks:
-        return 1.0
+        return 1.0, []
     able = ir.upstream([t.op for t in picks], control=False, within=members)
+    kept = set(picks)
+    stack = [t.op for t in wanted if t.op in able and t not in kept]
+    recomputed = set()
+    while stack:                    # gradient_checkpoint._copy_upstream's closure
+        op = stack.pop()
+        if op in recomputed:
+            continue
+        recomputed.add(op)
+        stack.extend(t.op for t in op.inputs if t.op in able and t not in kept)
     pos = dict((op, i) for i, op in enumerate(cands))
     bounds = sorted(pos[t.op] for t in picks)
     parts = [0.0] * (len(bounds) + 1)          # segments before each pick, then the tail
@@ -375,7 +394,7 @@ def _checkpointed_fraction(loss, backward):
         i = len(bounds) if t.op not in able else sum(1 for b in bounds if b < pos[t.op])
         parts[i] += gradient_checkpoint._nbytes(t)
     held = sum(gradient_checkpoint._nbytes(t) for t in picks)
-    return min(1.0, (held + max(parts)) / total)
+    return min(1.0, (held + max(parts)) / total), sorted(recomputed, key=tfg.op_id)
 
 
 def _is_input(op):

@@ -199,10 +199,10 @@ def price(profile, layout, cluster, global_batch=None):
         sigs = set(sig for r in regions_all for sig in list(r.products) + list(r.kernels))
     # One stage on one machine (Cluster.local, data parallel): the step's own dataflow
     # graph, as the session runs it, replayed on the shared cores, d replicas side by
-    # side (epl.auto.dataflow)
+    # side (epl.auto.dataflow); GC adds the forward kernels it runs again
     flow = profile.dataflow() if cluster.time_products and t == 1 and lay.dtype == "fp32" \
-        and p == 1 and not lay.recompute and mb == profile.rows and cluster.nodes == 1 \
-        and head is None and profile.dataflow else None
+        and p == 1 and mb == profile.rows and cluster.nodes == 1 and head is None \
+        and profile.dataflow else None
     if flow is not None:
         sigs.update(sig for sig in flow["sigs"] if sig is not None)
     if sigs is not None:
@@ -295,7 +295,11 @@ def price(profile, layout, cluster, global_batch=None):
         products = sum(products_s(r, False) + products_s(r, True) for r in regions + extra)
         compute = products + 3 * pointwise / bandwidth + redo + dev.op_overhead * n_ops
         if replayed is not None:
-            compute = replayed
+            if lay.recompute and profile.gc_recomputed is not None:
+                # what EPL's automatic GC copies (graph_profile: its rule), timed
+                redo = sum(n * kernel_s(sig) for sig, n in profile.gc_recomputed.items()
+                           if timings.get(sig)) * mb / float(profile.rows)
+            compute = replayed + redo
         forward_s.append(sum(products_s(r, False) for r in regions + extra)
                          + (pointwise / bandwidth + dev.op_overhead * n_ops) / 3.0)
         ar = [b * mb * act_scale for r in regions + extra for b in r.allreduce_bytes]
