@@ -15,6 +15,7 @@ replicated block input, a product with a weight whose input is replicated is
 column-parallel (its output is sharded), one whose input is sharded is row-parallel (its
 output is summed by an all-reduce); other ops shard their output when an input is.
 """
+import json
 import re
 
 import tensorflow as tf
@@ -89,6 +90,7 @@ class Profile(object):
         self.gc_recomputed = None   # {kernel signature: count} that GC runs again
         self.step_peak = None       # updates_last -> a step's transient peak at rows
         self.dataflow = None        # () -> the step's ops at rows (_dataflow; epl.auto.dataflow)
+        self.built_dataflow = None  # strategy items -> the same, as EPL builds the model
         self.variable_sizes = []    # elements of each trainable variable, largest first
         self.restaged = None        # stage_of -> the Profile of those stages
         self._stages = {}
@@ -105,6 +107,7 @@ class Profile(object):
         out.gc_recomputed = self.gc_recomputed if out.layers == self.layers else None
         out.step_peak = self.step_peak if out.layers == self.layers else None
         out.dataflow = self.dataflow if out.layers == self.layers else None
+        out.built_dataflow = self.built_dataflow if out.layers == self.layers else None
         out.variable_sizes = self.variable_sizes if out.layers == self.layers else []
         return out
 
@@ -292,9 +295,67 @@ def profile(model_fn, dataset_fn, optimizer_fn, block_pattern=BLOCK_PATTERN):
             flows["flow"] = _dataflow(step_ops(), rows)
         return flows["flow"]
     prof.dataflow = dataflow
+
+    def built_dataflow(items):
+        """The dataflow of the model as EPL builds it with the strategy ``items`` (its
+        build-time rewrites: AMP's half-precision products and casts), one device."""
+        key = json.dumps(items, sort_keys=True)
+        if key not in flows:
+            flows[key] = epl_built_dataflow((model_fn, dataset_fn, optimizer_fn), items)
+        return flows[key]
+    prof.built_dataflow = built_dataflow
     prof.slots_per_param = slots
     prof.built_seconds = time.time() - start
     return prof
+
+
+def epl_built_dataflow(fns, items, timeout=600):
+    """``_dataflow`` of the model built by EPL with the strategy ``["data_parallel"] +
+    items`` on one device (``search.build``), in a process of its own: ``epl.init``
+    starts a new default graph and replaces this process's EPL state, which a planner
+    must leave alone.  The functions must be importable (module level)."""
+    import multiprocessing
+    from epl.tf_adapter import behavior
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_built_dataflow_child,
+                       args=(child, fns, items, behavior.current()))
+    proc.start()
+    child.close()
+    try:
+        if not parent.poll(timeout):
+            raise RuntimeError("epl.auto: building the model with %r took over %.0f s"
+                               % (items, timeout))
+        status, out = parent.recv()
+    except EOFError:
+        raise RuntimeError("epl.auto: the process building the model with %r died "
+                           "(exit code %s)" % (items, proc.exitcode))
+    finally:
+        if proc.is_alive():
+            proc.terminate()
+        proc.join(10)
+    if status != "ok":
+        raise RuntimeError("epl.auto: building the model with %r failed: %s" % (items, out))
+    return out
+
+
+def _built_dataflow_child(conn, fns, items, switches):
+    try:
+        from epl.auto import search
+        from epl.tf_adapter import behavior
+        behavior.restore(switches)
+        graph = tf.Graph()
+        with graph.as_default():
+            _, train_op, _, _ = search.build(fns[0], fns[1], fns[2],
+                                             ["data_parallel"] + list(items), 1)
+            rows = search._rows(fns[1])
+        _, fetched = grappler.optimized(graph, [train_op])
+        ops = sorted(ir.upstream(fetched), key=tfg.op_id)
+        conn.send(("ok", _dataflow(ops, rows)))
+    except Exception as e:  # pylint: disable=broad-except
+        conn.send(("error", "%s: %s" % (type(e).__name__, e)))
+    finally:
+        conn.close()
 
 
 def _optimized_step(graph, train_op):

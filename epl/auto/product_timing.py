@@ -53,8 +53,11 @@ _ATTRS = ("transpose_a", "transpose_b", "adj_x", "adj_y", "strides", "padding",
 
 def signature(op, rows):
     """A JSON-able key of a product op at ``rows`` rows, or None when it is not one
-    we can time (unknown shapes, explicit padding, not float32)."""
-    if op.type not in PRODUCTS or op.outputs[0].dtype != tf.float32:
+    we can time (unknown shapes, explicit padding, not a float type)."""
+    if op.type not in PRODUCTS:
+        return None
+    dtype = op.outputs[0].dtype
+    if dtype not in (tf.float32, tf.bfloat16, tf.float16):
         return None
     shapes = []
     for i, t in enumerate(list(op.inputs) + [op.outputs[0]]):
@@ -69,6 +72,8 @@ def signature(op, rows):
             attrs[name] = value.decode() if isinstance(value, bytes) else value
     if attrs.get("padding") not in (None, "SAME", "VALID"):
         return None
+    if dtype != tf.float32:         # AMP's half-precision products (float32: no key)
+        attrs["T"] = dtype.name
     return json.dumps([op.type, shapes, attrs], sort_keys=True)
 
 
@@ -158,7 +163,8 @@ def _build(sig, rng):
     out_shape = shapes[-1]
 
     def var(shape):
-        return v1.Variable(rng.rand(*shape).astype(np.float32), trainable=False)
+        x = v1.Variable(rng.rand(*shape).astype(np.float32), trainable=False)
+        return tf.cast(x, attrs["T"]) if "T" in attrs else x
     conv = dict(strides=attrs.get("strides"), padding=attrs.get("padding"),
                 data_format=attrs.get("data_format", "NHWC"),
                 dilations=attrs.get("dilations"))
