@@ -156,20 +156,21 @@ def test_gc_recompute_is_what_epls_rewrite_copies(model_fn):
 
 
 def test_amp_is_priced_from_the_graph_epl_builds(monkeypatch, tmp_path):
-    """AMP on one stage: the dataflow of the model as EPL builds it with
-    ``["amp", {"dtype": "bfloat16"}]`` (another process: epl.init stays out of this
-    one), whose products are bfloat16 and rebuild as such; the prediction replays it."""
+    """AMP on one stage: the dataflow of the model as EPL builds it with AMP bfloat16
+    (another process: epl.init stays out of this one), whose products are bfloat16 and
+    rebuild as such; the prediction replays it."""
     import numpy as np
     monkeypatch.setenv("EPL_CACHE_DIR", str(tmp_path))
     prof = graph_profile.profile(auto_models.model, auto_models.dataset, auto_models.optimizer)
-    flow = prof.built_dataflow([["amp", {"dtype": "bfloat16"}]])
+    amp = {"amp.level": "O1", "amp.dtype": "bfloat16"}
+    flow = prof.built_dataflow(amp)
     half = [s for s in flow["sigs"] if s and not s.startswith('["kernel"')
             and json.loads(s)[2].get("T") == "bfloat16"]
     assert half, "EPL's AMP graph has no bfloat16 product"
     with tf.Graph().as_default():
         op = product_timing._build(half[0], np.random.RandomState(0))
         assert op.outputs[0].dtype == tf.bfloat16
-    assert prof.built_dataflow([["amp", {"dtype": "bfloat16"}]]) is flow     # kept
+    assert prof.built_dataflow(dict(amp)) is flow                        # kept
     monkeypatch.setattr(product_timing, "timed", _fixed(1e-3, 2e-3))
     cluster = Cluster.from_local(dict(local.measure(quick=True), cores=2), 1)
     cluster.time_products = True

@@ -21,16 +21,15 @@ import re
 import tensorflow as tf
 
 from epl import ir
-from epl.auto import liveness, product_timing
-from epl.features import auto_stages, gradient_checkpoint
-from epl.tf_adapter import grappler
+from epl.auto import liveness, product_timing, shapes, step_graph
+from epl.features import auto_stages
 from epl.tf_adapter import graph as tfg
 
 v1 = tf.compat.v1
 
 BLOCK_PATTERN = r"(?:^|/)(?:layer|layers|block|blocks|h|transformer_block|decoder_layer|" \
                 r"encoder_layer)_?(\d+)(?:/|$)"
-_MATMULS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv2D")
+_MATMULS = shapes.MATMULS
 _VARIABLES = ("VariableV2", "VarHandleOp", "Variable")
 _PASS = ("Identity", "ReadVariableOp", "Cast", "Enter", "Reshape", "Transpose")
 _VIEWS = ("Reshape", "Identity", "Squeeze", "ExpandDims", "StridedSlice", "Slice",
@@ -89,8 +88,8 @@ class Profile(object):
         self.gc_fraction = None     # activations EPL's automatic GC holds (a share)
         self.gc_recomputed = None   # {kernel signature: count} that GC runs again
         self.step_peak = None       # updates_last -> a step's transient peak at rows
-        self.dataflow = None        # () -> the step's ops at rows (_dataflow; epl.auto.dataflow)
-        self.built_dataflow = None  # strategy items -> the same, as EPL builds the model
+        self.dataflow = None        # () -> the step's ops at rows (step_graph.dataflow)
+        self.built_dataflow = None  # EPL config -> the same, as EPL builds the model
         self.variable_sizes = []    # elements of each trainable variable, largest first
         self.restaged = None        # stage_of -> the Profile of those stages
         self._stages = {}
@@ -148,76 +147,6 @@ class Profile(object):
         return per_row * rows
 
 
-def _elements(shape):
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-def _dims(t, rows):
-    return [rows if d is None else int(d) for d in t.shape.as_list()] \
-        if t.shape.rank is not None else None
-
-
-def _bytes(t, rows):
-    dims = _dims(t, rows)
-    if dims is None:
-        return 0
-    return _elements(dims) * t.dtype.size
-
-
-def op_flops(op, rows):
-    """Multiply-add FLOPs (2 per multiply-add) of a matrix product from static shapes."""
-    t = op.type
-    out = _dims(op.outputs[0], rows)
-    if out is None:
-        return 0.0
-    if t == "MatMul":
-        a = _dims(op.inputs[0], rows)
-        k = a[0] if op.get_attr("transpose_a") else a[1]
-        return 2.0 * out[0] * out[1] * k
-    if t.startswith("BatchMatMul"):
-        a = _dims(op.inputs[0], rows)
-        adj = op.get_attr("adj_x") if "adj_x" in op.node_def.attr else False
-        k = a[-2] if adj else a[-1]
-        return 2.0 * _elements(out) * k
-    if t == "Einsum":
-        eq = op.get_attr("equation").decode().replace(" ", "")
-        ins = eq.split("->")[0].split(",")
-        sizes = {}
-        for letters, tensor in zip(ins, op.inputs):
-            dims = _dims(tensor, rows)
-            if dims is None or "." in letters or len(letters) != len(dims):
-                return 0.0
-            sizes.update(zip(letters, dims))
-        return 2.0 * _elements(sizes.values())
-    if t == "Conv2D":
-        w = _dims(op.inputs[1], rows)
-        return 2.0 * _elements(out) * w[0] * w[1] * w[2]
-    return 0.0
-
-
-def smallest_dim(op, rows):
-    """The smallest of a product's M, K, N (a convolution's as the product of its
-    unfolded patches: batch x output pixels, kernel area x input depth, output
-    depth); thin products run below the device's peak (``Device.product_share``)."""
-    out = _dims(op.outputs[0], rows)
-    a = _dims(op.inputs[0], rows)
-    if not out or not a:
-        return 1 << 30
-    if op.type == "MatMul":
-        k = a[0] if op.get_attr("transpose_a") else a[1]
-        return min(out[0], out[1], k)
-    if op.type.startswith("BatchMatMul") and len(out) >= 2:
-        adj = op.get_attr("adj_x") if "adj_x" in op.node_def.attr else False
-        return min(out[-2], out[-1], a[-2] if adj else a[-1])
-    if op.type == "Conv2D" and len(out) == 4:
-        w = _dims(op.inputs[1], rows)
-        return min(out[0] * out[1] * out[2], w[0] * w[1] * w[2], out[3])
-    return 1 << 30
-
-
 def _variable_of(tensor):
     """The variable op a tensor reads (through identities and casts), or None."""
     op = tensor.op
@@ -231,17 +160,17 @@ def _variable_of(tensor):
 
 
 def _slots_per_param(optimizer, trainable, new_variables):
-    total = sum(_elements(v.shape.as_list()) for v in trainable) or 1
+    total = sum(shapes.elements(v.shape.as_list()) for v in trainable) or 1
     if hasattr(optimizer, "get_slot_names") and hasattr(optimizer, "get_slot"):
         n = 0
         for v in trainable:
             for name in optimizer.get_slot_names():
                 if optimizer.get_slot(v, name) is not None:
-                    n += _elements(v.shape.as_list())
+                    n += shapes.elements(v.shape.as_list())
         return n / float(total)
-    shapes = {tuple(v.shape.as_list()) for v in trainable}
-    n = sum(_elements(v.shape.as_list()) for v in new_variables
-            if tuple(v.shape.as_list()) in shapes)
+    kinds = {tuple(v.shape.as_list()) for v in trainable}
+    n = sum(shapes.elements(v.shape.as_list()) for v in new_variables
+            if tuple(v.shape.as_list()) in kinds)
     return n / float(total)
 
 
@@ -274,10 +203,10 @@ def profile(model_fn, dataset_fn, optimizer_fn, block_pattern=BLOCK_PATTERN):
         backward = graph.get_operations()[n_input_ops + len(forward):]
         slots = _slots_per_param(optimizer, trainable, new_vars)
         prof = _read(graph, features, forward, backward, trainable, rows, block_pattern)
-        prof.variable_sizes = sorted((_elements(v.shape.as_list()) for v in trainable),
+        prof.variable_sizes = sorted((shapes.elements(v.shape.as_list()) for v in trainable),
                                      reverse=True)
         prof.cut = _cut_points(loss)
-        prof.gc_fraction, recomputed = _checkpointed_fraction(loss, backward)
+        prof.gc_fraction, recomputed = step_graph.gc_recompute(loss, backward)
         prof.gc_recomputed = {}
         for op in recomputed:
             sig = product_timing.signature(op, rows) or product_timing.kernel_signature(
@@ -286,120 +215,28 @@ def profile(model_fn, dataset_fn, optimizer_fn, block_pattern=BLOCK_PATTERN):
                 prof.gc_recomputed[sig] = prof.gc_recomputed.get(sig, 0) + 1
     prof.restaged = lambda stage_of: _read(graph, features, forward, backward, trainable,
                                            rows, block_pattern, stage_of)
-    step_ops = _optimized_step(graph, train_op)
-    prof.step_peak = _step_peak(step_ops, rows)
+    step_ops = step_graph.optimized_step(graph, train_op)
+    prof.step_peak = step_graph.step_peak(step_ops, rows)
     flows = {}
 
     def dataflow():
         if "flow" not in flows:
-            flows["flow"] = _dataflow(step_ops(), rows)
+            flows["flow"] = step_graph.dataflow(step_ops(), rows)
         return flows["flow"]
     prof.dataflow = dataflow
 
-    def built_dataflow(items):
-        """The dataflow of the model as EPL builds it with the strategy ``items`` (its
-        build-time rewrites: AMP's half-precision products and casts), one device."""
-        key = json.dumps(items, sort_keys=True)
+    def built_dataflow(config):
+        """The dataflow of the model as EPL builds it on one device with the EPL config
+        ``config`` (its build-time rewrites: AMP's half-precision products and casts)."""
+        key = json.dumps(config, sort_keys=True)
         if key not in flows:
-            flows[key] = epl_built_dataflow((model_fn, dataset_fn, optimizer_fn), items)
+            flows[key] = step_graph.epl_built_dataflow(
+                (model_fn, dataset_fn, optimizer_fn), config)
         return flows[key]
     prof.built_dataflow = built_dataflow
     prof.slots_per_param = slots
     prof.built_seconds = time.time() - start
     return prof
-
-
-def epl_built_dataflow(fns, items, timeout=600):
-    """``_dataflow`` of the model built by EPL with the strategy ``["data_parallel"] +
-    items`` on one device (``search.build``), in a process of its own: ``epl.init``
-    starts a new default graph and replaces this process's EPL state, which a planner
-    must leave alone.  The functions must be importable (module level)."""
-    import multiprocessing
-    from epl.tf_adapter import behavior
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_built_dataflow_child,
-                       args=(child, fns, items, behavior.current()))
-    proc.start()
-    child.close()
-    try:
-        if not parent.poll(timeout):
-            raise RuntimeError("epl.auto: building the model with %r took over %.0f s"
-                               % (items, timeout))
-        status, out = parent.recv()
-    except EOFError:
-        raise RuntimeError("epl.auto: the process building the model with %r died "
-                           "(exit code %s)" % (items, proc.exitcode))
-    finally:
-        if proc.is_alive():
-            proc.terminate()
-        proc.join(10)
-    if status != "ok":
-        raise RuntimeError("epl.auto: building the model with %r failed: %s" % (items, out))
-    return out
-
-
-def _built_dataflow_child(conn, fns, items, switches):
-    try:
-        from epl.auto import search
-        from epl.tf_adapter import behavior
-        behavior.restore(switches)
-        graph = tf.Graph()
-        with graph.as_default():
-            _, train_op, _, _ = search.build(fns[0], fns[1], fns[2],
-                                             ["data_parallel"] + list(items), 1)
-            rows = search._rows(fns[1])
-        _, fetched = grappler.optimized(graph, [train_op])
-        ops = sorted(ir.upstream(fetched), key=tfg.op_id)
-        conn.send(("ok", _dataflow(ops, rows)))
-    except Exception as e:  # pylint: disable=broad-except
-        conn.send(("error", "%s: %s" % (type(e).__name__, e)))
-    finally:
-        conn.close()
-
-
-def _optimized_step(graph, train_op):
-    """``ops()``: the ops of a step as the session runs them (Grappler's optimization of
-    the built graph: folded constants, fused products; ``tf_adapter.grappler``), in
-    dataflow order; computed on the first call, kept."""
-    cache = {}
-
-    def ops():
-        if "ops" not in cache:
-            _, fetched = grappler.optimized(graph, [train_op])
-            cache["ops"] = sorted(ir.upstream(fetched), key=tfg.op_id)
-        return cache["ops"]
-    return ops
-
-
-def _dataflow(ops, rows):
-    """The step's ops for ``epl.auto.dataflow``, in dataflow order:
-    {"sigs": each op's product or kernel signature (None: no time of its own),
-    "flops": forward FLOPs of the products without a signature, "deps": the indices
-    each op waits for (inputs and control inputs)}."""
-    index = dict((op, i) for i, op in enumerate(ops))
-    sigs, flops, deps = [], [], []
-    for op in ops:
-        sig = product_timing.signature(op, rows) or product_timing.kernel_signature(op, rows)
-        sigs.append(sig)
-        flops.append(op_flops(op, rows) if sig is None and op.type in _MATMULS else 0.0)
-        deps.append(sorted(set(index[t.op] for t in op.inputs if t.op in index)
-                           | set(index[c] for c in op.control_inputs if c in index)))
-    return dict(sigs=sigs, flops=flops, deps=deps)
-
-
-def _step_peak(step_ops, rows):
-    """``step_peak(updates_last, side_by_side)``: the transient bytes one device holds at the peak of
-    a step of the whole model at ``rows`` rows (``epl.auto.liveness`` on the graph
-    Grappler makes of it: ``step_ops``; computed on the first call, kept)."""
-    cache = {}
-
-    def step_peak(updates_last=False, side_by_side=True):
-        key = (updates_last, side_by_side)
-        if key not in cache:
-            cache[key] = liveness.peak_bytes(step_ops(), rows, updates_last, side_by_side)
-        return cache[key]
-    return step_peak
 
 
 def _cut_points(loss):
@@ -411,51 +248,6 @@ def _cut_points(loss):
     cuts = sorted(set(pos[t.op] for t in ir.separators(ops)) - set([len(ops) - 1]))
     return dict(names=[op.name for op in ops], costs=[auto_stages.op_cost(op) for op in ops],
                 cuts=cuts)
-
-
-def _checkpointed_fraction(loss, backward):
-    """The share of the activations EPL's ``gradient_checkpoint "auto"`` still holds at
-    its peak (one pipeline stage, the whole model), by its own rule
-    (``epl.features.gradient_checkpoint``): checkpoints are separators (``choose``);
-    nothing after the last one is recomputed (the tail stays); each segment before it
-    is recomputed once the backward pass has left the later ones, so the peak is the
-    checkpoints plus the larger of the tail and the largest segment.  1.0 where it
-    finds fewer than two separators (nothing recomputed).  Returns (that share, the
-    forward ops the rewrite copies: those between checkpoints the backward pass reads,
-    and what they are computed from back to the checkpoints)."""
-    stop = set(backward)
-    ops = sorted(ir.upstream([loss.op], stop=stop), key=tfg.op_id)
-    never = gradient_checkpoint._NEVER | gradient_checkpoint._CONTROL_FLOW
-    cands = [op for op in ops if op.type not in never and not op.op_def.is_stateful
-             and tfg.control_flow_context(op) is None
-             and not any(ir.is_state_handle(t) for t in list(op.outputs) + list(op.inputs))]
-    members = set(cands)
-    wanted = set(t for b in backward if b.type not in _SHAPE_OPS for t in b.inputs
-                 if t.op in members and t.dtype.is_floating)
-    total = float(sum(gradient_checkpoint._nbytes(t) for t in wanted))
-    picks = gradient_checkpoint.choose(cands, wanted) if total else []
-    if not picks:
-        return 1.0, []
-    able = ir.upstream([t.op for t in picks], control=False, within=members)
-    kept = set(picks)
-    stack = [t.op for t in wanted if t.op in able and t not in kept]
-    recomputed = set()
-    while stack:                    # gradient_checkpoint._copy_upstream's closure
-        op = stack.pop()
-        if op in recomputed:
-            continue
-        recomputed.add(op)
-        stack.extend(t.op for t in op.inputs if t.op in able and t not in kept)
-    pos = dict((op, i) for i, op in enumerate(cands))
-    bounds = sorted(pos[t.op] for t in picks)
-    parts = [0.0] * (len(bounds) + 1)          # segments before each pick, then the tail
-    for t in wanted:
-        if t in picks:
-            continue
-        i = len(bounds) if t.op not in able else sum(1 for b in bounds if b < pos[t.op])
-        parts[i] += gradient_checkpoint._nbytes(t)
-    held = sum(gradient_checkpoint._nbytes(t) for t in picks)
-    return min(1.0, (held + max(parts)) / total), sorted(recomputed, key=tfg.op_id)
 
 
 def _is_input(op):
@@ -550,9 +342,9 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
         weight = any(v is not None for v, _ in var_inputs)
         out_split = in_split
         if op.type in _MATMULS:
-            flops = op_flops(op, rows) / rows
+            flops = shapes.op_flops(op, rows) / rows
             reg.flops += flops
-            dim = smallest_dim(op, rows)
+            dim = shapes.smallest_dim(op, rows)
             reg.flops_by_dim[dim] = reg.flops_by_dim.get(dim, 0.0) + flops
             sig = product_timing.signature(op, rows)
             if sig is None:
@@ -562,16 +354,16 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
             if weight:
                 out_split = not in_split
                 if in_split:
-                    reg.allreduce_bytes.append(_bytes(op.outputs[0], rows) / float(rows))
+                    reg.allreduce_bytes.append(shapes.nbytes(op.outputs[0], rows) / float(rows))
                 reg.flops_split += flops
             elif in_split:
                 reg.flops_split += flops
-            dims = _dims(op.outputs[0], rows)
+            dims = shapes.dims(op.outputs[0], rows)
             if op.type.startswith("BatchMatMul") and dims and len(dims) == 4 and heads is None:
                 heads = dims[1]
         elif op.type in _GATHERS and weight and reg.name == "pre":
             out_split = False
-            reg.allreduce_bytes.append(_bytes(op.outputs[0], rows) / float(rows))
+            reg.allreduce_bytes.append(shapes.nbytes(op.outputs[0], rows) / float(rows))
         kernel = None if op.type in _MATMULS else product_timing.kernel_signature(op, rows)
         if kernel is not None:
             reg.kernels.setdefault(kernel, [0, 0])[0] += 1
@@ -579,7 +371,7 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
             if out_split:
                 split.add(t.name)
             if op.type not in _MATMULS and op.type not in _VIEWS and t.dtype.is_floating:
-                b = _bytes(t, rows) / float(rows)
+                b = shapes.nbytes(t, rows) / float(rows)
                 reg.pointwise += b
                 if kernel is not None:
                     reg.kernel_pointwise[kernel] = reg.kernel_pointwise.get(kernel, 0.0) + b
@@ -587,7 +379,7 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
                     reg.pointwise_split += b
             if t.name not in consumers or not t.dtype.is_floating or t.op.name not in fwd_names:
                 continue
-            b = _bytes(t, rows) / float(rows)
+            b = shapes.nbytes(t, rows) / float(rows)
             for where in consumers[t.name]:
                 saver = regions[where]
                 saver.saved += b
@@ -599,7 +391,7 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
             if t.op.name in batch_ops and region_of.get(t.op.name) != region_of[op.name] \
                     and t.dtype.is_floating and t.name not in entered:
                 entered.add(t.name)
-                reg.input_bytes += _bytes(t, rows) / float(rows)
+                reg.input_bytes += shapes.nbytes(t, rows) / float(rows)
 
     shared = {}
     for v in trainable:
@@ -610,7 +402,7 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
         m = pattern.search(name)
         if m and int(m.group(1)) in regions:
             where = {int(m.group(1))}
-        n = _elements(v.shape.as_list())
+        n = shapes.elements(v.shape.as_list())
         if len(where) > 1:
             shared[name] = (n, sorted(str(w) for w in where))
         for w in where:

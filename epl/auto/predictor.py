@@ -208,8 +208,9 @@ def price(profile, layout, cluster, global_batch=None):
         elif cluster.stage_cut == "epl" and profile.built_dataflow:
             # EPL's AMP rebuilds the products in 16 bits between casts (at build time):
             # the graph it builds, timed (CPU 16-bit kernels differ from float32's)
-            flow = profile.built_dataflow(
-                [["amp", {"dtype": "bfloat16" if lay.dtype == "bf16" else "float16"}]])
+            flow = profile.built_dataflow({
+                "amp.level": "O1", "amp.dtype": "bfloat16" if lay.dtype == "bf16"
+                else "float16"})
             sigs = set(sig for r in [profile.pre, profile.post] + list(profile.blocks)
                        for sig in list(r.products) + list(r.kernels))
     if flow is not None:

@@ -1,0 +1,157 @@
+"""A training step as the session runs it, for the planner's time and memory on
+this machine: Grappler's optimization of the built graph (``tf_adapter.grappler``), its
+dataflow (each op's kernel signature and what it waits for: ``epl.auto.dataflow``
+replays it), its transient peak (``epl.auto.liveness``), the model as EPL itself builds
+it under a config (AMP's rewrite, in a process of its own), and what EPL's automatic
+gradient checkpointing recomputes (its rule, replayed)."""
+import multiprocessing
+
+import tensorflow as tf
+
+import epl
+from epl import ir
+from epl.auto import liveness, product_timing, shapes
+from epl.features import gradient_checkpoint
+from epl.tf_adapter import behavior, grappler
+from epl.tf_adapter import graph as tfg
+
+v1 = tf.compat.v1
+_SHAPE_OPS = gradient_checkpoint._SHAPE_READERS
+
+
+def epl_built_dataflow(fns, config, timeout=600):
+    """``dataflow`` of the model built by EPL on one device with the EPL ``config``
+    (a dict, e.g. ``{"amp.level": "O1"}``), in a process of its own: ``epl.init``
+    starts a new default graph and replaces this process's EPL state, which a planner
+    must leave alone.  The functions must be importable (module level)."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_built_dataflow_child,
+                       args=(child, fns, config, behavior.current()))
+    proc.start()
+    child.close()
+    try:
+        if not parent.poll(timeout):
+            raise RuntimeError("epl.auto: building the model with %r took over %.0f s"
+                               % (config, timeout))
+        status, out = parent.recv()
+    except EOFError:
+        raise RuntimeError("epl.auto: the process building the model with %r died "
+                           "(exit code %s)" % (config, proc.exitcode))
+    finally:
+        if proc.is_alive():
+            proc.terminate()
+        proc.join(10)
+    if status != "ok":
+        raise RuntimeError("epl.auto: building the model with %r failed: %s" % (config, out))
+    return out
+
+
+def _built_dataflow_child(conn, fns, config, switches):
+    try:
+        behavior.restore(switches)
+        graph = tf.Graph()
+        with graph.as_default():
+            epl.init(epl.Config(dict(config, **{"cluster.devices_per_worker": 1})))
+            features = v1.data.make_one_shot_iterator(fns[1]()).get_next()
+            rows = tf.nest.flatten(features)[0].shape.as_list()[0]
+            epl.set_default_strategy(epl.replicate(1))
+            loss = fns[0](features)
+            train_op = fns[2]().minimize(loss, global_step=v1.train.get_or_create_global_step())
+        _, fetched = grappler.optimized(graph, [train_op])
+        ops = sorted(ir.upstream(fetched), key=tfg.op_id)
+        conn.send(("ok", dataflow(ops, rows)))
+    except Exception as e:  # pylint: disable=broad-except
+        conn.send(("error", "%s: %s" % (type(e).__name__, e)))
+    finally:
+        conn.close()
+
+
+def optimized_step(graph, train_op):
+    """``ops()``: the ops of a step as the session runs them (Grappler's optimization of
+    the built graph: folded constants, fused products; ``tf_adapter.grappler``), in
+    dataflow order; computed on the first call, kept."""
+    cache = {}
+
+    def ops():
+        if "ops" not in cache:
+            _, fetched = grappler.optimized(graph, [train_op])
+            cache["ops"] = sorted(ir.upstream(fetched), key=tfg.op_id)
+        return cache["ops"]
+    return ops
+
+
+def dataflow(ops, rows):
+    """The step's ops for ``epl.auto.dataflow``, in dataflow order:
+    {"sigs": each op's product or kernel signature (None: no time of its own),
+    "flops": forward FLOPs of the products without a signature, "deps": the indices
+    each op waits for (inputs and control inputs)}."""
+    index = dict((op, i) for i, op in enumerate(ops))
+    sigs, flops, deps = [], [], []
+    for op in ops:
+        sig = product_timing.signature(op, rows) or product_timing.kernel_signature(op, rows)
+        sigs.append(sig)
+        untimed = sig is None and op.type in shapes.MATMULS
+        flops.append(shapes.op_flops(op, rows) if untimed else 0.0)
+        deps.append(sorted(set(index[t.op] for t in op.inputs if t.op in index)
+                           | set(index[c] for c in op.control_inputs if c in index)))
+    return dict(sigs=sigs, flops=flops, deps=deps)
+
+
+def step_peak(step_ops, rows):
+    """``step_peak(updates_last, side_by_side)``: the transient bytes one device holds
+    at the peak of a step of the whole model at ``rows`` rows (``epl.auto.liveness`` on the graph
+    Grappler makes of it: ``step_ops``; computed on the first call, kept)."""
+    cache = {}
+
+    def step_peak(updates_last=False, side_by_side=True):
+        key = (updates_last, side_by_side)
+        if key not in cache:
+            cache[key] = liveness.peak_bytes(step_ops(), rows, updates_last, side_by_side)
+        return cache[key]
+    return step_peak
+
+
+def gc_recompute(loss, backward):
+    """The share of the activations EPL's ``gradient_checkpoint "auto"`` still holds at
+    its peak (one pipeline stage, the whole model), by its own rule
+    (``epl.features.gradient_checkpoint``): checkpoints are separators (``choose``);
+    nothing after the last one is recomputed (the tail stays); each segment before it
+    is recomputed once the backward pass has left the later ones, so the peak is the
+    checkpoints plus the larger of the tail and the largest segment.  1.0 where it
+    finds fewer than two separators (nothing recomputed).  Returns (that share, the
+    forward ops the rewrite copies: those between checkpoints the backward pass reads,
+    and what they are computed from back to the checkpoints)."""
+    stop = set(backward)
+    ops = sorted(ir.upstream([loss.op], stop=stop), key=tfg.op_id)
+    never = gradient_checkpoint._NEVER | gradient_checkpoint._CONTROL_FLOW
+    cands = [op for op in ops if op.type not in never and not op.op_def.is_stateful
+             and tfg.control_flow_context(op) is None
+             and not any(ir.is_state_handle(t) for t in list(op.outputs) + list(op.inputs))]
+    members = set(cands)
+    wanted = set(t for b in backward if b.type not in _SHAPE_OPS for t in b.inputs
+                 if t.op in members and t.dtype.is_floating)
+    total = float(sum(gradient_checkpoint._nbytes(t) for t in wanted))
+    picks = gradient_checkpoint.choose(cands, wanted) if total else []
+    if not picks:
+        return 1.0, []
+    able = ir.upstream([t.op for t in picks], control=False, within=members)
+    kept = set(picks)
+    stack = [t.op for t in wanted if t.op in able and t not in kept]
+    recomputed = set()
+    while stack:                    # gradient_checkpoint._copy_upstream's closure
+        op = stack.pop()
+        if op in recomputed:
+            continue
+        recomputed.add(op)
+        stack.extend(t.op for t in op.inputs if t.op in able and t not in kept)
+    pos = dict((op, i) for i, op in enumerate(cands))
+    bounds = sorted(pos[t.op] for t in picks)
+    parts = [0.0] * (len(bounds) + 1)          # segments before each pick, then the tail
+    for t in wanted:
+        if t in picks:
+            continue
+        i = len(bounds) if t.op not in able else sum(1 for b in bounds if b < pos[t.op])
+        parts[i] += gradient_checkpoint._nbytes(t)
+    held = sum(gradient_checkpoint._nbytes(t) for t in picks)
+    return min(1.0, (held + max(parts)) / total), sorted(recomputed, key=tfg.op_id)
