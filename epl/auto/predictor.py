@@ -197,12 +197,14 @@ def price(profile, layout, cluster, global_batch=None):
         if p > 1 and cluster.stage_cut == "epl":
             regions_all += list(profile.epl_stages(p) or [])
         sigs = set(sig for r in regions_all for sig in list(r.products) + list(r.kernels))
-    # One stage on one machine (Cluster.local, data parallel): the step's own dataflow
-    # graph, as the session runs it, replayed on the shared cores, d replicas side by
-    # side (epl.auto.dataflow); GC adds the forward kernels it runs again
+    # One stage on one machine (Cluster.local, data parallel, its worker processes
+    # too): the step's own dataflow graph, as the session runs it, replayed on the
+    # shared cores, d replicas side by side (epl.auto.dataflow); GC adds the forward
+    # kernels it runs again
     flow = None
     if cluster.time_products and t == 1 and p == 1 and mb == profile.rows \
-            and cluster.nodes == 1 and head is None and profile.dataflow:
+            and (cluster.nodes == 1 or cluster.shared_cores) and head is None \
+            and profile.dataflow:
         if lay.dtype == "fp32":
             flow = profile.dataflow()
         elif cluster.stage_cut == "epl" and profile.built_dataflow:
@@ -357,8 +359,10 @@ def price(profile, layout, cluster, global_batch=None):
             if cluster.stage_cut == "epl" and d > 1:
                 # EPL reduces each variable's gradients to its owner: the owner holds
                 # the peers' copies of what it owns beside its own (measured: the wide
-                # head's owner 97.5 MiB against 71.0 without ZeRO)
-                zero_grads = grads * share
+                # head's owner 97.5 MiB against 71.0 without ZeRO), and the sum of one
+                # variable's copies at a time: the largest it owns
+                zero_grads = grads * share + (profile.variable_sizes[0] * width
+                                              if profile.variable_sizes and p == 1 else 0.0)
         if lay.offload:
             states = 0.0
         flight = _in_flight(lay, k)
