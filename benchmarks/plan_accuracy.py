@@ -161,6 +161,26 @@ def gpt_split2_model(features):
     return _gpt(split=2).model_fn(features)
 
 
+def bert_dataset():
+    """The test corpus' mini-BERT (tests/corpus/bert.py): ids, types, mask, labels."""
+    import tensorflow.compat.v1 as tf
+    from tests.corpus import bert
+    return tf.data.Dataset.from_tensor_slices(bert.data(4 * ROWS)).repeat().batch(
+        ROWS, drop_remainder=True)
+
+
+def bert_model(features):
+    """The corpus' mini-BERT classifier (embeddings, 2 encoder layers, pooler)."""
+    from tests.corpus import bert
+    return bert.model(features)
+
+
+def bert_optimizer():
+    """The corpus' AdamWeightDecay (its own slots and assign ops)."""
+    from tests.corpus import bert
+    return bert.AdamWeightDecay(1e-3)
+
+
 def sgd():
     import tensorflow.compat.v1 as tf
     return tf.train.GradientDescentOptimizer(0.01)
@@ -177,6 +197,7 @@ MODELS = {
     "gpt": (gpt_model, gpt_dataset, adam),
     "widehead": (widehead_model, widehead_dataset, adam),
     "resnet": (resnet_model, resnet_dataset, adam),
+    "bert": (bert_model, bert_dataset, bert_optimizer),
 }
 # (model, t): the same model built with its own epl.split(t) scopes, run for a layout
 # with ["tensor_parallel", {"degree": t}] (priced from the model above, built whole)
@@ -218,7 +239,7 @@ LAYOUTS = [
 DEFAULT = ("1 device", "DP 2", "DP 4", "PP 2 x m4 1f1b", "PP 2 x m4 gpipe", "PP 2 x m8 1f1b",
            "PP 4 x m8 1f1b", "DP 2 + GC", "DP 2 + ZeRO", "DP 2 + AMP bf16", "DP 2 + offload",
            "split head 2", "TP 2", "TP 2 x DP 2")
-DEFAULT_MODELS = "mlp,gpt,convnet,widehead,resnet"
+DEFAULT_MODELS = "mlp,gpt,convnet,widehead,resnet,bert"
 QUICK = ("1 device", "DP 2", "PP 2 x m4 1f1b")
 
 

@@ -56,4 +56,5 @@ def test_job_from_alone_and_shared_times():
     assert dataflow.job(1e-3, 2e-3, 2) == (pytest.approx(2e-3), 2.0)     # uses both cores
     assert dataflow.job(1e-3, 1e-3, 2) == (pytest.approx(1e-3), 1.0)     # one core
     assert dataflow.job(1e-3, 9e-3, 2) == (pytest.approx(2e-3), 2.0)     # at most cores
-    assert dataflow.job(0.0, 1e-4, 2) == (pytest.approx(1e-4), 1.0)
+    assert dataflow.job(0.0, 1e-4, 2) == (0.0, 1.0)                        # inline
+    assert dataflow.job(1e-5, 4e-5, 2) == (pytest.approx(1e-5), 1.0)
