@@ -187,16 +187,19 @@ def price(profile, layout, cluster, global_batch=None):
         return sum(f / dev.product_share(dim) for dim, f in r.flops_by_dim.items()) \
             / sum(r.flops_by_dim.values())
 
-    # Cluster.local(products=True): the model's own products timed on this machine,
+    # Cluster.local(products=True): the model's own kernels timed on this machine,
     # alone (one busy device) or shared (every core's device busy; more devices than
-    # cores take turns); the rest, and what could not be timed, by FLOPs
+    # cores take turns); the rest, and what could not be timed, by FLOPs and bytes
     timings, sigs = None, None
     busy = t * p * d
+    regions_all = [profile.pre, profile.post] + list(profile.blocks)
+
+    def region_sigs():
+        return set(sig for r in regions_all for sig in list(r.products) + list(r.kernels))
     if cluster.time_products and t == 1 and lay.dtype == "fp32":
-        regions_all = [profile.pre, profile.post] + list(profile.blocks)
         if p > 1 and cluster.stage_cut == "epl":
             regions_all += list(profile.epl_stages(p) or [])
-        sigs = set(sig for r in regions_all for sig in list(r.products) + list(r.kernels))
+        sigs = region_sigs()
     # One stage on one machine (Cluster.local, data parallel, its worker processes
     # too): the step's own dataflow graph, as the session runs it, replayed on the
     # shared cores, d replicas side by side (epl.auto.dataflow); GC adds the forward
@@ -213,8 +216,7 @@ def price(profile, layout, cluster, global_batch=None):
             flow = profile.built_dataflow({
                 "amp.level": "O1", "amp.dtype": "bfloat16" if lay.dtype == "bf16"
                 else "float16"})
-            sigs = set(sig for r in [profile.pre, profile.post] + list(profile.blocks)
-                       for sig in list(r.products) + list(r.kernels))
+            sigs = region_sigs()
     if flow is not None:
         sigs.update(sig for sig in flow["sigs"] if sig is not None)
     if sigs is not None:
