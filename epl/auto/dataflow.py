@@ -70,11 +70,11 @@ def makespan(jobs, deps, cores, copies=1):
     sources = [i for i in range(n) if not deps[i]]
     for c in range(copies):
         for i in sources:
-                if jobs[i][0] <= 0.0:
-                    release(c, i)
-                else:
-                    heapq.heappush(ready, (order, c, i))
-                    order += 1
+            if jobs[i][0] <= 0.0:
+                release(c, i)
+            else:
+                heapq.heappush(ready, (order, c, i))
+                order += 1
     slots = max(1, int(cores))
     while ready or running:
         while ready and len(running) < slots:

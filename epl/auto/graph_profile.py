@@ -209,8 +209,7 @@ def profile(model_fn, dataset_fn, optimizer_fn, block_pattern=BLOCK_PATTERN):
         prof.gc_fraction, recomputed = step_graph.gc_recompute(loss, backward)
         prof.gc_recomputed = {}
         for op in recomputed:
-            sig = product_timing.signature(op, rows) or product_timing.kernel_signature(
-                op, rows)
+            sig = product_timing.any_signature(op, rows)
             if sig is not None:
                 prof.gc_recomputed[sig] = prof.gc_recomputed.get(sig, 0) + 1
     prof.restaged = lambda stage_of: _read(graph, features, forward, backward, trainable,

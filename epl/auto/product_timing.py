@@ -118,6 +118,11 @@ def kernel_signature(op, rows):
     return json.dumps(["kernel", op.type, blob, inputs])
 
 
+def any_signature(op, rows):
+    """The op's product signature, else its kernel signature, else None."""
+    return signature(op, rows) or kernel_signature(op, rows)
+
+
 def _static(t):
     """An integer tensor's value where the graph fixes it (shapes, axes), else None."""
     value = tf.get_static_value(t)

@@ -89,7 +89,7 @@ def dataflow(ops, rows):
     index = dict((op, i) for i, op in enumerate(ops))
     sigs, flops, deps = [], [], []
     for op in ops:
-        sig = product_timing.signature(op, rows) or product_timing.kernel_signature(op, rows)
+        sig = product_timing.any_signature(op, rows)
         sigs.append(sig)
         untimed = sig is None and op.type in shapes.MATMULS
         flops.append(shapes.op_flops(op, rows) if untimed else 0.0)
