@@ -49,9 +49,10 @@ def test_convolution_kernels_are_timed(tmp_path):
 
 
 def _fixed(alone, shared):
-    """``product_timing.timed`` with every kernel at these times (ISOLATION free)."""
+    """``product_timing.timed`` with every kernel at these times (the executor's own
+    cost per op: none)."""
     return lambda sigs, cores, path=None: dict(
-        (s, {"alone": 0.0, "shared": 0.0} if s == product_timing.ISOLATION
+        (s, {"alone": 0.0, "shared": 0.0} if s == product_timing.EXECUTOR
          else {"alone": alone, "shared": shared}) for s in sigs)
 
 
@@ -119,10 +120,25 @@ def test_every_other_kernel_is_rebuilt_alone_with_its_shapes():
                 sess.run(op)
 
 
-def test_isolation_cost_is_removed():
-    got = product_timing.in_step({"alone": 5e-4, "shared": 1e-4}, {"alone": 6e-5,
-                                                                  "shared": 2e-4})
-    assert got == {"alone": pytest.approx(4.4e-4), "shared": 0.0}
+def test_kernels_are_timed_in_a_chain_on_one_set_of_inputs():
+    """A kernel's time in a step is what one more copy adds to a chain of copies (the
+    first pays the hand-off a step does not): CHAIN copies, each waiting for the one
+    before, all reading the same inputs; products and the executor's identities too."""
+    import numpy as np
+    prof = graph_profile.profile(auto_models.model, auto_models.dataset, auto_models.optimizer)
+    sigs = [s for s in prof.dataflow()["sigs"] if s is not None]
+    kernel = next(s for s in sigs if s.startswith('["kernel"'))
+    product = next(s for s in sigs if not s.startswith('["kernel"'))
+    for sig in (kernel, product, product_timing.EXECUTOR):
+        with tf.Graph().as_default():
+            ops = product_timing._chain(sig, np.random.RandomState(0), "/device:CPU:0")
+            assert len(ops) == product_timing.CHAIN
+            assert len(set(op.type for op in ops)) == 1
+            assert [list(op.inputs) for op in ops[1:]] == [list(ops[0].inputs)] * (
+                len(ops) - 1)
+            assert all(op.control_inputs == [before] for before, op in zip(ops, ops[1:]))
+    got = product_timing.measure([kernel, product_timing.EXECUTOR], 2)
+    assert all(x["alone"] >= 0.0 and x["shared"] >= 0.0 for x in got.values())
 
 
 def _convnet(features):

@@ -190,7 +190,7 @@ def price(profile, layout, cluster, global_batch=None):
     # Cluster.local(products=True): the model's own kernels timed on this machine,
     # alone (one busy device) or shared (every core's device busy; more devices than
     # cores take turns); the rest, and what could not be timed, by FLOPs and bytes
-    timings, sigs = None, None
+    timings, sigs, op_overhead = None, None, dev.op_overhead
     busy = t * p * d
     regions_all = [profile.pre, profile.post] + list(profile.blocks)
 
@@ -220,10 +220,9 @@ def price(profile, layout, cluster, global_batch=None):
     if flow is not None:
         sigs.update(sig for sig in flow["sigs"] if sig is not None)
     if sigs is not None:
-        timings = product_timing.timed(sigs | {product_timing.ISOLATION}, cluster.cores)
-        isolation = timings.pop(product_timing.ISOLATION)
-        timings = dict((sig, product_timing.in_step(x, isolation) if x else None)
-                       for sig, x in timings.items())
+        timings = product_timing.timed(sigs | {product_timing.EXECUTOR}, cluster.cores)
+        # what the executor spends on an op without a kernel of its own to time
+        op_overhead = (timings.pop(product_timing.EXECUTOR) or {}).get("alone", op_overhead)
     replayed = None
     if flow is not None:
         machine_flops = flops_s * cluster.devices_per_node
@@ -235,7 +234,7 @@ def price(profile, layout, cluster, global_batch=None):
             elif f:                         # an untimed product: by FLOPs, on every core
                 jobs.append((f / machine_flops * cluster.cores, float(cluster.cores)))
             else:
-                jobs.append((0.0, 1.0))
+                jobs.append((op_overhead, 1.0))
         replayed = dataflow.makespan(jobs, flow["deps"], cluster.cores, d)
 
     def timed_kernels(r):
@@ -307,7 +306,7 @@ def price(profile, layout, cluster, global_batch=None):
                 + sum(untimed_pw(r) for r in recomputed) * mb / bandwidth) \
             if lay.recompute else 0.0
         products = sum(products_s(r, False) + products_s(r, True) for r in regions + extra)
-        compute = products + 3 * pointwise / bandwidth + redo + dev.op_overhead * n_ops
+        compute = products + 3 * pointwise / bandwidth + redo + op_overhead * n_ops
         if replayed is not None:
             if lay.recompute and profile.gc_recomputed is not None:
                 # what EPL's automatic GC copies (graph_profile: its rule), timed
@@ -315,7 +314,7 @@ def price(profile, layout, cluster, global_batch=None):
                            if timings.get(sig)) * mb / float(profile.rows)
             compute = replayed + redo
         forward_s.append(sum(products_s(r, False) for r in regions + extra)
-                         + (pointwise / bandwidth + dev.op_overhead * n_ops) / 3.0)
+                         + (pointwise / bandwidth + op_overhead * n_ops) / 3.0)
         ar = [b * mb * act_scale for r in regions + extra for b in r.allreduce_bytes]
         ar_block = [b * mb * act_scale for r in regions for b in r.allreduce_bytes]
         tp = 2 * sum(tp_allreduce_s(b, cluster, t) for b in ar) if t > 1 else 0.0

@@ -8,10 +8,12 @@ unfold patches, and how well one of them spreads over the cores depends on its s
 running one replica each).  So ``Cluster.local`` prices the products of a model the way
 Proteus and DistSim price ops: each distinct one (type, shapes, attributes; forward and
 gradient kernels alike, read from the built graph by ``graph_profile``) is built alone
-with random inputs and timed
+with random inputs and timed in a chain of copies, each waiting for the one before (a
+step runs kernel after kernel; a kernel run alone also pays the executor's hand-off to
+its threads, up to twice its own time on a small tensor): what one more copy adds,
 
 * ``alone``: one device with the machine's cores to itself;
-* ``shared``: as many devices as cores, each running a copy at once (the per-device
+* ``shared``: as many devices as cores, each running a chain at once (the per-device
   time when every device is busy; more devices than cores take turns).
 
 The other kernels of a step (batch norm and its gradient, pooling, ReLU gradients,
@@ -22,7 +24,7 @@ its integer inputs their static values (shapes, axes, paddings) or zeros (labels
 indices).  What cannot be rebuilt (unknown shapes, state, control flow, functions) is
 left to the roofline.
 
-Results are cached beside the calibration (``<cache>-products.json``), keyed by the
+Results are cached beside the calibration (``<cache>-kernels.json``), keyed by the
 kernel's signature, so a model is timed once per machine.  A product that cannot be
 built alone (an einsum, explicit padding) is left to the FLOP model; a kernel that
 fails to run alone is cached as untimed (None).
@@ -133,15 +135,12 @@ def _static(t):
     return None if value is None else np.asarray(value)
 
 
-def _build_kernel(sig, rng, device):
-    """The kernel of ``kernel_signature`` ``sig`` alone on ``device``, in the current
-    graph, its float inputs random variables: its op."""
-    _, kind, blob, inputs = json.loads(sig)
-    node = v1.NodeDef.FromString(base64.b64decode(blob))
-    node.name, node.device = "kernel", device
-    graph_def, feeds = v1.GraphDef(), {}
+def _kernel_inputs(sig, rng, device):
+    """The inputs of ``kernel_signature`` ``sig`` on ``device``: {placeholder: tensor};
+    float inputs random variables, integer ones their values or zeros."""
+    feeds = {}
     with v1.device(device):
-        for i, (dtype, dims, value) in enumerate(inputs):
+        for i, (dtype, dims, value) in enumerate(json.loads(sig)[3]):
             dtype = tf.as_dtype(dtype)
             if value is not None:
                 x = tf.constant(value, dtype)
@@ -152,58 +151,118 @@ def _build_kernel(sig, rng, device):
                                         trainable=False), dtype)
             else:           # labels, indices: zeros are in range
                 x = tf.zeros(dims, dtype)
-            holder = graph_def.node.add()
-            holder.name, holder.op = "in_%d" % i, "Placeholder"
-            holder.attr["dtype"].type = dtype.as_datatype_enum
-            node.input.append(holder.name)
-            feeds[holder.name + ":0"] = x
+            feeds["in_%d:0" % i] = x
+    return feeds
+
+
+def _import_kernel(sig, feeds, device):
+    """The kernel of ``sig`` on ``device`` reading ``feeds``: its op."""
+    _, _, blob, inputs = json.loads(sig)
+    node = v1.NodeDef.FromString(base64.b64decode(blob))
+    node.name, node.device = "kernel", device
+    graph_def = v1.GraphDef()
+    for i, (dtype, _, _) in enumerate(inputs):
+        holder = graph_def.node.add()
+        holder.name, holder.op = "in_%d" % i, "Placeholder"
+        holder.attr["dtype"].type = tf.as_dtype(dtype).as_datatype_enum
+        node.input.append(holder.name)
     graph_def.node.extend([node])
     return v1.import_graph_def(graph_def, input_map=feeds, return_elements=["kernel"],
                                name="k")[0]
 
 
-def _build(sig, rng):
-    """The product of ``sig`` on random inputs in the current graph: its op."""
+def _build_kernel(sig, rng, device):
+    """The kernel of ``kernel_signature`` ``sig`` alone on ``device``, in the current
+    graph, its float inputs random variables: its op."""
+    return _import_kernel(sig, _kernel_inputs(sig, rng, device), device)
+
+
+def _product_inputs(sig, rng):
+    """The product's operands: random variables of its shapes (in its dtype); None
+    where the product takes a shape."""
     kind, shapes, attrs = json.loads(sig)
-    out_shape = shapes[-1]
 
     def var(shape):
         x = v1.Variable(rng.rand(*shape).astype(np.float32), trainable=False)
         return tf.cast(x, attrs["T"]) if "T" in attrs else x
+    if kind == "Conv2DBackpropInput":
+        return [None, var(shapes[1]), var(shapes[2])]
+    if kind == "Conv2DBackpropFilter":
+        return [var(shapes[0]), None, var(shapes[2])]
+    return [var(shapes[0]), var(shapes[1])]
+
+
+def _product(sig, inputs):
+    """The product of ``sig`` on ``inputs`` (``_product_inputs``), in the current
+    graph: its op."""
+    kind, shapes, attrs = json.loads(sig)
+    out_shape = shapes[-1]
     conv = dict(strides=attrs.get("strides"), padding=attrs.get("padding"),
                 data_format=attrs.get("data_format", "NHWC"),
                 dilations=attrs.get("dilations"))
     if kind == "MatMul":
-        y = tf.linalg.matmul(var(shapes[0]), var(shapes[1]),
+        y = tf.linalg.matmul(inputs[0], inputs[1],
                              transpose_a=attrs.get("transpose_a", False),
                              transpose_b=attrs.get("transpose_b", False))
     elif kind.startswith("BatchMatMul"):
-        y = tf.linalg.matmul(var(shapes[0]), var(shapes[1]),
-                             adjoint_a=attrs.get("adj_x", False),
+        y = tf.linalg.matmul(inputs[0], inputs[1], adjoint_a=attrs.get("adj_x", False),
                              adjoint_b=attrs.get("adj_y", False))
     elif kind == "Conv2D":
-        y = v1.nn.conv2d(var(shapes[0]), var(shapes[1]), **conv)
+        y = v1.nn.conv2d(inputs[0], inputs[1], **conv)
     elif kind == "Conv2DBackpropInput":
-        y = v1.nn.conv2d_backprop_input(tf.constant(out_shape, tf.int32), var(shapes[1]),
-                                        var(shapes[2]), **conv)
+        y = v1.nn.conv2d_backprop_input(tf.constant(out_shape, tf.int32), inputs[1],
+                                        inputs[2], **conv)
     else:
-        y = v1.nn.conv2d_backprop_filter(var(shapes[0]), tf.constant(out_shape, tf.int32),
-                                         var(shapes[2]), **conv)
+        y = v1.nn.conv2d_backprop_filter(inputs[0], tf.constant(out_shape, tf.int32),
+                                         inputs[2], **conv)
     return y.op
+
+
+def _build(sig, rng):
+    """The product of ``sig`` on random inputs in the current graph: its op."""
+    return _product(sig, _product_inputs(sig, rng))
 
 
 KERNEL_BUDGET_S = 0.05   # seconds of runs per kernel (most are small; products: 0.2)
 # A kernel run alone pays what a step does not: the executor's hand-off to its pool and
-# the sleeping threads' wake-up (measured: ~60 us for a 16 x 16 product, whose work is
-# ~1 us; half of a GPT step's kernels take less than 65 us alone).  This tiny product,
-# timed like the others (longer), is that cost: ``in_step`` removes it.
-ISOLATION = json.dumps(["MatMul", [[16, 16], [16, 16], [16, 16]],
-                        {"transpose_a": False, "transpose_b": False}], sort_keys=True)
+# the sleeping threads' wake-up (measured: ~60 us for a 16 x 16 product whose work is
+# ~1 us, ~120 us for a transpose that wakes two threads).  A step runs kernel after
+# kernel without them, so each kernel is timed in a chain: CHAIN copies on the same
+# inputs, each waiting for the one before (a control edge); its time in a step is what
+# one more copy adds to the chain (the first copy carries the hand-off).
+CHAIN = 17
+CHAIN_S = 0.02           # a long kernel's chain is cut to about this many seconds
+# The executor's own work per op, which the ops without a kernel to time pay (views,
+# variables, constants, state updates): a chain of identities, timed the same way.
+EXECUTOR = json.dumps(["executor", "Identity"])
 
 
-def in_step(timing, isolation):
-    """A kernel's timing less the cost of running it alone (``ISOLATION``'s timing)."""
-    return dict((k, max(0.0, timing[k] - isolation[k])) for k in ("alone", "shared"))
+def _chain(sig, rng, device):
+    """CHAIN copies of the kernel (or product) of ``sig`` on ``device``, each after the
+    one before, on one set of inputs: the ops, in order."""
+    with v1.device(device):
+        if sig == EXECUTOR:
+            x = tf.constant([1.0])
+            make = lambda: tf.identity(x).op                    # noqa: E731
+        elif sig.startswith('["kernel"'):
+            feeds = _kernel_inputs(sig, rng, device)
+            make = lambda: _import_kernel(sig, feeds, device)   # noqa: E731
+        else:
+            operands = _product_inputs(sig, rng)
+            make = lambda: _product(sig, operands)              # noqa: E731
+        ops = [make()]
+        for _ in range(CHAIN - 1):
+            with v1.control_dependencies([ops[-1]]):
+                ops.append(make())
+    return ops
+
+
+def _session_config(cores):
+    """``cores`` CPU devices, Grappler off: the chains run as built (its deduplication
+    would merge the copies; a step's graph is optimized before it is profiled)."""
+    cfg = v1.ConfigProto(device_count={"CPU": cores})
+    cfg.graph_options.rewrite_options.disable_meta_optimizer = True
+    return cfg
 
 
 def _fast_seconds(sess, fetch, budget=0.2, least=5):
@@ -219,38 +278,37 @@ def _fast_seconds(sess, fetch, budget=0.2, least=5):
     return sorted(times)[len(times) // 2]
 
 
+def _per_copy(sess, chains, budget):
+    """Seconds one copy adds to ``chains`` run side by side: the runs through their
+    first copy and through a later one (fewer copies for a long kernel)."""
+    first = _fast_seconds(sess, [c[0] for c in chains], budget)
+    n = int(min(CHAIN, max(3, 1 + CHAIN_S / max(first, 1e-6))))
+    last = _fast_seconds(sess, [c[n - 1] for c in chains], budget)
+    return max(0.0, (last - first) / (n - 1))
+
+
 def measure(sigs, cores):
-    """{sig: {"alone": s, "shared": s}} for the signatures, timed now."""
+    """{sig: {"alone": s, "shared": s}} for the signatures, timed now: the seconds each
+    adds to a step, ``alone`` on one device, ``shared`` with a copy on every core."""
     out = {}
     rng = np.random.RandomState(0)
     for sig in sigs:
-        kernel = sig.startswith('["kernel"')
-        budget = KERNEL_BUDGET_S if kernel else 1.0 if sig == ISOLATION else 0.2
+        kernel = sig.startswith('["kernel"') or sig == EXECUTOR
+        budget = KERNEL_BUDGET_S if kernel else 0.2
         graph = tf.Graph()
         with graph.as_default():
-            if kernel:
-                build = lambda device: _build_kernel(sig, rng, device)  # noqa: E731
-            else:
-                def build(device):
-                    with v1.device(device):
-                        return _build(sig, rng)
             try:
-                alone = build("/device:CPU:0")
-                copies = [build("/device:CPU:%d" % i) for i in range(cores)]
+                chains = [_chain(sig, rng, "/device:CPU:%d" % i) for i in range(cores)]
             except (ValueError, TypeError, tf.errors.OpError):
                 if not kernel:
                     raise
                 out[sig] = None                     # not rebuilt alone: the roofline's
                 continue
-            empty = tf.no_op()
-            cfg = v1.ConfigProto(device_count={"CPU": cores})
-            with v1.Session(graph=graph, config=cfg) as sess:
+            with v1.Session(graph=graph, config=_session_config(cores)) as sess:
                 try:
                     sess.run(v1.global_variables_initializer())
-                    floor = _fast_seconds(sess, empty, budget)   # Session.run's own cost
-                    out[sig] = {"alone": max(0.0, _fast_seconds(sess, alone, budget) - floor),
-                                "shared": max(0.0, _fast_seconds(sess, copies, budget)
-                                              - floor)}
+                    out[sig] = {"alone": _per_copy(sess, chains[:1], budget),
+                                "shared": _per_copy(sess, chains, budget)}
                 except tf.errors.OpError:
                     if not kernel:
                         raise
@@ -259,7 +317,8 @@ def measure(sigs, cores):
 
 
 def cache_path():
-    return os.path.splitext(local.cache_path())[0] + "-products.json"
+    # (``-products.json`` held the times of single runs, before the chains: not read)
+    return os.path.splitext(local.cache_path())[0] + "-kernels.json"
 
 
 def timed(sigs, cores, path=None):
