@@ -25,24 +25,28 @@ import heapq
 INLINE_S = 20e-6         # seconds alone below which a kernel runs on one thread
 
 
-def job(alone, shared, cores):
-    """(work in core-seconds, width in cores) of a kernel timed ``alone`` and
-    ``shared`` (one copy per core).  A kernel under ``INLINE_S`` alone runs on one
-    thread (Eigen does not split small work): its shared time measures the executor
-    running two copies, not the cores (measured: the corpus mini-BERT's 2 replicas
-    ran 1.33x as long as 1, its kernels' shared times said 2x)."""
+def job(alone, shared, cores, wake=0.0):
+    """(work in core-seconds, width in cores, wake-up in seconds) of a kernel timed
+    ``alone`` and ``shared`` (one copy per core) in chains.  A kernel under
+    ``INLINE_S`` alone runs on one thread (Eigen does not split small work): its shared
+    time measures the executor running two copies, not the cores (measured: the corpus
+    mini-BERT's 2 replicas ran 1.33x as long as 1, its kernels' shared times said 2x).
+    ``wake``: what a kernel spread over the cores pays when it starts with no other one
+    running (``product_timing.HANDOFF``); none for one thread."""
     alone, shared = max(alone, 0.0), max(shared, 0.0)
     if alone < INLINE_S:
-        return alone, 1.0
+        return alone, 1.0, 0.0
     width = min(float(cores), max(1.0, shared / alone))
-    return alone * width, width
+    return alone * width, width, (max(0.0, wake) if width > 1.0 else 0.0)
 
 
 def makespan(jobs, deps, cores, copies=1):
     """Seconds from the first op to the last of ``copies`` replicas of the graph.
 
-    ``jobs[i]``: (work, width) of op i (work 0: instant); ``deps[i]``: the indices of
-    the ops op i waits for (all below i: a topological order)."""
+    ``jobs[i]``: (work, width) or (work, width, wake) of op i (work 0: instant; wake:
+    seconds added at its width when it starts with no other op wider than one core
+    running: Eigen's threads asleep); ``deps[i]``: the indices of the ops op i waits
+    for (all below i: a topological order)."""
     n = len(jobs)
     users = [[] for _ in range(n)]
     for i, ds in enumerate(deps):
@@ -79,7 +83,11 @@ def makespan(jobs, deps, cores, copies=1):
     while ready or running:
         while ready and len(running) < slots:
             _, c, i = heapq.heappop(ready)
-            running.append([c, i, jobs[i][0]])
+            work = jobs[i][0]
+            if len(jobs[i]) > 2 and jobs[i][2] > 0.0 \
+                    and not any(jobs[k][1] > 1.0 for _, k, _ in running):
+                work += jobs[i][2] * jobs[i][1]
+            running.append([c, i, work])
         rates = _share([jobs[i][1] for _, i, _ in running], float(cores))
         step = min(left / rate for (_, _, left), rate in zip(running, rates))
         now += step

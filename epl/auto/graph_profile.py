@@ -90,6 +90,7 @@ class Profile(object):
         self.step_peak = None       # updates_last -> a step's transient peak at rows
         self.dataflow = None        # () -> the step's ops at rows (step_graph.dataflow)
         self.built_dataflow = None  # EPL config -> the same, as EPL builds the model
+        self.input_seconds = lambda: 0.0    # () -> seconds the input takes for a batch
         self.variable_sizes = []    # elements of each trainable variable, largest first
         self.restaged = None        # stage_of -> the Profile of those stages
         self._stages = {}
@@ -107,6 +108,7 @@ class Profile(object):
         out.step_peak = self.step_peak if out.layers == self.layers else None
         out.dataflow = self.dataflow if out.layers == self.layers else None
         out.built_dataflow = self.built_dataflow if out.layers == self.layers else None
+        out.input_seconds = self.input_seconds
         out.variable_sizes = self.variable_sizes if out.layers == self.layers else []
         return out
 
@@ -233,6 +235,12 @@ def profile(model_fn, dataset_fn, optimizer_fn, block_pattern=BLOCK_PATTERN):
                 (model_fn, dataset_fn, optimizer_fn), config)
         return flows[key]
     prof.built_dataflow = built_dataflow
+
+    def input_seconds():
+        if "input_s" not in flows:
+            flows["input_s"] = product_timing.input_seconds(dataset_fn)
+        return flows["input_s"]
+    prof.input_seconds = input_seconds
     prof.slots_per_param = slots
     prof.built_seconds = time.time() - start
     return prof

@@ -217,25 +217,52 @@ def price(profile, layout, cluster, global_batch=None):
                 "amp.level": "O1", "amp.dtype": "bfloat16" if lay.dtype == "bf16"
                 else "float16"})
             sigs = region_sigs()
+    # A pipeline on one machine (Cluster.local): the step EPL makes of it (its stages'
+    # devices, every micro-batch's clone, the schedule's edges, the gradients' sums),
+    # replayed whole on the shared cores in place of the stages' sums and the schedule
+    # (they missed by 10-19 %: what an idle stage lends the busy one depends on its
+    # kernels, and the clones' sums and reads are ops of their own)
+    whole_step = False
+    if cluster.time_products and t == 1 and p > 1 and mb == profile.rows \
+            and cluster.nodes == 1 and cluster.stage_cut == "epl" and head is None \
+            and lay.schedule in ("1f1b", "gpipe") and profile.built_dataflow:
+        flow = profile.built_dataflow(lay.to_config(p * d))
+        whole_step = True
+        sigs = sigs if sigs is not None else region_sigs()
     if flow is not None:
         sigs.update(sig for sig in flow["sigs"] if sig is not None)
     if sigs is not None:
-        timings = product_timing.timed(sigs | {product_timing.EXECUTOR}, cluster.cores)
+        timings = product_timing.timed(
+            sigs | {product_timing.EXECUTOR, product_timing.HANDOFF, product_timing.HOP},
+            cluster.cores)
         # what the executor spends on an op without a kernel of its own to time
         op_overhead = (timings.pop(product_timing.EXECUTOR) or {}).get("alone", op_overhead)
+        handoff = timings.get(product_timing.HANDOFF) or {}
+        handoff = handoff.get("first", 0.0) - handoff.get("alone", 0.0)
+        hop = (timings.pop(product_timing.HOP) or {}).get("alone", 0.0)
     replayed = None
     if flow is not None:
         machine_flops = flops_s * cluster.devices_per_node
         jobs = []
-        for sig, f in zip(flow["sigs"], flow["flops"]):
+        pulls = set(flow.get("inputs", ()))
+        for i, (sig, f) in enumerate(zip(flow["sigs"], flow["flops"])):
+            if i in pulls:          # the input pipeline's batch: its own time
+                jobs.append((max(profile.input_seconds(), op_overhead), 1.0))
+                continue
             x = timings.get(sig) if sig is not None else None
             if x:
-                jobs.append(dataflow.job(x["alone"], x["shared"], cluster.cores))
+                jobs.append(dataflow.job(x["alone"], x["shared"], cluster.cores,
+                                         x.get("first", 0.0) - x["alone"] - handoff))
             elif f:                         # an untimed product: by FLOPs, on every core
                 jobs.append((f / machine_flops * cluster.cores, float(cluster.cores)))
             else:
                 jobs.append((op_overhead, 1.0))
-        replayed = dataflow.makespan(jobs, flow["deps"], cluster.cores, d)
+        # a tensor from another device is received first (pipelines' stages)
+        for i, n in enumerate(flow.get("hops") or ()):
+            if n:
+                jobs[i] = (jobs[i][0] + n * hop,) + tuple(jobs[i][1:])
+        replayed = dataflow.makespan(jobs, flow["deps"], cluster.cores,
+                                     1 if whole_step else d)
 
     def timed_kernels(r):
         """The region's other kernels that were timed: {sig: [forward, backward]}."""
@@ -307,7 +334,7 @@ def price(profile, layout, cluster, global_batch=None):
             if lay.recompute else 0.0
         products = sum(products_s(r, False) + products_s(r, True) for r in regions + extra)
         compute = products + 3 * pointwise / bandwidth + redo + op_overhead * n_ops
-        if replayed is not None:
+        if replayed is not None and not whole_step:
             if lay.recompute and profile.gc_recomputed is not None:
                 # what EPL's automatic GC copies (graph_profile: its rule), timed
                 redo = sum(n * kernel_s(sig) for sig, n in profile.gc_recomputed.items()
@@ -426,6 +453,8 @@ def price(profile, layout, cluster, global_batch=None):
     else:       # the interleaved schedule (priced only): its fill and drain / v
         # ((m - 1) x slowest + the stages' sum for 1F1B and GPipe)
         makespan = m * slowest + (sum(totals) - slowest) / v
+    if whole_step:
+        makespan = replayed
     # data-parallel all-reduce, the update, offload
     dp_exposed, dp_total, update, offload, zero_gather = 0.0, 0.0, 0.0, 0.0, 0.0
     for k, det in enumerate(details):

@@ -231,10 +231,44 @@ KERNEL_BUDGET_S = 0.05   # seconds of runs per kernel (most are small; products:
 # inputs, each waiting for the one before (a control edge); its time in a step is what
 # one more copy adds to the chain (the first copy carries the hand-off).
 CHAIN = 17
+# A kernel that spreads over the cores wakes Eigen's sleeping threads when it starts
+# with none of them busy, as one run alone does and a chain does not (measured: a
+# transpose's lone run took 120 us, the chain 4 us a copy; the GPT's and the ResNet's
+# lone-device steps took 62 us a multi-threaded kernel more than its chain times): the
+# lone run's time (``first``) less the chain's and less what a one-thread product's lone
+# run costs beyond its chain (the executor's hand-off: ``HANDOFF``) is that wake-up.
+HANDOFF = json.dumps(["MatMul", [[16, 16], [16, 16], [16, 16]],
+                      {"transpose_a": False, "transpose_b": False}], sort_keys=True)
 CHAIN_S = 0.02           # a long kernel's chain is cut to about this many seconds
 # The executor's own work per op, which the ops without a kernel to time pay (views,
 # variables, constants, state updates): a chain of identities, timed the same way.
 EXECUTOR = json.dumps(["executor", "Identity"])
+
+
+# What a tensor crossing from one virtual device to another adds (TensorFlow's send
+# and receive pair through the in-process rendezvous; measured ~1.8 us): a chain whose
+# copies alternate between two devices, less the same chain on one.
+HOP = json.dumps(["executor", "hop"])
+
+
+def _hop_seconds(budget):
+    """{"alone": seconds a device crossing adds to an op, ...} (``HOP``)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        chains = []
+        for devices in (("/device:CPU:0",) * 2, ("/device:CPU:0", "/device:CPU:1")):
+            with v1.device(devices[0]):
+                y = v1.Variable(np.ones([64, 64], np.float32))
+            ops = []
+            for i in range(CHAIN):
+                with v1.device(devices[i % 2]):
+                    y = y * 1.0001
+                ops.append(y.op)
+            chains.append([ops])
+        with v1.Session(graph=graph, config=_session_config(2)) as sess:
+            sess.run(v1.global_variables_initializer())
+            same, hop = [_per_copy(sess, c, budget)[0] for c in chains]
+    return {"alone": max(0.0, hop - same), "shared": max(0.0, hop - same), "first": 0.0}
 
 
 def _chain(sig, rng, device):
@@ -279,20 +313,25 @@ def _fast_seconds(sess, fetch, budget=0.2, least=5):
 
 
 def _per_copy(sess, chains, budget):
-    """Seconds one copy adds to ``chains`` run side by side: the runs through their
-    first copy and through a later one (fewer copies for a long kernel)."""
+    """(seconds one copy adds to ``chains`` run side by side, seconds of the run through
+    their first copies): the runs through their first copy and through a later one
+    (fewer copies for a long kernel)."""
     first = _fast_seconds(sess, [c[0] for c in chains], budget)
     n = int(min(CHAIN, max(3, 1 + CHAIN_S / max(first, 1e-6))))
     last = _fast_seconds(sess, [c[n - 1] for c in chains], budget)
-    return max(0.0, (last - first) / (n - 1))
+    return max(0.0, (last - first) / (n - 1)), first
 
 
 def measure(sigs, cores):
-    """{sig: {"alone": s, "shared": s}} for the signatures, timed now: the seconds each
-    adds to a step, ``alone`` on one device, ``shared`` with a copy on every core."""
+    """{sig: {"alone": s, "shared": s, "first": s}} for the signatures, timed now: the
+    seconds each adds to a step, ``alone`` on one device, ``shared`` with a copy on
+    every core; ``first``: one run of it alone less an empty run."""
     out = {}
     rng = np.random.RandomState(0)
     for sig in sigs:
+        if sig == HOP:
+            out[sig] = _hop_seconds(KERNEL_BUDGET_S * 4)
+            continue
         kernel = sig.startswith('["kernel"') or sig == EXECUTOR
         budget = KERNEL_BUDGET_S if kernel else 0.2
         graph = tf.Graph()
@@ -307,8 +346,10 @@ def measure(sigs, cores):
             with v1.Session(graph=graph, config=_session_config(cores)) as sess:
                 try:
                     sess.run(v1.global_variables_initializer())
-                    out[sig] = {"alone": _per_copy(sess, chains[:1], budget),
-                                "shared": _per_copy(sess, chains, budget)}
+                    floor = _fast_seconds(sess, tf.no_op(), budget)  # Session.run's own
+                    alone, first = _per_copy(sess, chains[:1], budget)
+                    out[sig] = {"alone": alone, "shared": _per_copy(sess, chains, budget)[0],
+                                "first": max(0.0, first - floor)}
                 except tf.errors.OpError:
                     if not kernel:
                         raise
@@ -316,9 +357,25 @@ def measure(sigs, cores):
     return out
 
 
+def input_seconds(dataset_fn, budget=0.3):
+    """Seconds the model's input pipeline takes to hand a step its batch: a
+    ``get_next`` of ``dataset_fn()``'s iterator, less an empty run (measured: the
+    corpus mini-BERT's slice-and-batch pipeline took ~0.5 ms a batch, a fifth of its
+    step and one per micro-batch clone).  The user's input, never the model, is run."""
+    graph = tf.Graph()
+    with graph.as_default():
+        batch = v1.data.make_one_shot_iterator(dataset_fn()).get_next()
+        pull = tf.group(*tf.nest.flatten(batch))
+        empty = tf.no_op()
+        with v1.Session(graph=graph) as sess:
+            floor = _fast_seconds(sess, empty, budget)
+            return max(0.0, _fast_seconds(sess, pull, budget) - floor)
+
+
 def cache_path():
-    # (``-products.json`` held the times of single runs, before the chains: not read)
-    return os.path.splitext(local.cache_path())[0] + "-kernels.json"
+    # (``-products.json`` held the times of single runs, ``-kernels.json`` the chains
+    # without ``first``: not read)
+    return os.path.splitext(local.cache_path())[0] + "-kernels-v2.json"
 
 
 def timed(sigs, cores, path=None):

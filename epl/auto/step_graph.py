@@ -9,7 +9,7 @@ import multiprocessing
 import tensorflow as tf
 
 import epl
-from epl import ir
+from epl import ir, rewrite
 from epl.auto import liveness, product_timing, shapes
 from epl.features import gradient_checkpoint
 from epl.tf_adapter import behavior, grappler
@@ -17,13 +17,17 @@ from epl.tf_adapter import graph as tfg
 
 v1 = tf.compat.v1
 _SHAPE_OPS = gradient_checkpoint._SHAPE_READERS
+_GET_NEXT = ("IteratorGetNext", "IteratorGetNextSync")
 
 
 def epl_built_dataflow(fns, config, timeout=600):
-    """``dataflow`` of the model built by EPL on one device with the EPL ``config``
-    (a dict, e.g. ``{"amp.level": "O1"}``), in a process of its own: ``epl.init``
-    starts a new default graph and replaces this process's EPL state, which a planner
-    must leave alone.  The functions must be importable (module level)."""
+    """``dataflow`` of the step EPL makes of the model under the EPL ``config`` (a
+    dict: ``{"amp.level": "O1"}``: its build-time rewrites; ``auto.auto_parallel`` with
+    ``pipeline.*`` keys: its stages, micro-batch clones and schedule edges, on
+    ``cluster.devices_per_worker`` devices, default 1), rewritten as before a
+    session's first run, in a process of its own: ``epl.init`` starts a new default
+    graph and replaces this process's EPL state, which a planner must leave alone.  The
+    functions must be importable (module level)."""
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_built_dataflow_child,
@@ -52,15 +56,18 @@ def _built_dataflow_child(conn, fns, config, switches):
         behavior.restore(switches)
         graph = tf.Graph()
         with graph.as_default():
-            epl.init(epl.Config(dict(config, **{"cluster.devices_per_worker": 1})))
+            epl.init(epl.Config(dict({"cluster.devices_per_worker": 1}, **config)))
             features = v1.data.make_one_shot_iterator(fns[1]()).get_next()
             rows = tf.nest.flatten(features)[0].shape.as_list()[0]
-            epl.set_default_strategy(epl.replicate(1))
+            if not config.get("auto.auto_parallel"):
+                epl.set_default_strategy(epl.replicate(1))
             loss = fns[0](features)
             train_op = fns[2]().minimize(loss, global_step=v1.train.get_or_create_global_step())
+            rewrite.rewrite_if_needed(graph)
+        placed = dict((op.name, op.device) for op in graph.get_operations())
         _, fetched = grappler.optimized(graph, [train_op])
         ops = sorted(ir.upstream(fetched), key=tfg.op_id)
-        conn.send(("ok", dataflow(ops, rows)))
+        conn.send(("ok", dataflow(ops, rows, placed)))
     except Exception as e:  # pylint: disable=broad-except
         conn.send(("error", "%s: %s" % (type(e).__name__, e)))
     finally:
@@ -81,21 +88,29 @@ def optimized_step(graph, train_op):
     return ops
 
 
-def dataflow(ops, rows):
+def dataflow(ops, rows, devices=None):
     """The step's ops for ``epl.auto.dataflow``, in dataflow order:
     {"sigs": each op's product or kernel signature (None: no time of its own),
     "flops": forward FLOPs of the products without a signature, "deps": the indices
-    each op waits for (inputs and control inputs)}."""
+    each op waits for (inputs and control inputs), "inputs": the indices of the ops
+    that pull the input pipeline's next batch, "hops": how many of the ops each op
+    waits for are on another device (``devices``: {op name: device} of the placed
+    graph; Grappler's copy has none)}."""
     index = dict((op, i) for i, op in enumerate(ops))
-    sigs, flops, deps = [], [], []
+    sigs, flops, deps, hops = [], [], [], []
+    inputs = [i for i, op in enumerate(ops) if op.type in _GET_NEXT]
+    devices = devices or {}
     for op in ops:
         sig = product_timing.any_signature(op, rows)
         sigs.append(sig)
         untimed = sig is None and op.type in shapes.MATMULS
         flops.append(shapes.op_flops(op, rows) if untimed else 0.0)
-        deps.append(sorted(set(index[t.op] for t in op.inputs if t.op in index)
-                           | set(index[c] for c in op.control_inputs if c in index)))
-    return dict(sigs=sigs, flops=flops, deps=deps)
+        waits = set(t.op for t in op.inputs if t.op in index) \
+            | set(c for c in op.control_inputs if c in index)
+        deps.append(sorted(index[w] for w in waits))
+        here = devices.get(op.name)
+        hops.append(sum(1 for w in waits if here and devices.get(w.name) not in (None, "", here)))
+    return dict(sigs=sigs, flops=flops, deps=deps, inputs=inputs, hops=hops)
 
 
 def step_peak(step_ops, rows):

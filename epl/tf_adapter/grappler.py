@@ -15,13 +15,16 @@ def optimized(graph, fetches):
     """(a new tf.Graph holding Grappler's default optimization of ``graph`` for
     ``fetches`` (ops), the fetched ops in it)."""
     from tensorflow.python.grappler import tf_optimizer  # pylint: disable=import-outside-toplevel
-    held = graph.get_collection_ref("train_op")     # Grappler's fetches are read there
-    saved = list(held)
-    held[:] = list(fetches)
-    try:
-        meta = v1.train.export_meta_graph(graph=graph, clear_devices=True)
-    finally:
-        held[:] = saved
+    from tensorflow.core.protobuf import meta_graph_pb2  # pylint: disable=import-outside-toplevel
+    # (not export_meta_graph: on a graph EPL has rewritten for pipeline stages it leaves
+    # out the micro-batch clones that the all-reduce ops read; TF 1.15)
+    graph_def = graph.as_graph_def(add_shapes=True)
+    for node in graph_def.node:
+        node.device = ""
+    meta = meta_graph_pb2.MetaGraphDef()
+    meta.graph_def.CopyFrom(graph_def)
+    # Grappler's fetches are read from the train_op collection
+    meta.collection_def["train_op"].node_list.value.extend(op.name for op in fetches)
     optimized_def = tf_optimizer.OptimizeGraph(v1.ConfigProto(), meta, verbose=False)
     out = tf.Graph()
     with out.as_default():
