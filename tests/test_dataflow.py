@@ -53,8 +53,26 @@ def test_at_most_cores_ops_run_at_once():
 
 
 def test_job_from_alone_and_shared_times():
-    assert dataflow.job(1e-3, 2e-3, 2) == (pytest.approx(2e-3), 2.0)     # uses both cores
-    assert dataflow.job(1e-3, 1e-3, 2) == (pytest.approx(1e-3), 1.0)     # one core
-    assert dataflow.job(1e-3, 9e-3, 2) == (pytest.approx(2e-3), 2.0)     # at most cores
-    assert dataflow.job(0.0, 1e-4, 2) == (0.0, 1.0)                        # inline
-    assert dataflow.job(1e-5, 4e-5, 2) == (pytest.approx(1e-5), 1.0)
+    assert dataflow.job(1e-3, 2e-3, 2) == (pytest.approx(2e-3), 2.0, 0.0)  # uses both cores
+    assert dataflow.job(1e-3, 1e-3, 2) == (pytest.approx(1e-3), 1.0, 0.0)  # one core
+    assert dataflow.job(1e-3, 9e-3, 2) == (pytest.approx(2e-3), 2.0, 0.0)  # at most cores
+    assert dataflow.job(0.0, 1e-4, 2) == (0.0, 1.0, 0.0)                     # inline
+    assert dataflow.job(1e-5, 4e-5, 2) == (pytest.approx(1e-5), 1.0, 0.0)
+    # a wake-up only for a kernel spread over the cores, never negative
+    assert dataflow.job(1e-3, 2e-3, 2, 5e-5) == (pytest.approx(2e-3), 2.0, 5e-5)
+    assert dataflow.job(1e-3, 1e-3, 2, 5e-5)[2] == 0.0
+    assert dataflow.job(1e-3, 2e-3, 2, -5e-5)[2] == 0.0
+
+
+def test_a_wide_op_pays_its_wake_up_only_with_no_other_wide_op_running():
+    # alone: 2 core-ms + 0.5 ms wake at width 2 -> (2 + 1) / 2 = 1.5 ms
+    assert dataflow.makespan([(2e-3, 2.0, 5e-4)], [[]], cores=2) == pytest.approx(1.5e-3)
+    # two wide ops started together: the first wakes the threads (3 core-ms), the
+    # second finds them busy (2 core-ms): 5 core-ms over 2 cores
+    jobs = [(2e-3, 2.0, 5e-4), (2e-3, 2.0, 5e-4)]
+    assert dataflow.makespan(jobs, [[], []], cores=2) == pytest.approx(2.5e-3)
+    # one after the other: each starts alone and pays
+    assert dataflow.makespan(jobs, [[], [0]], cores=2) == pytest.approx(3e-3)
+    # beside a one-core op, a wide op still wakes Eigen's threads
+    jobs = [(1e-3, 1.0), (2e-3, 2.0, 5e-4)]
+    assert dataflow.makespan(jobs, [[], []], cores=2) == pytest.approx(2e-3)

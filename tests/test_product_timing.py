@@ -48,11 +48,14 @@ def test_convolution_kernels_are_timed(tmp_path):
     assert json.load(open(str(tmp_path / "p.json"))).keys() == got.keys()   # cached
 
 
+_EXECUTOR_COSTS = (product_timing.EXECUTOR, product_timing.HOP, product_timing.HANDOFF)
+
+
 def _fixed(alone, shared):
     """``product_timing.timed`` with every kernel at these times (the executor's own
-    cost per op: none)."""
+    costs per op, per device crossing and per wake-up: none)."""
     return lambda sigs, cores, path=None: dict(
-        (s, {"alone": 0.0, "shared": 0.0} if s == product_timing.EXECUTOR
+        (s, {"alone": 0.0, "shared": 0.0} if s in _EXECUTOR_COSTS
          else {"alone": alone, "shared": shared}) for s in sigs)
 
 
@@ -86,6 +89,7 @@ def test_one_stage_replays_the_steps_dataflow(monkeypatch, tmp_path):
     by side take twice the work of one."""
     monkeypatch.setenv("EPL_CACHE_DIR", str(tmp_path))
     prof = graph_profile.profile(auto_models.model, auto_models.dataset, auto_models.optimizer)
+    prof.input_seconds = lambda: 0.0
     monkeypatch.setattr(product_timing, "timed", _fixed(1e-3, 2e-3))
     figures = dict(local.measure(quick=True), cores=2)
     flow = prof.dataflow()
@@ -186,9 +190,63 @@ def test_amp_is_priced_from_the_graph_epl_builds(monkeypatch, tmp_path):
         op = product_timing._build(half[0], np.random.RandomState(0))
         assert op.outputs[0].dtype == tf.bfloat16
     assert prof.built_dataflow(dict(amp)) is flow                        # kept
+    prof.input_seconds = lambda: 0.0
     monkeypatch.setattr(product_timing, "timed", _fixed(1e-3, 2e-3))
     cluster = Cluster.from_local(dict(local.measure(quick=True), cores=2), 1)
     cluster.time_products = True
     jobs = [(2e-3, 2.0) if s is not None else (0.0, 1.0) for s in flow["sigs"]]
     got = price(prof, Layout(d=1, dtype="bf16"), cluster).breakdown["compute_s"]
     assert got == pytest.approx(dataflow.makespan(jobs, flow["deps"], 2, 1))
+
+
+def test_a_pipeline_on_one_machine_replays_the_step_epl_builds(monkeypatch, tmp_path):
+    """A pipeline on Cluster.local: the step EPL's rewrite makes of the model (built in
+    a process of its own): each micro-batch's clone pulls its batch and runs the
+    model's kernels, the stages' devices differ (tensors cross them), and the step's
+    time is that graph replayed whole, not the stages' sums."""
+    monkeypatch.setenv("EPL_CACHE_DIR", str(tmp_path))
+    prof = graph_profile.profile(auto_models.model, auto_models.dataset, auto_models.optimizer)
+    prof.input_seconds = lambda: 0.0
+    one = prof.dataflow()
+    lay = Layout(p=2, num_micro_batch=2)
+    flow = prof.built_dataflow(lay.to_config(2))
+    products = lambda f: sum(1 for s in f["sigs"]  # noqa: E731
+                             if s is not None and not s.startswith('["kernel"'))
+    assert products(flow) >= 2 * products(one)
+    assert len(flow["inputs"]) == 2 and len(one["inputs"]) == 1
+    assert sum(flow["hops"]) > 0 and sum(one["hops"]) == 0
+    monkeypatch.setattr(product_timing, "timed", _fixed(1e-3, 2e-3))
+    cluster = Cluster.from_local(dict(local.measure(quick=True), cores=2), 2)
+    cluster.time_products = True
+    jobs = [(2e-3, 2.0) if s is not None else (0.0, 1.0) for s in flow["sigs"]]
+    got = price(prof, lay, cluster).breakdown["pipeline_s"]
+    assert got == pytest.approx(dataflow.makespan(jobs, flow["deps"], 2, 1))
+
+
+def test_the_input_pipelines_batch_is_on_the_steps_path(monkeypatch, tmp_path):
+    """The op pulling the dataset's batch costs what the input takes to make one
+    (``product_timing.input_seconds``): nothing of the model runs before it."""
+    monkeypatch.setenv("EPL_CACHE_DIR", str(tmp_path))
+    prof = graph_profile.profile(auto_models.model, auto_models.dataset, auto_models.optimizer)
+    assert product_timing.input_seconds(auto_models.dataset, budget=0.05) > 0.0
+    monkeypatch.setattr(product_timing, "timed", _fixed(1e-3, 2e-3))
+    cluster = Cluster.from_local(dict(local.measure(quick=True), cores=2), 1)
+    cluster.time_products = True
+    got = []
+    for seconds in (0.0, 0.5):
+        prof.input_seconds = lambda: seconds
+        got.append(price(prof, Layout(d=1), cluster).breakdown["compute_s"])
+    assert got[1] - got[0] == pytest.approx(0.5, rel=1e-3)
+
+
+def test_device_crossings_are_counted_per_op():
+    """``step_graph.dataflow``'s hops: the ops an op waits for on another device."""
+    from epl.auto import step_graph
+    with tf.Graph().as_default():
+        a = tf.constant([1.0], name="a")
+        b = tf.identity(a, name="b")
+        c = tf.add(a, b, name="c")
+        ops = [a.op, b.op, c.op]
+        placed = {"a": "/device:CPU:0", "b": "/device:CPU:1", "c": "/device:CPU:1"}
+        flow = step_graph.dataflow(ops, 4, placed)
+    assert flow["hops"] == [0, 1, 1] and flow["deps"] == [[], [0], [0, 1]]

@@ -18,7 +18,7 @@ docs/plan.md; in short, per pipeline stage and micro-batch:
   micro-batch's backward; the optimizer's update at memory bandwidth; offload's copies.
 """
 
-from epl.auto import dataflow, graph_profile, product_timing, schedule
+from epl.auto import graph_profile, local_step, schedule
 from epl.auto.layout import Layout
 
 BUCKET_BYTES = 64 << 20       # gradient fusion bucket (communication.max_splits aside)
@@ -200,68 +200,20 @@ def price(profile, layout, cluster, global_batch=None):
         if p > 1 and cluster.stage_cut == "epl":
             regions_all += list(profile.epl_stages(p) or [])
         sigs = region_sigs()
-    # One stage on one machine (Cluster.local, data parallel, its worker processes
-    # too): the step's own dataflow graph, as the session runs it, replayed on the
-    # shared cores, d replicas side by side (epl.auto.dataflow); GC adds the forward
-    # kernels it runs again
-    flow = None
-    if cluster.time_products and t == 1 and p == 1 and mb == profile.rows \
-            and (cluster.nodes == 1 or cluster.shared_cores) and head is None \
-            and profile.dataflow:
-        if lay.dtype == "fp32":
-            flow = profile.dataflow()
-        elif cluster.stage_cut == "epl" and profile.built_dataflow:
-            # EPL's AMP rebuilds the products in 16 bits between casts (at build time):
-            # the graph it builds, timed (CPU 16-bit kernels differ from float32's)
-            flow = profile.built_dataflow({
-                "amp.level": "O1", "amp.dtype": "bfloat16" if lay.dtype == "bf16"
-                else "float16"})
-            sigs = region_sigs()
-    # A pipeline on one machine (Cluster.local): the step EPL makes of it (its stages'
-    # devices, every micro-batch's clone, the schedule's edges, the gradients' sums),
-    # replayed whole on the shared cores in place of the stages' sums and the schedule
-    # (they missed by 10-19 %: what an idle stage lends the busy one depends on its
-    # kernels, and the clones' sums and reads are ops of their own)
-    whole_step = False
-    if cluster.time_products and t == 1 and p > 1 and mb == profile.rows \
-            and cluster.nodes == 1 and cluster.stage_cut == "epl" and head is None \
-            and lay.schedule in ("1f1b", "gpipe") and profile.built_dataflow:
-        flow = profile.built_dataflow(lay.to_config(p * d))
-        whole_step = True
-        sigs = sigs if sigs is not None else region_sigs()
+    # One stage, or a whole pipeline, on one machine: the step's dataflow graph
+    # replayed on the shared cores (epl.auto.local_step); GC adds the forward kernels
+    # it runs again
+    flow, whole_step = local_step.flow_of(profile, lay, cluster, head is None)
     if flow is not None:
-        sigs.update(sig for sig in flow["sigs"] if sig is not None)
+        sigs = (sigs if sigs is not None else region_sigs()) \
+            | set(sig for sig in flow["sigs"] if sig is not None)
     if sigs is not None:
-        timings = product_timing.timed(
-            sigs | {product_timing.EXECUTOR, product_timing.HANDOFF, product_timing.HOP},
-            cluster.cores)
-        # what the executor spends on an op without a kernel of its own to time
-        op_overhead = (timings.pop(product_timing.EXECUTOR) or {}).get("alone", op_overhead)
-        handoff = timings.get(product_timing.HANDOFF) or {}
-        handoff = handoff.get("first", 0.0) - handoff.get("alone", 0.0)
-        hop = (timings.pop(product_timing.HOP) or {}).get("alone", 0.0)
+        timings, costs = local_step.timed(sigs, cluster.cores, op_overhead)
+        op_overhead = costs["op"]
     replayed = None
     if flow is not None:
-        machine_flops = flops_s * cluster.devices_per_node
-        jobs = []
-        pulls = set(flow.get("inputs", ()))
-        for i, (sig, f) in enumerate(zip(flow["sigs"], flow["flops"])):
-            if i in pulls:          # the input pipeline's batch: its own time
-                jobs.append((max(profile.input_seconds(), op_overhead), 1.0))
-                continue
-            x = timings.get(sig) if sig is not None else None
-            if x:
-                jobs.append(dataflow.job(x["alone"], x["shared"], cluster.cores,
-                                         x.get("first", 0.0) - x["alone"] - handoff))
-            elif f:                         # an untimed product: by FLOPs, on every core
-                jobs.append((f / machine_flops * cluster.cores, float(cluster.cores)))
-            else:
-                jobs.append((op_overhead, 1.0))
-        # a tensor from another device is received first (pipelines' stages)
-        for i, n in enumerate(flow.get("hops") or ()):
-            if n:
-                jobs[i] = (jobs[i][0] + n * hop,) + tuple(jobs[i][1:])
-        replayed = dataflow.makespan(jobs, flow["deps"], cluster.cores,
+        replayed = local_step.replay(flow, timings, costs, profile.input_seconds(),
+                                     cluster.cores, flops_s * cluster.devices_per_node,
                                      1 if whole_step else d)
 
     def timed_kernels(r):

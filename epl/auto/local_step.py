@@ -1,0 +1,78 @@
+"""A step on this machine (``Cluster.local`` with timed kernels), replayed: which
+dataflow graph stands for a layout, and its ops as ``epl.auto.dataflow`` jobs.
+
+* One stage (data parallelism, in-process or across ``Cluster.local``'s worker
+  processes): the model's own step, as the session runs it (Grappler's optimization),
+  its d replicas side by side on the shared cores; under AMP the graph EPL builds
+  (its 16-bit products between casts).
+* A pipeline (1F1B or GPipe): the step EPL's rewrite makes of the model (its stages'
+  devices, every micro-batch's clone, the schedule's edges, the gradients' sums),
+  replayed whole.  The stages' sums and the schedule missed by 10-19 %: what an idle
+  stage lends the busy one depends on its kernels, and the clones' sums and reads are
+  ops of their own.
+
+Each op costs its kernel's time in a chain (``product_timing``), plus what the executor
+spends beside it, each measured: the wake-up of Eigen's threads for a kernel spread
+over the cores (``product_timing.HANDOFF``), a tensor received from another device
+(``HOP``), the input pipeline's batch (``product_timing.input_seconds``), and for an
+op without a kernel to time the executor's own work (``EXECUTOR``).
+"""
+from epl.auto import dataflow, product_timing
+
+
+def flow_of(profile, lay, cluster, whole_model):
+    """(the dataflow standing for the layout's step, whether it is the whole step with
+    every replica in it) or (None, False) where the layout is priced by stages:
+    ``whole_model``: no part of the model is split (the split head is priced by
+    region)."""
+    t, p, d = lay.t, lay.p, lay.d
+    if not (cluster.time_products and t == 1 and lay.micro_batch_size == profile.rows
+            and whole_model and profile.dataflow):
+        return None, False
+    if p == 1 and (cluster.nodes == 1 or cluster.shared_cores):
+        if lay.dtype == "fp32":
+            return profile.dataflow(), False
+        if cluster.stage_cut == "epl" and profile.built_dataflow:
+            return profile.built_dataflow({
+                "amp.level": "O1",
+                "amp.dtype": "bfloat16" if lay.dtype == "bf16" else "float16"}), False
+    if p > 1 and cluster.nodes == 1 and cluster.stage_cut == "epl" \
+            and lay.schedule in ("1f1b", "gpipe") and profile.built_dataflow:
+        return profile.built_dataflow(lay.to_config(p * d)), True
+    return None, False
+
+
+def timed(sigs, cores, op_overhead):
+    """(the kernels' timings, the executor's costs: {"op": an op without a kernel,
+    "handoff": a lone run's hand-off, "hop": a device crossing}); ``op_overhead``:
+    the op's cost where it was not measured."""
+    timings = product_timing.timed(
+        set(sigs) | {product_timing.EXECUTOR, product_timing.HANDOFF, product_timing.HOP},
+        cores)
+    handoff = timings.get(product_timing.HANDOFF) or {}
+    costs = dict(
+        op=(timings.pop(product_timing.EXECUTOR) or {}).get("alone", op_overhead),
+        handoff=handoff.get("first", 0.0) - handoff.get("alone", 0.0),
+        hop=(timings.pop(product_timing.HOP) or {}).get("alone", 0.0))
+    return timings, costs
+
+
+def replay(flow, timings, costs, input_seconds, cores, machine_flops, copies):
+    """Seconds of ``copies`` replicas of ``flow`` on ``cores`` shared cores."""
+    jobs = []
+    pulls = set(flow.get("inputs", ()))
+    for i, (sig, f) in enumerate(zip(flow["sigs"], flow["flops"])):
+        x = timings.get(sig) if sig is not None else None
+        if i in pulls:              # the input pipeline's batch: its own time
+            jobs.append((max(input_seconds, costs["op"]), 1.0))
+        elif x:
+            jobs.append(dataflow.job(x["alone"], x["shared"], cores,
+                                     x.get("first", 0.0) - x["alone"] - costs["handoff"]))
+        elif f:                     # an untimed product: by FLOPs, on every core
+            jobs.append((f / machine_flops * cores, float(cores)))
+        else:
+            jobs.append((costs["op"], 1.0))
+    for i, n in enumerate(flow.get("hops") or ()):  # tensors received from another device
+        if n:
+            jobs[i] = (jobs[i][0] + n * costs["hop"],) + tuple(jobs[i][1:])
+    return dataflow.makespan(jobs, flow["deps"], cores, copies)
