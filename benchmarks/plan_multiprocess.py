@@ -251,6 +251,35 @@ def _line(r):
         r["pred_peak_bytes"] / 2.0 ** 20, r["peak_bytes"] / 2.0 ** 20, r["mem_err"], ar)
 
 
+def _price(row, profile):
+    """The row's pred_* figures (and errors, where measured) from today's predictor."""
+    cluster = cluster_of(row["calibration"], row["processes"], row["latency_ms"])
+    pred = predict_case(profile, STRATEGY, row["processes"] or CONTROL_DEVICES,
+                        profile.rows, cluster)
+    row.update(cluster=cluster.to_dict(), pred_step_s=pred.step_time_s,
+               pred_peak_bytes=pred.peak_memory_bytes, pred_samples_per_s=pred.samples_per_s,
+               breakdown={k: v for k, v in pred.breakdown.items() if k != "stages"})
+    if row.get("status") == "ok":
+        row.update(time_err=err(pred.step_time_s, row["step_s"]),
+                   mem_err=err(pred.peak_memory_bytes, row["peak_bytes"]))
+
+
+def reprice(path, out):
+    from epl.auto import graph_profile
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    profiles = {}
+    print(HEAD, flush=True)
+    for row in rows:
+        if row["model"] not in profiles:
+            profiles[row["model"]] = graph_profile.profile(*MODELS[row["model"]])
+        _price(row, profiles[row["model"]])
+        print(_line(row), flush=True)
+    if out:
+        _write(out, rows)
+    return rows
+
+
 def _write(path, rows):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
@@ -270,9 +299,14 @@ def main(argv=None):
     ap.add_argument("--no-calibrate-each-model", dest="calibrate_each_model",
                     action="store_false", help="use the cached calibration throughout "
                     "(default: measure it again before each model, under today's load)")
+    ap.add_argument("--reprice", default=None, metavar="JSON",
+                    help="price the rows of an earlier run again (today's predictor, "
+                    "their calibration and measurements), write --json")
     args = ap.parse_args(argv)
     if args.worker:
         return worker_main(args.model, args.steps, args.out)
+    if args.reprice:
+        return reprice(args.reprice, args.json)
     # SIGTERM (a watchdog, a person) ends the run through the Networks' cleanup
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("plan_multiprocess: terminated"))
     from epl.auto import graph_profile, search
@@ -289,9 +323,6 @@ def main(argv=None):
         for label, processes, latency_ms in CASES:
             if label not in wanted:
                 continue
-            cluster = cluster_of(figures, processes, latency_ms)
-            pred = predict_case(profile, STRATEGY, processes or CONTROL_DEVICES, profile.rows,
-                                cluster)
             if processes is None:
                 status, got = search.measure(fns, STRATEGY, CONTROL_DEVICES, args.steps,
                                              args.timeout)
@@ -299,18 +330,14 @@ def main(argv=None):
                 status, got = measure_multiprocess(name, processes, args.steps, latency_ms,
                                                    args.timeout)
             row = dict(model=name, case=label, processes=processes, latency_ms=latency_ms,
-                       cluster=cluster.to_dict(), calibration=figures,
-                       pred_step_s=pred.step_time_s, pred_peak_bytes=pred.peak_memory_bytes,
-                       pred_samples_per_s=pred.samples_per_s, status=status,
-                       breakdown={k: v for k, v in pred.breakdown.items() if k != "stages"})
+                       calibration=figures, status=status)
             if status == "ok":
                 row.update(step_s=got["step_s"], peak_bytes=got["peak_bytes"],
                            rows_per_step=got["rows_per_step"], workers=got.get("workers"),
-                           samples_per_s=got["rows_per_step"] / got["step_s"],
-                           time_err=err(pred.step_time_s, got["step_s"]),
-                           mem_err=err(pred.peak_memory_bytes, got["peak_bytes"]))
+                           samples_per_s=got["rows_per_step"] / got["step_s"])
             else:
                 row["message"] = got
+            _price(row, profile)
             rows.append(row)
             print(_line(row), flush=True)
             if args.json:
