@@ -146,9 +146,9 @@ def _kernel_inputs(sig, rng, device):
                 x = tf.constant(value, dtype)
             elif dims is None:
                 x = tf.zeros([0], dtype)
-            elif dtype.is_floating:
-                x = tf.cast(v1.Variable(rng.uniform(0.5, 1.5, dims).astype(np.float32),
-                                        trainable=False), dtype)
+            elif dtype.is_floating:     # (read once: a chain's copies share the read)
+                x = tf.identity(tf.cast(v1.Variable(
+                    rng.uniform(0.5, 1.5, dims).astype(np.float32), trainable=False), dtype))
             else:           # labels, indices: zeros are in range
                 x = tf.zeros(dims, dtype)
             feeds["in_%d:0" % i] = x
@@ -182,9 +182,9 @@ def _product_inputs(sig, rng):
     where the product takes a shape."""
     kind, shapes, attrs = json.loads(sig)
 
-    def var(shape):
+    def var(shape):     # (read once: a chain's copies share the read)
         x = v1.Variable(rng.rand(*shape).astype(np.float32), trainable=False)
-        return tf.cast(x, attrs["T"]) if "T" in attrs else x
+        return tf.identity(tf.cast(x, attrs["T"]) if "T" in attrs else x)
     if kind == "Conv2DBackpropInput":
         return [None, var(shapes[1]), var(shapes[2])]
     if kind == "Conv2DBackpropFilter":
