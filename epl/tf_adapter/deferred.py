@@ -213,6 +213,18 @@ def _as_graph_def(self, *args, **kwargs):
     return patching.original("graph.as_graph_def")(self, *args, **kwargs)
 
 
+def _export_meta_graph(*args, **kwargs):
+    """``export_meta_graph`` with ``clear_devices`` or an ``export_scope`` walks the
+    Python graph's own table of ops, not ``as_graph_def``: the deferred copies first
+    (without, a rewritten pipeline's meta graph lost its micro-batch clones while the
+    all-reduce ops that read them stayed: it did not import)."""
+    graph = kwargs.get("graph", args[2] if len(args) > 2 else None) \
+        or tf.compat.v1.get_default_graph()
+    if _table(graph):
+        materialize_all(graph)
+    return patching.original("meta_graph.export")(*args, **kwargs)
+
+
 def install_hooks():
     """Every way TensorFlow finds an op by name, lists ops or wraps new C nodes first
     makes the deferred wrappers it needs (idempotent)."""
@@ -221,3 +233,4 @@ def install_hooks():
     patching.install("graph.get_operations", _all_first("graph.get_operations"))
     patching.install("graph.add_new_tf_operations", _all_first("graph.add_new_tf_operations"))
     patching.install("graph.as_graph_def", _as_graph_def)
+    patching.install("meta_graph.export", _export_meta_graph)

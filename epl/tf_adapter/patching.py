@@ -77,6 +77,8 @@ POINTS = {
     # checkpoints, summaries, sessions
     "saver.build": ("tensorflow.python.training.saver", "Saver", "build"),
     "saver.save": ("tensorflow.python.training.saver", "Saver", "save"),
+    "meta_graph.export": ("tensorflow.python.framework.meta_graph", None,
+                          "export_scoped_meta_graph"),
     "summary.add_event": ("tensorflow.python.summary.writer.writer", "FileWriter", "add_event"),
     # (add_summary, add_graph, add_session_log: they do not go through add_event)
     "summary.add_event_at_step": ("tensorflow.python.summary.writer.writer", "FileWriter",
