@@ -24,7 +24,7 @@ its integer inputs their static values (shapes, axes, paddings) or zeros (labels
 indices).  What cannot be rebuilt (unknown shapes, state, control flow, functions) is
 left to the roofline.
 
-Results are cached beside the calibration (``<cache>-kernels.json``), keyed by the
+Results are cached beside the calibration (``<cache>-kernels-v2.json``), keyed by the
 kernel's signature, so a model is timed once per machine.  A product that cannot be
 built alone (an einsum, explicit padding) is left to the FLOP model; a kernel that
 fails to run alone is cached as untimed (None).
@@ -231,6 +231,7 @@ KERNEL_BUDGET_S = 0.05   # seconds of runs per kernel (most are small; products:
 # inputs, each waiting for the one before (a control edge); its time in a step is what
 # one more copy adds to the chain (the first copy carries the hand-off).
 CHAIN = 17
+CHAIN_S = 0.02           # a long kernel's chain is cut to about this many seconds
 # A kernel that spreads over the cores wakes Eigen's sleeping threads when it starts
 # with none of them busy, as one run alone does and a chain does not (measured: a
 # transpose's lone run took 120 us, the chain 4 us a copy; the GPT's and the ResNet's
@@ -239,14 +240,13 @@ CHAIN = 17
 # run costs beyond its chain (the executor's hand-off: ``HANDOFF``) is that wake-up.
 HANDOFF = json.dumps(["MatMul", [[16, 16], [16, 16], [16, 16]],
                       {"transpose_a": False, "transpose_b": False}], sort_keys=True)
-CHAIN_S = 0.02           # a long kernel's chain is cut to about this many seconds
 # The executor's own work per op, which the ops without a kernel to time pay (views,
 # variables, constants, state updates): a chain of identities, timed the same way.
 EXECUTOR = json.dumps(["executor", "Identity"])
 
 
 # What a tensor crossing from one virtual device to another adds (TensorFlow's send
-# and receive pair through the in-process rendezvous; measured ~1.8 us): a chain whose
+# and receive pair through the in-process rendezvous; measured 2-5 us): a chain whose
 # copies alternate between two devices, less the same chain on one.
 HOP = json.dumps(["executor", "hop"])
 
@@ -360,8 +360,9 @@ def measure(sigs, cores):
 def input_seconds(dataset_fn, budget=0.3):
     """Seconds the model's input pipeline takes to hand a step its batch: a
     ``get_next`` of ``dataset_fn()``'s iterator, less an empty run (measured: the
-    corpus mini-BERT's slice-and-batch pipeline took ~0.5 ms a batch, a fifth of its
-    step and one per micro-batch clone).  The user's input, never the model, is run."""
+    corpus mini-BERT's slice-and-batch pipeline took ~0.14 ms a batch, a twentieth of
+    its step, paid once per replica and per micro-batch clone).  The user's input,
+    never the model, is run."""
     graph = tf.Graph()
     with graph.as_default():
         batch = v1.data.make_one_shot_iterator(dataset_fn()).get_next()
