@@ -390,8 +390,10 @@ def price(profile, layout, cluster, global_batch=None):
     totals = [sum(x) for x in per_stage]
     slowest = max(totals)
     v = lay.chunks if p > 1 else 1
-    if p > 1 and lay.schedule in ("1f1b", "gpipe") and (cluster.shared_cores
-                                                       or m * p <= SIMULATED_TASKS):
+    if whole_step:      # the pipeline's whole step, replayed (epl.auto.local_step)
+        makespan = replayed
+    elif p > 1 and lay.schedule in ("1f1b", "gpipe") and (cluster.shared_cores
+                                                         or m * p <= SIMULATED_TASKS):
         # the schedule as events; devices sharing cores (Cluster.local) lend an idle
         # stage's cores to the busy ones (EPL's cut of the GPT leaves stage 0 the
         # embedding alone: nearly idle).  Long schedules on dedicated devices: the
@@ -405,8 +407,6 @@ def price(profile, layout, cluster, global_batch=None):
     else:       # the interleaved schedule (priced only): its fill and drain / v
         # ((m - 1) x slowest + the stages' sum for 1F1B and GPipe)
         makespan = m * slowest + (sum(totals) - slowest) / v
-    if whole_step:
-        makespan = replayed
     # data-parallel all-reduce, the update, offload
     dp_exposed, dp_total, update, offload, zero_gather = 0.0, 0.0, 0.0, 0.0, 0.0
     for k, det in enumerate(details):
