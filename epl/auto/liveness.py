@@ -40,9 +40,26 @@ _IN_PLACE = frozenset([
     "SqrtGrad", "Rsqrt", "RsqrtGrad", "Square", "SquaredDifference", "Pow", "Reciprocal",
     "ReciprocalGrad", "AddN", "BiasAdd", "Erf", "Softplus", "SoftplusGrad", "Abs",
     "Sign", "Floor", "Ceil", "Round", "LeakyRelu", "LeakyReluGrad", "Inv", "InvGrad"])
+# Kernels that keep the cores busy (a device is alone once no other device runs one)
+_HEAVY = ("MatMul", "BatchMatMul", "Conv2D", "Conv3D", "DepthwiseConv2dNative",
+          "_FusedMatMul", "_FusedConv2D", "Einsum")
 _NO_ALLOCATION = frozenset(["Const", "VariableV2", "VarHandleOp", "Variable",
                             "Placeholder", "PlaceholderWithDefault", "NoOp",
                             "ReadVariableOp", "Assert"])
+
+
+# EPL's in-process collectives write their result into one buffer per group, kept from
+# step to step (csrc/collectives.cc, AllocateShared: from 64 KiB): not a step's
+# allocation (docs/plan.md, limits)
+_KEPT_OUTPUT = 1 << 16
+
+
+def _kept_across_steps(op):
+    try:
+        return op.get_attr("transport") in (b"inprocess", "inprocess") \
+            and op.get_attr("group") is not None
+    except ValueError:
+        return False
 
 
 def _is_view(op):
@@ -104,13 +121,42 @@ def is_update(op):
                                "ScatterAdd", "ScatterSub", "ScatterUpdate"))
 
 
+def _rendezvous(ops):
+    """{op: its meeting}: EPL's collectives (ops with ``group``, ``rank`` and ``size``
+    attributes) block until every rank of their group has joined, so they run
+    together; the k-th op of each rank of a (type, group) is its k-th meeting (ops in
+    creation order).  A group with ranks outside ``ops`` (other workers) is left out."""
+    ranks = collections.defaultdict(lambda: collections.defaultdict(list))
+    sizes = {}
+    for op in ops:
+        try:
+            group, rank, size = (op.get_attr(a) for a in ("group", "rank", "size"))
+        except ValueError:
+            continue
+        ranks[(op.type, group)][rank].append(op)
+        sizes[(op.type, group)] = size
+    meeting = {}
+    for key, per_rank in ranks.items():
+        if len(per_rank) != sizes[key] or sizes[key] < 2:
+            continue
+        for rank_ops in per_rank.values():
+            for k, op in enumerate(rank_ops):
+                meeting[op] = (key, k)
+    return meeting
+
+
 def dataflow_order(ops, updates_last=False):
     """``ops`` in the order a dataflow executor runs them: an op as soon as its inputs
-    are ready, ready ops first in, first out (ties in creation order).
+    are ready, ready ops first in, first out (ties in creation order); the ranks of a
+    collective together, once the last of them is ready (their inputs held until then:
+    the micro-batches' gradients of a pipeline wait for their sum).
     ``updates_last``: the updates wait until nothing else is ready (data parallelism:
     the gradients are all made before their fused all-reduce, then applied)."""
     member = set(ops)
     rank = dict((op, i) for i, op in enumerate(ops))
+    meeting = _rendezvous(ops)
+    members = collections.Counter(meeting.values())
+    joined = collections.defaultdict(list)
     waiting = {}
     after = collections.defaultdict(list)
     for op in ops:
@@ -119,8 +165,20 @@ def dataflow_order(ops, updates_last=False):
         waiting[op] = len(deps)
         for d in deps:
             after[d].append(op)
-    queue = collections.deque(op for op in ops if not waiting[op])
+    queue = collections.deque()
     held = collections.deque()
+
+    def ready(op):
+        if op in meeting:
+            key = meeting[op]
+            joined[key].append(op)
+            if len(joined[key]) == members[key]:
+                queue.extend(sorted(joined[key], key=rank.get))
+        else:
+            (held if updates_last and is_update(op) else queue).append(op)
+    for op in ops:
+        if not waiting[op]:
+            ready(op)
     out = []
     while queue or held:
         op = queue.popleft() if queue else held.popleft()
@@ -128,7 +186,7 @@ def dataflow_order(ops, updates_last=False):
         for nxt in sorted(after[op], key=rank.get):
             waiting[nxt] -= 1
             if not waiting[nxt]:
-                (held if updates_last and is_update(nxt) else queue).append(nxt)
+                ready(nxt)
     return out
 
 
@@ -141,10 +199,46 @@ def peak_bytes(ops, rows, updates_last=False, side_by_side=True, trace=None):
     gradient kernels' buffers of a convolution, each of 2 devices on 2 cores one at a
     time).  ``trace``: a
     list that gets [(op at the peak, [(bytes, buffer) alive])]."""
-    ops = dataflow_order(ops, updates_last)
+    at = {} if trace is not None else None
+    peak = _walk(dataflow_order(ops, updates_last), rows, side_by_side, at)
+    if trace is not None:
+        trace[:] = list(at.values())
+    return peak
+
+
+def device_peaks(ops, rows, device_of, trace=None):
+    """{device: the peak of its live bytes} for a step placed over the virtual CPU
+    devices of one process (a pipeline's stages on ``Cluster.local``): the whole step
+    walked in one ``dataflow_order`` (the schedule's control edges order each device's
+    micro-batches).  Those devices share the host's memory: a tensor another device
+    reads is not copied (traced: a stage's last convolution held the next stage's
+    activations, which its ReLU had written in place), so a buffer counts on the
+    device that made it until its last reader anywhere.  A device's kernels run one at
+    a time while other devices work beside it (they share the cores), side by side
+    once it is the last one working: after every other device's last heavy kernel
+    (traced: a ResNet's first stage ran both gradients of a convolution together,
+    their scratch at once, in its last micro-batch's backward pass).
+    ``device_of``: op -> device; ``trace``: see ``_walk``."""
+    order = dataflow_order(ops)
+    heavy = [i for i, op in enumerate(order) if op.type.startswith(_HEAVY)]
+    last_other = {}
+    for dev in set(device_of(op) for op in order):
+        others = [i for i in heavy if device_of(order[i]) != dev]
+        last_other[dev] = others[-1] if others else -1
+    position = dict((op, i) for i, op in enumerate(order))
+    return _walk(order, rows, lambda op: position[op] > last_other[device_of(op)], trace,
+                 device_of)
+
+
+def _walk(ops, rows, side_by_side, trace, device_of=None):
+    """The peak of the live bytes while ``ops`` run in this order ({device: peak} with
+    ``device_of``: op -> device; a buffer counts on its maker's device); ``side_by_side``:
+    a bool, or op -> whether its scratch may overlap the previous op's on its device;
+    ``trace``: a dict that gets {device: (op at its peak, [(bytes, buffer) alive there])}."""
+    where = device_of or (lambda op: None)
     ops = [op for op in ops if op.type not in _NO_ALLOCATION]
     views = set(op for op in ops if _is_view(op))
-    buffer_of, size, readers = {}, {}, {}   # tensor -> buffer; buffer -> bytes, readers
+    buffer_of, size, readers, owner = {}, {}, {}, {}  # tensor -> buffer; buffer -> ...
     for op in ops:
         for t in op.outputs:
             if op in views and t.value_index == 0 and op.inputs[0] in buffer_of:
@@ -152,6 +246,8 @@ def peak_bytes(ops, rows, updates_last=False, side_by_side=True, trace=None):
                 continue
             buffer_of[t] = t        # (a view of a variable or an input holds no bytes)
             size[t] = 0 if op in views else _nbytes(t, rows)
+            if size[t] >= _KEPT_OUTPUT and _kept_across_steps(op):
+                size[t] = 0
             readers[t] = set()
     for op in ops:
         if op in views:             # views read on behalf of their outputs' readers
@@ -159,10 +255,11 @@ def peak_bytes(ops, rows, updates_last=False, side_by_side=True, trace=None):
         for t in op.inputs:
             if t in buffer_of:
                 readers[buffer_of[t]].add(op)
-    live, peak = 0, 0
+    live, peak = collections.Counter(), collections.Counter()
     alive = set()
-    before = 0                      # the previous op's scratch: they may run together
+    before = {}                     # each device's previous scratch: they may overlap
     for op in ops:
+        dev = where(op)
         freed = []
         for t in set(op.inputs):
             b = buffer_of.get(t)
@@ -179,18 +276,21 @@ def peak_bytes(ops, rows, updates_last=False, side_by_side=True, trace=None):
             if same:                # written into an input it was the last reader of
                 freed.remove(same[0])
                 alive.discard(same[0])
-                continue
-            live += size[t]
+                owner[t] = owner[same[0]]
+            else:
+                owner[t] = dev
+                live[dev] += size[t]
             if not readers[t]:      # read by nobody: freed with the op's inputs
                 freed.append(t)
         scratch = scratch_bytes(op)
-        if live + scratch + before > peak:
-            peak = live + scratch + before
+        if live[dev] + scratch + before.get(dev, 0) > peak[dev]:
+            peak[dev] = live[dev] + scratch + before.get(dev, 0)
             if trace is not None:
-                trace[:] = [(op.name, sorted(((size[b], b.name) for b in alive),
-                                             reverse=True))]
+                trace[dev] = (op.name, sorted(((size[b], b.name) for b in alive
+                                               if owner[b] == dev), reverse=True))
         for b in freed:
             alive.discard(b)
-            live -= size[b]
-        before = scratch if side_by_side else 0
-    return peak
+            live[owner[b]] -= size[b]
+        together = side_by_side(op) if callable(side_by_side) else side_by_side
+        before[dev] = scratch if together else 0
+    return dict(peak) if device_of else peak[None]

@@ -16,6 +16,9 @@ spends beside it, each measured: the wake-up of Eigen's threads for a kernel spr
 over the cores (``product_timing.HANDOFF``), a tensor received from another device
 (``HOP``), the input pipeline's batch (``product_timing.input_seconds``), and for an
 op without a kernel to time the executor's own work (``EXECUTOR``).
+
+A pipeline's memory is that built step's too: each device's variables and the peak of
+its buffers, the step walked in order (``placed_memory``).
 """
 from epl.auto import dataflow, product_timing
 
@@ -40,6 +43,16 @@ def flow_of(profile, lay, cluster, whole_model):
             and lay.schedule in ("1f1b", "gpipe") and profile.built_dataflow:
         return profile.built_dataflow(lay.to_config(p * d)), True
     return None, False
+
+
+def placed_memory(flow):
+    """Each device's bytes at the peak of a pipeline's built step, in the devices'
+    order: the variables EPL placed there and the step's own peak there
+    (``liveness.device_peaks``: the whole step walked in order; the stages share the
+    host's memory), as ``epl.auto.search`` measures a run; None where the flow has no
+    placed devices."""
+    placed = [(held + peak) for device, held, peak in flow.get("memory") or () if device]
+    return placed or None
 
 
 def timed(sigs, cores, op_overhead):

@@ -4,6 +4,7 @@ dataflow (each op's kernel signature and what it waits for: ``epl.auto.dataflow`
 replays it), its transient peak (``epl.auto.liveness``), the model as EPL itself builds
 it under a config (AMP's rewrite, in a process of its own), and what EPL's automatic
 gradient checkpointing recomputes (its rule, replayed)."""
+import collections
 import multiprocessing
 
 import tensorflow as tf
@@ -67,11 +68,47 @@ def _built_dataflow_child(conn, fns, config, switches):
         placed = dict((op.name, op.device) for op in graph.get_operations())
         _, fetched = grappler.optimized(graph, [train_op])
         ops = sorted(ir.upstream(fetched), key=tfg.op_id)
-        conn.send(("ok", dataflow(ops, rows, placed)))
+        out = dataflow(ops, rows, placed)
+        out["memory"] = device_memory(graph, ops, rows, placed)
+        conn.send(("ok", out))
     except Exception as e:  # pylint: disable=broad-except
         conn.send(("error", "%s: %s" % (type(e).__name__, e)))
     finally:
         conn.close()
+
+
+def device_memory(graph, ops, rows, placed):
+    """[(device, the variables' bytes there, the step's transient peak there)] of a
+    placed step, in the devices' order (the variables: ``graph``'s, where EPL placed
+    them; the peak: ``liveness.device_peaks`` of Grappler's copy ``ops``, an op
+    Grappler made placed with the first of its inputs, or readers, that is placed)."""
+    def spec(name):
+        return tf.DeviceSpec.from_string(name).to_string() if name else ""
+    where = dict((name, spec(d)) for name, d in placed.items())
+    readers = collections.defaultdict(list)
+    for op in ops:
+        for t in op.inputs:
+            readers[t.op].append(op)
+    device = {}
+    for op in ops:                  # Grappler's own ops: their neighbours' device
+        device[op] = where.get(op.name) or next(
+            (device[t.op] for t in op.inputs if t.op in device and device[t.op]), "")
+    for op in reversed(ops):
+        if not device[op]:
+            device[op] = next((device[r] for r in readers[op] if device[r]), "")
+    peaks = liveness.device_peaks(ops, rows, device.get)
+    held = collections.Counter()
+    for op in graph.get_operations():
+        if op.type in ("VariableV2", "VarHandleOp"):
+            held[where.get(op.name, "")] += ir.variable_bytes(op)
+    devices = sorted(set(peaks) | set(held), key=_device_order)
+    return [(d, int(held[d]), int(peaks.get(d, 0))) for d in devices]
+
+
+def _device_order(name):
+    spec = tf.DeviceSpec.from_string(name)
+    return (spec.job or "", spec.replica or 0, spec.task or 0, spec.device_type or "",
+            spec.device_index or 0)
 
 
 def optimized_step(graph, train_op):
