@@ -11,6 +11,7 @@ from epl.auto import graph_profile, liveness, local_step, search
 from epl.auto.layout import Layout
 from epl.communicators import native_ops
 from epl.tf_adapter import graph as tfg
+from epl.tf_adapter import version
 
 v1 = tf.compat.v1
 ROWS, WIDTH = 64, 256
@@ -122,4 +123,8 @@ def test_a_pipelines_memory_is_its_built_step_walked(model_fn, schedule):
     prof = graph_profile.profile(*fns)
     placed = local_step.placed_memory(prof.built_dataflow(lay.to_config(2)))
     assert len(placed) == 2
-    assert max(placed) == pytest.approx(got["peak_bytes"], rel=0.10), (placed, got)
+    # (oneDNN's kernels, TF 2.x on AVX-512 CPUs, leave a peak of a few 1 MiB tensors,
+    # which the executor's order of sibling kernels moves by one: traced 4.1-4.8 MiB for
+    # the same conv net step; TensorFlow's own kernels' scratch dominates and holds)
+    tolerance = 0.20 if version.onednn_enabled() else 0.10
+    assert max(placed) == pytest.approx(got["peak_bytes"], rel=tolerance), (placed, got)

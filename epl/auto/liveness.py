@@ -28,6 +28,7 @@ import collections
 import tensorflow as tf
 
 from epl.tf_adapter import graph as tfg
+from epl.tf_adapter import version
 
 _VIEWS = frozenset(["Identity", "Reshape", "Squeeze", "ExpandDims", "StopGradient",
                     "Snapshot", "PreventGradient", "IdentityN", "RefIdentity",
@@ -85,8 +86,10 @@ _PARALLEL_IMAGE = 1 << 17
 
 
 def scratch_bytes(op):
-    """Bytes a kernel allocates for itself while it runs (0 where none is known)."""
-    if op.type not in _CONV_GRADS:
+    """Bytes a kernel allocates for itself while it runs (0 where none is known;
+    oneDNN's convolution gradients, TF 2.x on AVX-512 CPUs, allocate none of
+    TensorFlow's: traced)."""
+    if op.type not in _CONV_GRADS or version.onednn_enabled():
         return 0
     grad = op.inputs[2].shape                     # [batch, out_h, out_w, out_depth]
     filt = op.inputs[1].shape if op.type == "Conv2DBackpropInput" else op.outputs[0].shape

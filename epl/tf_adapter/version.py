@@ -41,3 +41,17 @@ def compile_flags(version=None):
         # hundreds of warnings per build that say nothing about EPL.
         flags += ["-Wno-deprecated-declarations", "-Wno-interference-size"]
     return flags
+
+
+def onednn_enabled():
+    """Whether TensorFlow's CPU kernels are oneDNN's (TF 2.x turns them on by default
+    on CPUs with AVX-512 VNNI/BF16 or AMX, ``TF_ENABLE_ONEDNN_OPTS=0|1`` decides
+    otherwise; 1.15's pip wheel has none): its convolution gradients allocate no patch
+    buffer of TensorFlow's (``epl.auto.liveness.scratch_bytes``)."""
+    if not IS_TF2:
+        return False
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+        return bool(_pywrap_util_port.IsMklEnabled())
+    except (ImportError, AttributeError):
+        return False
