@@ -48,6 +48,19 @@ def test_convolution_kernels_are_timed(tmp_path):
     assert json.load(open(str(tmp_path / "p.json"))).keys() == got.keys()   # cached
 
 
+def _is_product(sig):
+    """A product's signature (not another kernel's, not an update's)."""
+    return sig is not None and json.loads(sig)[0] in product_timing.PRODUCTS
+
+
+def _jobs(flow):
+    """The replay's jobs of ``flow`` with every kernel 1 ms alone, 2 ms shared on 2
+    cores (the updates: bare ops, added after it: ``local_step.update_seconds``)."""
+    updates = set(i for i, _ in flow["updates"])
+    return [(2e-3, 2.0) if s is not None and i not in updates else (0.0, 1.0)
+            for i, s in enumerate(flow["sigs"])]
+
+
 _EXECUTOR_COSTS = (product_timing.EXECUTOR, product_timing.HOP, product_timing.HANDOFF)
 
 
@@ -95,7 +108,7 @@ def test_one_stage_replays_the_steps_dataflow(monkeypatch, tmp_path):
     flow = prof.dataflow()
     timed_ops = sum(1 for s in flow["sigs"] if s is not None)
     assert timed_ops >= 10 and len(flow["deps"]) == len(flow["sigs"])
-    jobs = [(2e-3, 2.0) if s is not None else (0.0, 1.0) for s in flow["sigs"]]
+    jobs = _jobs(flow)
     for devices in (1, 2):
         cluster = Cluster.from_local(figures, devices)
         cluster.time_products = True
@@ -132,7 +145,7 @@ def test_kernels_are_timed_in_a_chain_on_one_set_of_inputs():
     prof = graph_profile.profile(auto_models.model, auto_models.dataset, auto_models.optimizer)
     sigs = [s for s in prof.dataflow()["sigs"] if s is not None]
     kernel = next(s for s in sigs if s.startswith('["kernel"'))
-    product = next(s for s in sigs if not s.startswith('["kernel"'))
+    product = next(s for s in sigs if _is_product(s))
     for sig in (kernel, product, product_timing.EXECUTOR):
         with tf.Graph().as_default():
             ops = product_timing._chain(sig, np.random.RandomState(0), "/device:CPU:0")
@@ -183,7 +196,7 @@ def test_amp_is_priced_from_the_graph_epl_builds(monkeypatch, tmp_path):
     prof = graph_profile.profile(auto_models.model, auto_models.dataset, auto_models.optimizer)
     amp = {"amp.level": "O1", "amp.dtype": "bfloat16"}
     flow = prof.built_dataflow(amp)
-    half = [s for s in flow["sigs"] if s and not s.startswith('["kernel"')
+    half = [s for s in flow["sigs"] if _is_product(s)
             and json.loads(s)[2].get("T") == "bfloat16"]
     assert half, "EPL's AMP graph has no bfloat16 product"
     with tf.Graph().as_default():
@@ -194,7 +207,7 @@ def test_amp_is_priced_from_the_graph_epl_builds(monkeypatch, tmp_path):
     monkeypatch.setattr(product_timing, "timed", _fixed(1e-3, 2e-3))
     cluster = Cluster.from_local(dict(local.measure(quick=True), cores=2), 1)
     cluster.time_products = True
-    jobs = [(2e-3, 2.0) if s is not None else (0.0, 1.0) for s in flow["sigs"]]
+    jobs = _jobs(flow)
     got = price(prof, Layout(d=1, dtype="bf16"), cluster).breakdown["compute_s"]
     assert got == pytest.approx(dataflow.makespan(jobs, flow["deps"], 2, 1))
 
@@ -211,14 +224,14 @@ def test_a_pipeline_on_one_machine_replays_the_step_epl_builds(monkeypatch, tmp_
     lay = Layout(p=2, num_micro_batch=2)
     flow = prof.built_dataflow(lay.to_config(2))
     products = lambda f: sum(1 for s in f["sigs"]  # noqa: E731
-                             if s is not None and not s.startswith('["kernel"'))
+                             if _is_product(s))
     assert products(flow) >= 2 * products(one)
     assert len(flow["inputs"]) == 2 and len(one["inputs"]) == 1
     assert sum(flow["hops"]) > 0 and sum(one["hops"]) == 0
     monkeypatch.setattr(product_timing, "timed", _fixed(1e-3, 2e-3))
     cluster = Cluster.from_local(dict(local.measure(quick=True), cores=2), 2)
     cluster.time_products = True
-    jobs = [(2e-3, 2.0) if s is not None else (0.0, 1.0) for s in flow["sigs"]]
+    jobs = _jobs(flow)
     got = price(prof, lay, cluster).breakdown["pipeline_s"]
     assert got == pytest.approx(dataflow.makespan(jobs, flow["deps"], 2, 1))
 

@@ -210,11 +210,14 @@ def price(profile, layout, cluster, global_batch=None):
     if sigs is not None:
         timings, costs = local_step.timed(sigs, cluster.cores, op_overhead)
         op_overhead = costs["op"]
-    replayed = None
+    replayed, update_timed = None, None
     if flow is not None:
         replayed = local_step.replay(flow, timings, costs, profile.input_seconds(),
                                      cluster.cores, flops_s * cluster.devices_per_node,
                                      1 if whole_step else d)
+        update_timed = local_step.update_seconds(
+            flow, timings, 1 if whole_step or lay.zero else min(d, cluster.nodes),
+            cluster.cores)
 
     def timed_kernels(r):
         """The region's other kernels that were timed: {sig: [forward, backward]}."""
@@ -434,8 +437,9 @@ def price(profile, layout, cluster, global_batch=None):
         # 5.6 ms at 1 and at 2 replicas)
         copies = max(1, d // cluster.nodes) if cluster.shared_variables and not lay.zero \
             else 1
-        update = max(update, (2 * state_bytes + det["gradients"] + det["weights"])
-                     / (dev.memory_bandwidth * copies))
+        update = update_timed if update_timed is not None else max(
+            update, (2 * state_bytes + det["gradients"] + det["weights"])
+            / (dev.memory_bandwidth * copies))     # (timed: the updates' own kernels)
         # (EPL's CPU devices, Cluster.shared_variables, share one address space: a
         # variable its owner or the host holds is read in place, nothing is copied;
         # measured: the MLP's DP 2 step 59.9 ms, with ZeRO 58.9, with offload 54.8)

@@ -37,7 +37,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from epl.auto import local
+from epl.auto import local, update_timing
 
 v1 = tf.compat.v1
 PRODUCTS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "Conv2D", "Conv2DBackpropInput",
@@ -111,13 +111,7 @@ def kernel_signature(op, rows):
         elif not dtype.is_floating:
             return None
         inputs.append([dtype.name, dims, value])
-    node = v1.NodeDef()
-    node.op = op.type
-    for name, value in op.node_def.attr.items():
-        if not name.startswith("_"):
-            node.attr[name].CopyFrom(value)
-    blob = base64.b64encode(node.SerializeToString(deterministic=True)).decode()
-    return json.dumps(["kernel", op.type, blob, inputs])
+    return json.dumps(["kernel", op.type, update_timing.node_blob(op), inputs])
 
 
 def any_signature(op, rows):
@@ -271,13 +265,18 @@ def _hop_seconds(budget):
     return {"alone": max(0.0, hop - same), "shared": max(0.0, hop - same), "first": 0.0}
 
 
-def _chain(sig, rng, device):
+def _chain(sig, rng, device, cores=1):
     """CHAIN copies of the kernel (or product) of ``sig`` on ``device``, each after the
-    one before, on one set of inputs: the ops, in order."""
+    one before, on one set of inputs (an update: on sets of variables taken in turn,
+    ``update_timing.chain``; ``cores`` chains at once): the ops, in order."""
     with v1.device(device):
         if sig == EXECUTOR:
             x = tf.constant([1.0])
             make = lambda: tf.identity(x).op                    # noqa: E731
+        elif sig.startswith('["update"'):
+            # (the chains on every core share the caches: their state together cold)
+            return update_timing.chain(sig, rng, device, CHAIN, update_timing.sets_for(
+                sig, CHAIN, update_timing.COLD_BYTES // cores))
         elif sig.startswith('["kernel"'):
             feeds = _kernel_inputs(sig, rng, device)
             make = lambda: _import_kernel(sig, feeds, device)   # noqa: E731
@@ -332,12 +331,14 @@ def measure(sigs, cores):
         if sig == HOP:
             out[sig] = _hop_seconds(KERNEL_BUDGET_S * 4)
             continue
-        kernel = sig.startswith('["kernel"') or sig == EXECUTOR
+        kernel = sig.startswith('["kernel"') or sig.startswith('["update"') \
+            or sig == EXECUTOR
         budget = KERNEL_BUDGET_S if kernel else 0.2
         graph = tf.Graph()
         with graph.as_default():
             try:
-                chains = [_chain(sig, rng, "/device:CPU:%d" % i) for i in range(cores)]
+                chains = [_chain(sig, rng, "/device:CPU:%d" % i, cores)
+                          for i in range(cores)]
             except (ValueError, TypeError, tf.errors.OpError):
                 if not kernel:
                     raise
@@ -346,6 +347,7 @@ def measure(sigs, cores):
             with v1.Session(graph=graph, config=_session_config(cores)) as sess:
                 try:
                     sess.run(v1.global_variables_initializer())
+                    sess.run(v1.get_collection(update_timing.INITS))
                     floor = _fast_seconds(sess, tf.no_op(), budget)  # Session.run's own
                     alone, first = _per_copy(sess, chains[:1], budget)
                     out[sig] = {"alone": alone, "shared": _per_copy(sess, chains, budget)[0],

@@ -312,17 +312,9 @@ def dry_run(model_fn, dataset_fn, optimizer_fn, strategy, devices, steps):
 def _variable_bytes(graph, devices):
     """{device: bytes of the variables placed there} (unplaced ones: the first)."""
     import tensorflow as tf
-
-    def canonical(name):
-        return tf.DeviceSpec.from_string(name).to_string()
-    out = dict((d, 0) for d in devices)
-    canon = dict((canonical(d), d) for d in devices)
-    for op in graph.get_operations():
-        if op.type not in ("VariableV2", "VarHandleOp"):
-            continue
-        dev = canon.get(canonical(op.device)) if op.device else devices[0]
-        if dev is not None:
-            out[dev] += ir.variable_bytes(op)
+    held = ir.variables_by_device(graph)
+    out = dict((d, held[tf.DeviceSpec.from_string(d).to_string()]) for d in devices)
+    out[devices[0]] += held[""]
     return out
 
 

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import epl
 from epl import ir, rewrite
-from epl.auto import liveness, product_timing, shapes
+from epl.auto import liveness, product_timing, shapes, update_timing
 from epl.features import gradient_checkpoint
 from epl.tf_adapter import behavior, grappler
 from epl.tf_adapter import graph as tfg
@@ -97,10 +97,7 @@ def device_memory(graph, ops, rows, placed):
         if not device[op]:
             device[op] = next((device[r] for r in readers[op] if device[r]), "")
     peaks = liveness.device_peaks(ops, rows, device.get)
-    held = collections.Counter()
-    for op in graph.get_operations():
-        if op.type in ("VariableV2", "VarHandleOp"):
-            held[where.get(op.name, "")] += ir.variable_bytes(op)
+    held = ir.variables_by_device(graph)
     devices = sorted(set(peaks) | set(held), key=_device_order)
     return [(d, int(held[d]), int(peaks.get(d, 0))) for d in devices]
 
@@ -130,15 +127,20 @@ def dataflow(ops, rows, devices=None):
     {"sigs": each op's product or kernel signature (None: no time of its own),
     "flops": forward FLOPs of the products without a signature, "deps": the indices
     each op waits for (inputs and control inputs), "inputs": the indices of the ops
-    that pull the input pipeline's next batch, "hops": how many of the ops each op
-    waits for are on another device (``devices``: {op name: device} of the placed
-    graph; Grappler's copy has none)}."""
+    that pull the input pipeline's next batch, "updates": (index, device) of the
+    optimizer's updates of variables (``update_timing.signature``), "hops":
+    how many of the ops each op waits for are on another device (``devices``: {op
+    name: device} of the placed graph; Grappler's copy has none)}."""
     index = dict((op, i) for i, op in enumerate(ops))
-    sigs, flops, deps, hops = [], [], [], []
+    sigs, flops, deps, hops, updates = [], [], [], [], []
     inputs = [i for i, op in enumerate(ops) if op.type in _GET_NEXT]
     devices = devices or {}
     for op in ops:
         sig = product_timing.any_signature(op, rows)
+        if sig is None:
+            sig = update_timing.signature(op)
+            if sig is not None:
+                updates.append((len(sigs), devices.get(op.name) or ""))
         sigs.append(sig)
         untimed = sig is None and op.type in shapes.MATMULS
         flops.append(shapes.op_flops(op, rows) if untimed else 0.0)
@@ -147,7 +149,8 @@ def dataflow(ops, rows, devices=None):
         deps.append(sorted(index[w] for w in waits))
         here = devices.get(op.name)
         hops.append(sum(1 for w in waits if here and devices.get(w.name) not in (None, "", here)))
-    return dict(sigs=sigs, flops=flops, deps=deps, inputs=inputs, hops=hops)
+    return dict(sigs=sigs, flops=flops, deps=deps, inputs=inputs, hops=hops,
+                updates=updates)
 
 
 def step_peak(step_ops, rows):

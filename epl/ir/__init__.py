@@ -12,4 +12,4 @@ from epl.ir.graph import (APPLY, BACKWARD, FORWARD, REWRITE, SAVE, SOURCE_OPS,  
                           ApplyRecord, Graph, GradientRecord, RewriteLifecycle, TaskGraph,
                           TensorMap, components, downstream, is_batch_placeholder,
                           is_batch_source, is_state_handle, ops_since, separators, upstream,
-                          variable_bytes)
+                          variable_bytes, variables_by_device)

@@ -62,6 +62,19 @@ def variable_bytes(op):
     return (shape.num_elements() or 1) * tf.as_dtype(op.get_attr("dtype")).base_dtype.size
 
 
+def variables_by_device(graph):
+    """{device (``tf.DeviceSpec``'s canonical string; "": unplaced): bytes of the
+    variables placed there} of ``graph``."""
+    import collections
+    import tensorflow as tf
+    out = collections.Counter()
+    for op in graph.get_operations():
+        if op.type in ("VariableV2", "VarHandleOp"):
+            where = tf.DeviceSpec.from_string(op.device).to_string() if op.device else ""
+            out[where] += variable_bytes(op)
+    return out
+
+
 def upstream(ops, control=True, within=None, stop=()):
     """``ops`` and every op they are computed from (through data edges, and control
     edges with ``control``), staying inside ``within`` (a set, default the graph) and
