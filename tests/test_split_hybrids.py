@@ -34,6 +34,7 @@ import tensorflow.compat.v1 as tf
 
 import epl
 from epl.features import gradient_checkpoint
+from epl.tf_adapter import version
 from epl.rewrite.updates import VARIABLE_OPS
 from tests import models
 from tests import transformer_models as tm
@@ -89,8 +90,8 @@ def _local(tmpdir, make=tm.Decoder, **kw):
         return _train(make(), tmpdir, "local", **kw)
 
 
-def _assert_same(got, want, atol=1e-5):
-    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, err_msg="losses")
+def _assert_same(got, want, atol=1e-5, loss_rtol=1e-5):
+    np.testing.assert_allclose(got[0], want[0], rtol=loss_rtol, err_msg="losses")
     assert sorted(got[1]) == sorted(want[1])
     for k in sorted(want[1]):
         np.testing.assert_allclose(got[1][k], want[1][k], rtol=1e-5, atol=atol, err_msg=k)
@@ -277,8 +278,14 @@ def test_amp_inside_split_blocks_matches_the_mixed_precision_program(hybrid, tmp
                  "amp")
     # atol 3e-5: a float32 sum in another order (the gradient of a block's input, from
     # its shards) may round to another float16 in the next product; after 4 Adam steps
-    # that moves a weight near 0 by ~1e-5 (TF 2.21).  Losses: rel. 1e-5.
-    _assert_same(got[:2], want[:2], atol=3e-5)
+    # that moves a weight near 0 by ~1e-5 (TF 2.21).  Losses: rel. 1e-5.  oneDNN's
+    # float16 products on CPUs with native float16 arithmetic (AVX512-FP16: an Intel
+    # Xeon with AMX) round inside the product, so the sharded and whole products differ
+    # more: measured 7.4e-5 on a weight, 9.7e-5 rel. on a loss after 4 steps; a missing
+    # shard or a wrong loss scale moves them by 1e-2 and more.
+    native = version.onednn_enabled()
+    _assert_same(got[:2], want[:2], atol=2e-4 if native else 3e-5,
+                 loss_rtol=3e-4 if native else 1e-5)
     assert [o for o in want[2].get_operations() if o.type == "MatMul"
             and o.get_attr("T") == tf.float16]   # (the oracle is mixed precision too)
     half = [o for o in got[2].get_operations() if o.name.startswith("block_0/")

@@ -17,12 +17,12 @@ from tests import auto_models
 v1 = tf.compat.v1
 
 
-def _step(optimizer, resource):
+def _step(optimizer, resource, shape=(16, 4)):
     """A one-layer model's step under ``optimizer``: (its graph, its train op)."""
     graph = tf.Graph()
     with graph.as_default():
-        x = tf.constant(np.ones([8, 16], np.float32))
-        w = v1.get_variable("w", [16, 4], use_resource=resource)
+        x = tf.constant(np.ones([8, shape[0]], np.float32))
+        w = v1.get_variable("w", shape, use_resource=resource)
         loss = tf.reduce_sum(tf.square(tf.matmul(x, w)))
         train = optimizer().minimize(loss, global_step=v1.train.get_or_create_global_step())
     return graph, train
@@ -90,7 +90,8 @@ def test_a_chains_variables_are_cold():
     small = json.dumps(["update", "Assign", "", [["ref", "float32", []],
                                                  ["value", "float32", []]]])
     assert update_timing.sets_for(small, 17) == 17
-    graph, train = _step(lambda: v1.train.GradientDescentOptimizer(0.1), False)
+    # (a 16 x 4 update times at 0 us where the chain's noise is larger: a 1 MiB one)
+    graph, train = _step(lambda: v1.train.GradientDescentOptimizer(0.1), False, (512, 512))
     sig = _updates(graph, train)["ApplyGradientDescent"]
     got = product_timing.measure([sig], 2)[sig]
     assert got["alone"] > 0.0 and got["shared"] > 0.0
