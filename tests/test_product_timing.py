@@ -95,6 +95,33 @@ def test_pipeline_stages_add_the_timed_kernels(monkeypatch, tmp_path):
     assert got[1] - got[0] == pytest.approx(2 * max(counts) * 1e-3, rel=1e-6)
 
 
+def test_tensor_parallelism_prices_the_timed_kernels_by_their_split_share(
+        monkeypatch, tmp_path):
+    """TP 2 on Cluster.local is priced by region from the unsplit kernels' times, each
+    region's share split t ways (before: by FLOPs over a calibrated peak, the GPT's TP 2
+    -25.6 % against -4.3 % for its replayed single device).  This model's blocks split
+    whole (Megatron pairs, every product and pointwise op), so raising every kernel's
+    shared time by 1 ms raises the step by 0.5 ms per kernel run; the FLOP peak plays
+    no part."""
+    monkeypatch.setenv("EPL_CACHE_DIR", str(tmp_path))
+    prof = graph_profile.profile(auto_models.model, auto_models.dataset, auto_models.optimizer)
+    regions = [prof.pre, prof.post] + list(prof.blocks)
+    assert all(r.flops_split == r.flops and r.pointwise_split == r.pointwise for r in regions)
+    figures = dict(local.measure(quick=True), cores=2)
+    got = []
+    for shared, peak in ((3e-3, 1.0), (4e-3, 1.0), (4e-3, 3.0)):
+        cluster = Cluster.from_local(figures, 2)
+        cluster.time_products = True
+        cluster.device.peak = dict((k, v * peak) for k, v in cluster.device.peak.items())
+        monkeypatch.setattr(product_timing, "timed", _fixed(1e-3, shared))
+        got.append(price(prof, Layout(t=2), cluster).breakdown["compute_s"])
+    runs = sum(a + b for r in regions
+               for a, b in list(r.products.values()) + list(r.kernels.values()))
+    assert runs >= 20
+    assert got[1] - got[0] == pytest.approx(0.5 * runs * 1e-3, rel=1e-6)
+    assert got[2] == pytest.approx(got[1], rel=1e-9)
+
+
 def test_one_stage_replays_the_steps_dataflow(monkeypatch, tmp_path):
     """One stage on Cluster.local: compute is the step's dataflow graph replayed on the
     cores (epl.auto.dataflow) with the kernels' times: every kernel 1 ms alone and 2 ms

@@ -196,7 +196,7 @@ def price(profile, layout, cluster, global_batch=None):
 
     def region_sigs():
         return set(sig for r in regions_all for sig in list(r.products) + list(r.kernels))
-    if cluster.time_products and t == 1 and lay.dtype == "fp32":
+    if cluster.time_products and lay.dtype == "fp32":
         if p > 1 and cluster.stage_cut == "epl":
             regions_all += list(profile.epl_stages(p) or [])
         sigs = region_sigs()
@@ -243,11 +243,18 @@ def price(profile, layout, cluster, global_batch=None):
         if timings is None:
             return (2.0 if backward else 1.0) * flops(r) * thin(r) * mb / flops_s
         kernels = sum(n[1 if backward else 0] * kernel_s(sig) for sig, n in
-                      list(r.products.items()) + list(timed_kernels(r).items()))
+                      r.products.items()) * split_share(r.flops_split, r.flops) \
+            + sum(n[1 if backward else 0] * kernel_s(sig) for sig, n in
+                  timed_kernels(r).items()) * split_share(r.pointwise_split, r.pointwise)
         untimed = r.untimed_flops * (1.0 - (r.flops_split / r.flops if r.flops else 0.0)
                                      * (1.0 - 1.0 / t))
         return kernels * mb / float(profile.rows) \
             + (2.0 if backward else 1.0) * untimed * thin(r) * mb / flops_s
+
+    def split_share(part, whole):
+        """What is left on one device of a region's work (timed unsplit) of which
+        ``part`` of ``whole`` is split t ways."""
+        return 1.0 - (part / whole if whole else 0.0) * (1.0 - 1.0 / t)
 
     def params(r):
         if r is head:                   # the head's matrices split over the d devices
