@@ -90,6 +90,10 @@ def test_a_chains_variables_are_cold():
     small = json.dumps(["update", "Assign", "", [["ref", "float32", []],
                                                  ["value", "float32", []]]])
     assert update_timing.sets_for(small, 17) == 17
+    # each variable at its own width: float16 state is half as many bytes a set
+    half = json.dumps(["update", "ApplyAdam", "", [["ref", "float16", [512, 8192]]] * 3
+                       + [["value", "float16", [512, 8192]]]])
+    assert update_timing.sets_for(half, 17, cold_bytes=100 << 20) == 5
     # (a 16 x 4 update times at 0 us where the chain's noise is larger: a 1 MiB one)
     graph, train = _step(lambda: v1.train.GradientDescentOptimizer(0.1), False, (512, 512))
     sig = _updates(graph, train)["ApplyGradientDescent"]

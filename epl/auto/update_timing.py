@@ -71,9 +71,10 @@ _variables_made = [0]
 
 def sets_for(sig, length, cold_bytes=COLD_BYTES):
     """How many sets of variables a chain of ``length`` copies of ``sig`` rotates over:
-    enough for ``cold_bytes`` of state, at most one per copy."""
-    state = sum(4 * max(1, int(np.prod(dims))) for how, _, dims in json.loads(sig)[3]
-                if how != "value")
+    enough for ``cold_bytes`` of state (each variable at its dtype's width), at most
+    one per copy."""
+    state = sum(tf.as_dtype(dtype).size * max(1, int(np.prod(dims)))
+                for how, dtype, dims in json.loads(sig)[3] if how != "value")
     return int(min(length, max(1, -(-cold_bytes // max(state, 1)))))
 
 
