@@ -246,8 +246,7 @@ def price(profile, layout, cluster, global_batch=None):
                       r.products.items()) * split_share(r.flops_split, r.flops) \
             + sum(n[1 if backward else 0] * kernel_s(sig) for sig, n in
                   timed_kernels(r).items()) * split_share(r.pointwise_split, r.pointwise)
-        untimed = r.untimed_flops * (1.0 - (r.flops_split / r.flops if r.flops else 0.0)
-                                     * (1.0 - 1.0 / t))
+        untimed = r.untimed_flops * split_share(r.flops_split, r.flops)
         return kernels * mb / float(profile.rows) \
             + (2.0 if backward else 1.0) * untimed * thin(r) * mb / flops_s
 
