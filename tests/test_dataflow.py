@@ -76,3 +76,36 @@ def test_a_wide_op_pays_its_wake_up_only_with_no_other_wide_op_running():
     # beside a one-core op, a wide op still wakes Eigen's threads
     jobs = [(1e-3, 1.0), (2e-3, 2.0, 5e-4)]
     assert dataflow.makespan(jobs, [[], []], cores=2) == pytest.approx(2e-3)
+
+
+def test_different_wide_kernels_on_different_devices_take_as_long_as_one_after_another():
+    # alone 1 ms each, width 1.5 (two copies of each took 1.5 ms): side by side on two
+    # devices, different kernels get nothing from the cores' slack: 1 + 1 ms (measured
+    # on 2 cores: 24.2 ms side by side, 25.3 one after the other; the widths: 20.4)
+    a, b = ("/device:CPU:0", "matmul"), ("/device:CPU:1", "conv")
+    jobs = [(1.5e-3, 1.5, 0.0, a), (1.5e-3, 1.5, 0.0, b)]
+    assert dataflow.makespan(jobs, [[], []], cores=2) == pytest.approx(2e-3)
+    # unequal: the short one (1 ms alone) ends at 2 ms, the long one (2 ms alone) has
+    # then done half: 1 ms more at its own width alone
+    jobs = [(1.5e-3, 1.5, 0.0, a), (3e-3, 1.5, 0.0, b)]
+    assert dataflow.makespan(jobs, [[], []], cores=2) == pytest.approx(3e-3)
+
+
+def test_copies_of_one_kernel_and_one_devices_kernels_keep_their_widths():
+    # the same kernel on two devices (data parallelism, identical stages), or two
+    # kernels of one device's step: each gets 1 core for its 1.5 core-ms
+    same = [(1.5e-3, 1.5, 0.0, ("/device:CPU:0", "matmul")),
+            (1.5e-3, 1.5, 0.0, ("/device:CPU:1", "matmul"))]
+    one_device = [(1.5e-3, 1.5, 0.0, ("/device:CPU:0", "matmul")),
+                  (1.5e-3, 1.5, 0.0, ("/device:CPU:0", "conv"))]
+    unplaced = [(1.5e-3, 1.5, 0.0, None), (1.5e-3, 1.5, 0.0, None)]
+    for jobs in (same, one_device, unplaced):
+        assert dataflow.makespan(jobs, [[], []], cores=2) == pytest.approx(1.5e-3)
+
+
+def test_a_one_thread_kernel_beside_another_devices_wide_kernel_keeps_both_widths():
+    # a 1-core op of 1 ms (another device, another kernel) beside a width-2 op of 2 core-ms:
+    # only spread ones are compared, so the wide one gets the other core, then both
+    jobs = [(1e-3, 1.0, 0.0, ("/device:CPU:0", "relu")),
+            (2e-3, 2.0, 0.0, ("/device:CPU:1", "matmul"))]
+    assert dataflow.makespan(jobs, [[], []], cores=2) == pytest.approx(1.5e-3)

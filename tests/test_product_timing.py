@@ -261,6 +261,17 @@ def test_a_pipeline_on_one_machine_replays_the_step_epl_builds(monkeypatch, tmp_
     jobs = _jobs(flow)
     got = price(prof, lay, cluster).breakdown["pipeline_s"]
     assert got == pytest.approx(dataflow.makespan(jobs, flow["deps"], 2, 1))
+    # each op's device: different kernels spread over the cores on the two stages' devices
+    # at once get nothing from the cores' slack (``dataflow._widths``)
+    devices = set(d for d, s in zip(flow["devices"], flow["sigs"]) if _is_product(s))
+    assert len(devices) == 2 and len(flow["devices"]) == len(flow["sigs"])
+    monkeypatch.setattr(product_timing, "timed", _fixed(1e-3, 1.5e-3))
+    got = price(prof, lay, cluster).breakdown["pipeline_s"]
+    jobs = [(1.5e-3, 1.5, 0.0, (d, s)) if w else (0.0, 1.0)
+            for (w, _), d, s in zip(_jobs(flow), flow["devices"], flow["sigs"])]
+    assert got == pytest.approx(dataflow.makespan(jobs, flow["deps"], 2, 1))
+    unplaced = [job[:2] for job in jobs]
+    assert got > dataflow.makespan(unplaced, flow["deps"], 2, 1) * 1.02
 
 
 def test_the_input_pipelines_batch_is_on_the_steps_path(monkeypatch, tmp_path):

@@ -99,15 +99,18 @@ def replay(flow, timings, costs, input_seconds, cores, machine_flops, copies):
     jobs = []
     pulls = set(flow.get("inputs", ()))
     updates = set(i for i, _ in flow.get("updates") or ())
+    places = flow.get("devices") or [None] * len(flow["sigs"])  # a built, placed step's
     for i, (sig, f) in enumerate(zip(flow["sigs"], flow["flops"])):
         x = timings.get(sig) if sig is not None and i not in updates else None
         if i in pulls:              # the input pipeline's batch: its own time
             jobs.append((max(input_seconds, costs["op"]), 1.0))
         elif x:
             jobs.append(dataflow.job(x["alone"], x["shared"], cores,
-                                     x.get("first", 0.0) - x["alone"] - costs["handoff"]))
+                                     x.get("first", 0.0) - x["alone"] - costs["handoff"])
+                        + (places[i] and (places[i], sig),))
         elif f:                     # an untimed product: by FLOPs, on every core
-            jobs.append((f / machine_flops * cores, float(cores)))
+            jobs.append((f / machine_flops * cores, float(cores), 0.0,
+                         places[i] and (places[i], i)))
         else:
             jobs.append((costs["op"], 1.0))
     for i, n in enumerate(flow.get("hops") or ()):  # tensors received from another device

@@ -26,9 +26,10 @@ def epl_built_dataflow(fns, config, timeout=600):
     dict: ``{"amp.level": "O1"}``: its build-time rewrites; ``auto.auto_parallel`` with
     ``pipeline.*`` keys: its stages, micro-batch clones and schedule edges, on
     ``cluster.devices_per_worker`` devices, default 1), rewritten as before a
-    session's first run, in a process of its own: ``epl.init`` starts a new default
-    graph and replaces this process's EPL state, which a planner must leave alone.  The
-    functions must be importable (module level)."""
+    session's first run, in a process of its own (with ``"devices"``: each op's
+    device, ``resolved_devices``, and ``"memory"``: ``device_memory``): ``epl.init``
+    starts a new default graph and replaces this process's EPL state, which a planner
+    must leave alone.  The functions must be importable (module level)."""
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_built_dataflow_child,
@@ -68,8 +69,10 @@ def _built_dataflow_child(conn, fns, config, switches):
         placed = dict((op.name, op.device) for op in graph.get_operations())
         _, fetched = grappler.optimized(graph, [train_op])
         ops = sorted(ir.upstream(fetched), key=tfg.op_id)
+        device = resolved_devices(ops, placed)
         out = dataflow(ops, rows, placed)
-        out["memory"] = device_memory(graph, ops, rows, placed)
+        out["devices"] = [device[op] for op in ops]
+        out["memory"] = device_memory(graph, ops, rows, device)
         conn.send(("ok", out))
     except Exception as e:  # pylint: disable=broad-except
         conn.send(("error", "%s: %s" % (type(e).__name__, e)))
@@ -77,11 +80,10 @@ def _built_dataflow_child(conn, fns, config, switches):
         conn.close()
 
 
-def device_memory(graph, ops, rows, placed):
-    """[(device, the variables' bytes there, the step's transient peak there)] of a
-    placed step, in the devices' order (the variables: ``graph``'s, where EPL placed
-    them; the peak: ``liveness.device_peaks`` of Grappler's copy ``ops``, an op
-    Grappler made placed with the first of its inputs, or readers, that is placed)."""
+def resolved_devices(ops, placed):
+    """{op: its device} of Grappler's copy ``ops`` of a graph placed as ``placed``
+    ({op name: device}): an op Grappler made is placed with the first of its inputs, or
+    readers, that is placed."""
     def spec(name):
         return tf.DeviceSpec.from_string(name).to_string() if name else ""
     where = dict((name, spec(d)) for name, d in placed.items())
@@ -96,6 +98,14 @@ def device_memory(graph, ops, rows, placed):
     for op in reversed(ops):
         if not device[op]:
             device[op] = next((device[r] for r in readers[op] if device[r]), "")
+    return device
+
+
+def device_memory(graph, ops, rows, device):
+    """[(device, the variables' bytes there, the step's transient peak there)] of a
+    placed step, in the devices' order (the variables: ``graph``'s, where EPL placed
+    them; the peak: ``liveness.device_peaks`` of Grappler's copy ``ops``, placed as
+    ``device``: ``resolved_devices``)."""
     peaks = liveness.device_peaks(ops, rows, device.get)
     held = ir.variables_by_device(graph)
     devices = sorted(set(peaks) | set(held), key=_device_order)
