@@ -497,9 +497,17 @@ def table(rows):
     return "\n".join([HEAD] + [_line(r) for r in rows])
 
 
+def _simplicity(row):
+    """(pipeline stages, devices) of a row's layout: ``planner.rank``'s tie-break."""
+    stages = [s[1]["num_stages"] for s in row["strategy"]
+              if isinstance(s, list) and s[0] == "pipeline"]
+    return (stages[0] if stages else 1, row["devices"])
+
+
 def summarize(rows):
     """Errors and picks over the rows measured and priced (``ok``; unpriced rows and
     failures are left out)."""
+    from epl.auto import machines, planner
     ok = [r for r in rows if r["status"] == "ok"]
     out = {"lines": []}
     if not ok:
@@ -518,14 +526,21 @@ def summarize(rows):
     picks = {}
     for model in sorted(set(r["model"] for r in ok)):
         mine = [r for r in ok if r["model"] == model]
-        chosen = max(mine, key=lambda r: r["pred_samples_per_s"])
         fastest = max(mine, key=lambda r: r["samples_per_s"])
-        gap = 100.0 * (1 - chosen["samples_per_s"] / fastest["samples_per_s"])
+        # ranked as ``plan`` ranks on Cluster.local (ties: the fewest stages, then devices)
+        chosen, alone = [planner.rank(mine, lambda r: r["pred_samples_per_s"], _simplicity,
+                                      tie)[0] for tie in (machines.LOCAL_TIE, 0.0)]
+        gap, gap_alone = [100.0 * (1 - r["samples_per_s"] / fastest["samples_per_s"])
+                          for r in (chosen, alone)]
         picks[model] = dict(predicted_best=chosen["layout"], measured_best=fastest["layout"],
-                            gap_pct=gap, hit=gap <= 5.0)
+                            gap_pct=gap, hit=gap <= 5.0, by_rate_alone=alone["layout"],
+                            by_rate_alone_gap_pct=gap_alone)
         out["lines"].append("%-8s plan's first: %-20s measured fastest: %-20s (%.1f%% slower"
-                            ": %s)" % (model, chosen["layout"], fastest["layout"], gap,
-                                       "hit" if gap <= 5.0 else "miss"))
+                            ": %s)%s" % (model, chosen["layout"], fastest["layout"], gap,
+                                         "hit" if gap <= 5.0 else "miss",
+                                         "" if alone is chosen else
+                                         "; by samples/s alone: %s (%.1f%%)" % (
+                                             alone["layout"], gap_alone)))
     out["picks"] = picks
     unpriced = [r for r in rows if r["status"] == "unpriced"]
     if unpriced:

@@ -170,3 +170,39 @@ def test_cli_prints_and_writes_json(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "rank" in text and "best strategy" in text
     assert json.load(open(out))["candidates"]
+
+
+def test_rank_puts_the_simplest_of_the_tied_first():
+    """Predictions closer than ``tie`` are ties: the simplest of them ranks first (the
+    fastest of the equally simple), the rest stay fastest first; no tie: by rate."""
+    from epl.auto.planner import rank
+    items = [("PP 4", 100.0, 4), ("DP 4", 98.5, 1), ("DP 2", 97.5, 1), ("PP 2", 99.0, 2),
+             ("TP 2", 90.0, 1)]
+    rate, simple = (lambda c: c[1]), (lambda c: c[2])
+    names = lambda xs: [c[0] for c in xs]  # noqa: E731
+    assert names(rank(items, rate, simple)) == ["PP 4", "PP 2", "DP 4", "DP 2", "TP 2"]
+    assert names(rank(items, rate, simple, tie=0.03)) == ["DP 4", "PP 4", "PP 2", "DP 2",
+                                                           "TP 2"]
+    # DP 2 is 2.5 % behind: outside a 2 % tie, DP 4 (1.5 %) is in
+    assert names(rank(items, rate, simple, tie=0.01))[0] == "PP 2"
+    assert rank([], rate, simple, tie=0.03) == []
+
+
+def test_cluster_local_ties_close_predictions_and_the_presets_do_not(small):
+    """Cluster.local: its replay's error (~5 %) is larger than the gaps between its top
+    layouts, so ``plan`` ranks the simplest within ``LOCAL_TIE`` first; the presets
+    rank by samples/s alone.  The tie survives the cluster's JSON."""
+    from epl.auto import machines
+    local = Cluster.from_local(dict(matmul_flops=1e10, memory_bandwidth=1e10,
+                                    allreduce_bandwidth=1e9, allreduce_latency_s=1e-4),
+                               4, memory_bytes=1 << 34)
+    assert local.tie == machines.LOCAL_TIE > 0 and Cluster.preset("a100-80gb").tie == 0
+    assert Cluster.from_dict(local.to_dict()).tie == local.tie
+    _, prof = small
+    report = plan(None, None, None, local, 8, profile=prof)
+    rates = [c.prediction.samples_per_s for c in report.candidates]
+    top = max(rates)
+    tied = [c for c in report.candidates if c.prediction.samples_per_s >= top * (1 - local.tie)]
+    assert (report.best.layout.p, report.best.layout.t) == min(
+        (c.layout.p, c.layout.t) for c in tied)
+    assert rates[1:] == sorted(rates[1:], reverse=True)

@@ -27,6 +27,8 @@ TFLOPS = 1e12
 # (benchmarks/plan_megatron.py --fit); the other devices and dtypes reuse that value
 # (not fitted: no published table of theirs is used here).
 FITTED_EFFICIENCY = 0.6405
+# ``Cluster.tie`` of Cluster.local (below): predictions this close are ties there
+LOCAL_TIE = 0.03
 
 _PRESETS = {
     "v100-32gb": dict(
@@ -160,6 +162,11 @@ class Cluster(object):
         # products=True: epl.auto.product_timing), on this many cores
         self.time_products = False
         self.cores = 1
+        # Predictions of samples/s closer than this share of the fastest are ties, and
+        # ``plan`` ranks the simplest of them first (``planner.rank``): Cluster.local's
+        # replay on shared cores misses by ~5 % (its median; docs/plan.md) while its
+        # layouts' predictions lie 1-3 % apart.  The presets rank by samples/s alone.
+        self.tie = 0.0
 
     @property
     def num_devices(self):
@@ -211,6 +218,7 @@ class Cluster(object):
                                                latency_s, transport))
         out.calibration = figures
         out.cores = int(figures.get("cores", 1))
+        out.tie = LOCAL_TIE
         return out
 
     def with_nodes(self, nodes):
@@ -223,7 +231,8 @@ class Cluster(object):
                     device=self.device.to_dict(), intra=self.intra.to_dict(),
                     inter=self.inter.to_dict(), accumulate_in_place=self.accumulate_in_place,
                     fusion_buffer=self.fusion_buffer, stage_cut=self.stage_cut,
-                    shared_cores=self.shared_cores, shared_variables=self.shared_variables)
+                    shared_cores=self.shared_cores, shared_variables=self.shared_variables,
+                    tie=self.tie)
 
     def to_json(self, path=None):
         text = json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -248,6 +257,7 @@ class Cluster(object):
         out.stage_cut = d.get("stage_cut", "even")
         out.shared_cores = bool(d.get("shared_cores", False))
         out.shared_variables = bool(d.get("shared_variables", False))
+        out.tie = float(d.get("tie", 0.0))
         return out
 
     @classmethod

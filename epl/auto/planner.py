@@ -1,6 +1,7 @@
 """``epl.auto.plan``: every layout EPL can run on a cluster, priced by ``predict`` from
 one build of the model's graph, those over the device memory dropped, the rest ranked by
-predicted samples/s.
+predicted samples/s (where the cluster says predictions closer than a share are ties:
+the simplest of the tied first, ``rank``).
 
 Enumerated: tensor-parallel degree t (divides the heads and the devices per node) x
 pipeline stages p (divides the blocks) x data parallelism d = devices / (t p) (divides
@@ -45,7 +46,7 @@ class Candidate(object):
 
 
 class PlanReport(object):
-    """``candidates`` (feasible, fastest first), ``infeasible`` (over memory),
+    """``candidates`` (feasible, fastest first: ``rank``), ``infeasible`` (over memory),
     ``best``, ``seconds``, ``to_json(path)``, ``table()``."""
 
     def __init__(self, cluster, global_batch, candidates, infeasible, seconds, profile):
@@ -148,5 +149,23 @@ def plan(model_fn, dataset_fn, optimizer_fn, cluster, global_batch, layers=None,
             continue
         cand = Candidate(lay, pred, cluster.devices_per_node)
         (feasible if pred.peak_memory_bytes <= limit else infeasible).append(cand)
-    feasible.sort(key=lambda c: (-c.prediction.samples_per_s, c.prediction.peak_memory_bytes))
+    feasible = rank(feasible, lambda c: c.prediction.samples_per_s,
+                    lambda c: (c.layout.p, c.layout.t), cluster.tie,
+                    lambda c: c.prediction.peak_memory_bytes)
     return PlanReport(cluster, global_batch, feasible, infeasible, time.time() - start, prof)
+
+
+def rank(items, rate, simplicity, tie=0.0, cost=lambda item: 0):
+    """``items`` fastest first by predicted ``rate`` (then lowest ``cost``), except
+    that the first is the simplest (lowest ``simplicity``: fewer pipeline stages, a
+    lower split degree) of those within ``tie`` of the fastest, the fastest of them
+    where several are as simple.  Why: where the predictor's error is larger than the
+    gaps between the top layouts (``Cluster.tie``), their order is noise, and the
+    simpler layout is the safer choice (a pipeline's replay on shared cores missed by
+    the most: 4 stages predicted 4-8 % faster than measured)."""
+    ranked = sorted(items, key=lambda c: (-rate(c), cost(c)))
+    if not ranked or tie <= 0:
+        return ranked
+    near = [c for c in ranked if rate(c) >= rate(ranked[0]) * (1.0 - tie)]
+    first = min(near, key=simplicity)           # (min keeps the first of equals)
+    return [first] + [c for c in ranked if c is not first]
