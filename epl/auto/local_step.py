@@ -93,13 +93,14 @@ def update_seconds(flow, timings, processes=1, cores=1):
     return max(per_device.values())
 
 
-def replay(flow, timings, costs, input_seconds, cores, machine_flops, copies):
-    """Seconds of ``copies`` replicas of ``flow`` on ``cores`` shared cores (the
-    optimizer's updates as bare ops: ``update_seconds`` prices them)."""
+def replay(flow, timings, costs, input_seconds, cores, machine_flops, copies, processes=1):
+    """Seconds of ``copies`` replicas of ``flow`` in ``processes`` worker processes on
+    ``cores`` shared cores (the optimizer's updates as bare ops: ``update_seconds``
+    prices them)."""
     jobs = []
     pulls = set(flow.get("inputs", ()))
     updates = set(i for i, _ in flow.get("updates") or ())
-    places = flow.get("devices") or [None] * len(flow["sigs"])  # a built, placed step's
+    places = flow.get("devices") or [""] * len(flow["sigs"])  # (a built, placed step's)
     for i, (sig, f) in enumerate(zip(flow["sigs"], flow["flops"])):
         x = timings.get(sig) if sig is not None and i not in updates else None
         if i in pulls:              # the input pipeline's batch: its own time
@@ -107,13 +108,12 @@ def replay(flow, timings, costs, input_seconds, cores, machine_flops, copies):
         elif x:
             jobs.append(dataflow.job(x["alone"], x["shared"], cores,
                                      x.get("first", 0.0) - x["alone"] - costs["handoff"])
-                        + (places[i] and (places[i], sig),))
+                        + ((places[i], sig),))
         elif f:                     # an untimed product: by FLOPs, on every core
-            jobs.append((f / machine_flops * cores, float(cores), 0.0,
-                         places[i] and (places[i], i)))
+            jobs.append((f / machine_flops * cores, float(cores), 0.0, (places[i], i)))
         else:
             jobs.append((costs["op"], 1.0))
     for i, n in enumerate(flow.get("hops") or ()):  # tensors received from another device
         if n:
             jobs[i] = (jobs[i][0] + n * costs["hop"],) + tuple(jobs[i][1:])
-    return dataflow.makespan(jobs, flow["deps"], cores, copies)
+    return dataflow.makespan(jobs, flow["deps"], cores, copies, processes)

@@ -214,7 +214,8 @@ def price(profile, layout, cluster, global_batch=None):
     if flow is not None:
         replayed = local_step.replay(flow, timings, costs, profile.input_seconds(),
                                      cluster.cores, flops_s * cluster.devices_per_node,
-                                     1 if whole_step else d)
+                                     1 if whole_step else d,
+                                     1 if whole_step else min(d, cluster.nodes))
         update_timed = local_step.update_seconds(
             flow, timings, 1 if whole_step or lay.zero else min(d, cluster.nodes),
             cluster.cores)
