@@ -243,10 +243,11 @@ def price(profile, layout, cluster, global_batch=None):
         backward) kernels, the untimed ones by FLOPs (backward = 2 x forward)."""
         if timings is None:
             return (2.0 if backward else 1.0) * flops(r) * thin(r) * mb / flops_s
-        kernels = sum(n[1 if backward else 0] * kernel_s(sig) for sig, n in
-                      r.products.items()) * split_share(r.flops_split, r.flops) \
-            + sum(n[1 if backward else 0] * kernel_s(sig) for sig, n in
-                  timed_kernels(r).items()) * split_share(r.pointwise_split, r.pointwise)
+        def timed_s(counts, split, whole):      # {sig: [forward, backward] runs}
+            return sum(n[1 if backward else 0] * kernel_s(sig) for sig, n in
+                       counts.items()) * split_share(split, whole)
+        kernels = timed_s(r.products, r.flops_split, r.flops) \
+            + timed_s(timed_kernels(r), r.pointwise_split, r.pointwise)
         untimed = r.untimed_flops * split_share(r.flops_split, r.flops)
         return kernels * mb / float(profile.rows) \
             + (2.0 if backward else 1.0) * untimed * thin(r) * mb / flops_s
