@@ -134,13 +134,14 @@ def makespan(jobs, deps, cores, copies=1, processes=1):
 
 
 def _widths(jobs, running, cores):
-    """The width each running op ((its process when they crowd the cores, else 0;
-    its index)) uses the cores at: its own, unless ops spread over the cores run at
-    once on different devices and are different kernels (their ``place``: (device,
-    kernel); in different processes, always different); then each spread one needs all the cores for its time alone (measured
-    on 2 cores: chains of two different large products on two devices took 24.2 ms
-    side by side, 25.3 one after the other; their widths, from two copies of the same
-    kernel in one process, said 20.4)."""
+    """The width each running op ((its process where the processes crowd the cores,
+    else 0; its index)) uses the cores at: its own, unless ops spread over the cores
+    run at once on different devices and are different kernels (their ``place``:
+    (device, kernel); in different crowding processes, always different); then each
+    spread one needs all the cores for its time alone (measured on 2 cores: chains of
+    two different large products on two devices took 24.2 ms side by side, 25.3 one
+    after the other; their widths, from two copies of the same kernel in one process,
+    said 20.4)."""
     spread = [(g, jobs[i][3]) for g, i in running
               if jobs[i][1] > 1.0 and len(jobs[i]) > 3 and jobs[i][3]]
     devices = set((g, device) for g, (device, _) in spread)
