@@ -122,7 +122,7 @@ def test_more_worker_processes_than_cores_take_as_long_as_one_after_another():
     assert dataflow.makespan(jobs, [[]], cores=2, copies=3, processes=3) == \
         pytest.approx(3e-3)
     # no more processes than cores: as replicas in one process (measured: 2 processes
-    # 9-12 % slower than that, 3 x faster than one after another)
+    # 9-12 % slower than that, 4-8 % faster than one after another)
     assert dataflow.makespan(jobs, [[]], cores=2, copies=2, processes=2) == \
         pytest.approx(1.5e-3)
 

@@ -183,7 +183,7 @@ def test_rank_puts_the_simplest_of_the_tied_first():
     assert names(rank(items, rate, simple)) == ["PP 4", "PP 2", "DP 4", "DP 2", "TP 2"]
     assert names(rank(items, rate, simple, tie=0.03)) == ["DP 4", "PP 4", "PP 2", "DP 2",
                                                            "TP 2"]
-    # DP 2 is 2.5 % behind: outside a 2 % tie, DP 4 (1.5 %) is in
+    # a 1 % tie: only PP 2 (1 % behind) is tied with PP 4; DP 4 (1.5 %) is out
     assert names(rank(items, rate, simple, tie=0.01))[0] == "PP 2"
     assert rank([], rate, simple, tie=0.03) == []
 
