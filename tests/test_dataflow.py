@@ -134,3 +134,19 @@ def test_each_worker_process_has_its_own_pool():
     assert dataflow.makespan(thin, [[]], cores=2, copies=3) == pytest.approx(2e-3)
     assert dataflow.makespan(thin, [[]], cores=2, copies=3, processes=3) == \
         pytest.approx(1.5e-3)
+
+
+def test_one_devices_cheap_ops_take_turns_and_other_devices_run_beside():
+    # a cheap op (under INLINE_S: one thread, a few microseconds) is the executor's own
+    # work: one device runs them one at a time (measured: the mini-BERT's one-device
+    # step took its ops' times one after another; two at a time read it 16 % fast)
+    cheap = dataflow.INLINE_S / 4
+    same = [(cheap, 1.0, 0.0, ("d0", "a")), (cheap, 1.0, 0.0, ("d0", "b"))]
+    assert dataflow.makespan(same, [[], []], cores=2) == pytest.approx(2 * cheap)
+    apart = [(cheap, 1.0, 0.0, ("d0", "a")), (cheap, 1.0, 0.0, ("d1", "b"))]
+    assert dataflow.makespan(apart, [[], []], cores=2) == pytest.approx(cheap)
+    # replicas each run on their own device
+    assert dataflow.makespan(same[:1], [[]], cores=2, copies=2) == pytest.approx(cheap)
+    # an op that is not cheap runs beside them on its device
+    wide = [(cheap, 1.0, 0.0, ("d0", "a")), (1e-3, 1.0, 0.0, ("d0", "b"))]
+    assert dataflow.makespan(wide, [[], []], cores=2) == pytest.approx(1e-3)

@@ -206,3 +206,38 @@ def test_cluster_local_ties_close_predictions_and_the_presets_do_not(small):
     assert (report.best.layout.p, report.best.layout.t) == min(
         (c.layout.p, c.layout.t) for c in tied)
     assert rates[1:] == sorted(rates[1:], reverse=True)
+
+
+def test_epls_inprocess_allreduce_is_one_rendezvous_timed_without_the_calibrations_runs():
+    """In one process EPL's all-reduce is one rendezvous (the last rank reduces every
+    rank's tensor: csrc/collectives.cc): one latency per collective at any rank count,
+    not a ring's 2 (n-1).  The calibration timed it in Session.runs, whose overhead a
+    collective inside a step does not pay.  Both survive the cluster's JSON."""
+    from epl.auto import machines
+    from epl.auto.predictor import dp_allreduce_s, link_allreduce_s, ring_allreduce_s
+    small, large, run = 1 << 16, 8 << 20, 5e-5
+    figures = dict(matmul_flops=1e10, memory_bandwidth=1e10, run_overhead_s=run,
+                   allreduce_bandwidth=1e9, allreduce_latency_s=1e-4,
+                   allreduce_seconds={str(small): 1.2e-4, str(large): 1.0e-3})
+    local = Cluster.from_local(figures, 4, memory_bytes=1 << 34)
+    bandwidth = (large - small) / (1.0e-3 - 1.2e-4)
+    latency = (1.2e-4 - run - small / bandwidth) / 2
+    assert local.intra.algorithm == "rendezvous"
+    assert local.intra.bandwidth == pytest.approx(bandwidth)
+    assert local.intra.latency == pytest.approx(latency)
+    assert Cluster.from_dict(local.to_dict()).intra.algorithm == "rendezvous"
+    # at 2 ranks it is what was calibrated: the ring's price; at 4, one latency
+    n = 1 << 20
+    assert link_allreduce_s(n, 2, local.intra) == pytest.approx(
+        ring_allreduce_s(n, 2, bandwidth, latency))
+    assert link_allreduce_s(n, 4, local.intra) == pytest.approx(
+        5.0 / 3 * n / bandwidth + 2 * latency)
+    assert dp_allreduce_s(n, local, 1, 4, chained=3) == pytest.approx(
+        5.0 / 3 * n / bandwidth + 6 * latency)
+    # the presets' links are rings
+    a100 = Cluster.preset("a100-80gb")
+    assert a100.intra.algorithm == "ring" and "algorithm" not in a100.to_dict()["intra"]
+    assert link_allreduce_s(n, 4, a100.intra) == ring_allreduce_s(
+        n, 4, a100.intra.bandwidth, a100.intra.latency)
+    with pytest.raises(ValueError, match="algorithm must be one of ring, rendezvous"):
+        machines.Link("x", 1e9, 1e-6, algorithm="tree")

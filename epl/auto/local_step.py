@@ -104,7 +104,7 @@ def replay(flow, timings, costs, input_seconds, cores, machine_flops, copies, pr
     for i, (sig, f) in enumerate(zip(flow["sigs"], flow["flops"])):
         x = timings.get(sig) if sig is not None and i not in updates else None
         if i in pulls:              # the input pipeline's batch: its own time
-            jobs.append((max(input_seconds, costs["op"]), 1.0))
+            jobs.append((max(input_seconds, costs["op"]), 1.0, 0.0, (places[i], None)))
         elif x:
             jobs.append(dataflow.job(x["alone"], x["shared"], cores,
                                      x.get("first", 0.0) - x["alone"] - costs["handoff"])
@@ -112,7 +112,7 @@ def replay(flow, timings, costs, input_seconds, cores, machine_flops, copies, pr
         elif f:                     # an untimed product: by FLOPs, on every core
             jobs.append((f / machine_flops * cores, float(cores), 0.0, (places[i], i)))
         else:
-            jobs.append((costs["op"], 1.0))
+            jobs.append((costs["op"], 1.0, 0.0, (places[i], None)))
     for i, n in enumerate(flow.get("hops") or ()):  # tensors received from another device
         if n:
             jobs[i] = (jobs[i][0] + n * costs["hop"],) + tuple(jobs[i][1:])

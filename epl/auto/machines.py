@@ -114,18 +114,29 @@ class Device(object):
 
 
 class Link(object):
-    """A network: bandwidth (bytes/s, one direction, per port) and latency per step."""
+    """A network: bandwidth (bytes/s, one direction, per port) and latency per step.
+    ``algorithm``: how an all-reduce over it runs: "ring" (NCCL's, the presets': 2 (n-1)
+    steps) or "rendezvous" (EPL's in one process, csrc/collectives.cc: the last rank to
+    arrive reduces every rank's tensor in one pass; ``predictor.link_allreduce_s``)."""
 
-    def __init__(self, kind, bandwidth, latency, nics_per_node=None):
+    ALGORITHMS = ("ring", "rendezvous")
+
+    def __init__(self, kind, bandwidth, latency, nics_per_node=None, algorithm="ring"):
+        if algorithm not in self.ALGORITHMS:
+            raise ValueError("epl.auto.Link: algorithm must be one of %s, got %r"
+                             % (", ".join(self.ALGORITHMS), algorithm))
         self.kind = kind
         self.bandwidth = float(bandwidth)
         self.latency = float(latency)
         self.nics_per_node = nics_per_node
+        self.algorithm = algorithm
 
     def to_dict(self):
         out = dict(kind=self.kind, bandwidth=self.bandwidth, latency=self.latency)
         if self.nics_per_node is not None:
             out["nics_per_node"] = self.nics_per_node
+        if self.algorithm != "ring":
+            out["algorithm"] = self.algorithm
         return out
 
 

@@ -56,9 +56,22 @@ def ring_allreduce_s(nbytes, members, bandwidth, latency):
     return 2.0 * (members - 1) / members * nbytes / bandwidth + 2 * (members - 1) * latency
 
 
+def link_allreduce_s(nbytes, members, link, chained=1):
+    """An all-reduce over ``members`` ranks of ``link``, ``chained`` collectives one after
+    another (their bytes sent once): a ring, or EPL's in-process rendezvous
+    (``Link.algorithm``), where the last rank to arrive reduces every rank's tensor in
+    one pass: n reads and a write of the size (3 at the 2 ranks it is calibrated on:
+    the ring's bytes there) and one latency per collective, whatever the ranks."""
+    if link.algorithm != "rendezvous":
+        return ring_allreduce_s(nbytes, members, link.bandwidth, link.latency * chained)
+    if members <= 1 or nbytes <= 0:
+        return 0.0
+    return (members + 1) / 3.0 * nbytes / link.bandwidth + 2 * link.latency * chained
+
+
 def tp_allreduce_s(nbytes, cluster, t):
     if t <= cluster.devices_per_node:
-        return ring_allreduce_s(nbytes, t, cluster.intra.bandwidth, cluster.intra.latency)
+        return link_allreduce_s(nbytes, t, cluster.intra)
     return ring_allreduce_s(nbytes, t, cluster.nic_bandwidth_per_device(),
                             cluster.inter.latency)
 
@@ -72,8 +85,7 @@ def dp_allreduce_s(nbytes, cluster, t, d, chained=1):
     local = max(1, min(d, cluster.devices_per_node // t)) if t < cluster.devices_per_node \
         else 1
     nodes = d // local
-    intra = ring_allreduce_s(nbytes, local, cluster.intra.bandwidth,
-                             cluster.intra.latency * chained)
+    intra = link_allreduce_s(nbytes, local, cluster.intra, chained)
     inter = ring_allreduce_s(nbytes / float(local), nodes, cluster.nic_bandwidth_per_device(),
                              cluster.inter.latency * chained)
     return intra + inter
@@ -319,8 +331,7 @@ def price(profile, layout, cluster, global_batch=None):
                 (t - 1.0) / t * nbytes / cluster.intra.bandwidth if t > 1 else 0.0)
             send = 2 * one * lay.chunks
         if head is not None:   # its input gathered from every replica, its gradient back
-            tp += ring_allreduce_s(head.input_bytes * mb * d * act_scale, d,
-                                   cluster.intra.bandwidth, cluster.intra.latency)
+            tp += link_allreduce_s(head.input_bytes * mb * d * act_scale, d, cluster.intra)
         per_stage.append((compute, tp, send))
         # memory
         n_params = sum(params(r) for r in regions + extra)
@@ -453,8 +464,7 @@ def price(profile, layout, cluster, global_batch=None):
         # measured: the MLP's DP 2 step 59.9 ms, with ZeRO 58.9, with offload 54.8)
         in_place = cluster.shared_variables and cluster.nodes == 1
         if lay.zero and d > 1 and not in_place:   # each replica updates 1/d: the weights
-            ag = ring_allreduce_s(det["weights"], d, cluster.intra.bandwidth,  # gathered
-                                  cluster.intra.latency) / 2.0
+            ag = link_allreduce_s(det["weights"], d, cluster.intra) / 2.0  # gathered
             zero_gather = max(zero_gather, ag)
         if lay.offload and not in_place:
             offload = max(offload, (det["gradients"] + det["weights"]) / dev.host_bandwidth)
