@@ -356,9 +356,15 @@ def main(argv=None):
     ap.add_argument("--reprice", default=None, metavar="JSON",
                     help="price the rows measured in an earlier run's JSON again (the "
                     "predictor changed; the measurements are kept)")
+    ap.add_argument("--cached-kernels", action="store_true",
+                    help="price with the kernels' timings cached under ~/.cache/epl "
+                    "(default: time each model's kernels in this run, under the load "
+                    "of its runs: common.fresh_kernel_timings)")
     args = ap.parse_args(argv)
     if args.reprice:
         return reprice(args.reprice, args.json)
+    import common
+    common.fresh_kernel_timings(args.cached_kernels)
     from epl.auto import Cluster, graph_profile
     from epl.auto import search
     start = time.time()
@@ -498,10 +504,12 @@ def table(rows):
 
 
 def _simplicity(row):
-    """(pipeline stages, devices) of a row's layout: ``planner.rank``'s tie-break."""
+    """(pipeline stages, split degree, devices) of a row's layout: ``planner.rank``'s
+    tie-break as ``plan`` has it ((p, t): its layouts all use the cluster's devices),
+    then the fewer devices (the rows here use 1, 2 or 4)."""
     stages = [s[1]["num_stages"] for s in row["strategy"]
               if isinstance(s, list) and s[0] == "pipeline"]
-    return (stages[0] if stages else 1, row["devices"])
+    return (stages[0] if stages else 1, tp_degree(row["strategy"]), row["devices"])
 
 
 def summarize(rows):
@@ -527,7 +535,8 @@ def summarize(rows):
     for model in sorted(set(r["model"] for r in ok)):
         mine = [r for r in ok if r["model"] == model]
         fastest = max(mine, key=lambda r: r["samples_per_s"])
-        # ranked as ``plan`` ranks on Cluster.local (ties: the fewest stages, then devices)
+        # ranked as ``plan`` ranks on Cluster.local (ties: the fewest stages, the lowest
+        # split degree, then the fewest devices)
         chosen, alone = [planner.rank(mine, lambda r: r["pred_samples_per_s"], _simplicity,
                                       tie)[0] for tie in (machines.LOCAL_TIE, 0.0)]
         gap, gap_alone = [100.0 * (1 - r["samples_per_s"] / fastest["samples_per_s"])

@@ -302,11 +302,16 @@ def main(argv=None):
     ap.add_argument("--reprice", default=None, metavar="JSON",
                     help="price the rows of an earlier run again (today's predictor, "
                     "their calibration and measurements), write --json")
+    ap.add_argument("--cached-kernels", action="store_true",
+                    help="price with the kernels' timings cached under ~/.cache/epl "
+                    "(default: timed in this run: common.fresh_kernel_timings)")
     args = ap.parse_args(argv)
     if args.worker:
         return worker_main(args.model, args.steps, args.out)
     if args.reprice:
         return reprice(args.reprice, args.json)
+    import common
+    common.fresh_kernel_timings(args.cached_kernels)
     # SIGTERM (a watchdog, a person) ends the run through the Networks' cleanup
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("plan_multiprocess: terminated"))
     from epl.auto import graph_profile, search
