@@ -65,10 +65,11 @@ def free_ports(k):
 def fresh_kernel_timings(cached=False):
     """Point EPL's planner caches (the calibration, the kernels' timings) at a folder of
     this run unless ``cached``: the planner's accuracy benchmarks then time each model's
-    kernels under the load of the moment, side by side with its runs.  Why: kernel
-    times cached hours before read a slower hour's steps 9-21 % fast (this machine,
-    stop 48: its products ran 14 % slower at 17:40 than at 14:40).  Returns the
-    folder, or None where the cache is kept."""
+    kernels under the load of the moment, side by side with its runs, as they measure
+    the calibration (a prediction and its measurement from one hour).  It does not
+    correct a slower hour by itself: stop 48's steps ran 10-15 % slower than three
+    hours before while the kernels' chains did not (docs/plan.md, Limits).  Returns
+    the folder, or None where the cache is kept."""
     if cached:
         return None
     import tempfile
