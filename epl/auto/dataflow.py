@@ -42,7 +42,8 @@ def job(alone, shared, cores, wake=0.0):
     time measures the executor running two copies, not the cores (measured: the corpus
     mini-BERT's 2 replicas ran 1.33x as long as 1, its kernels' shared times said 2x).
     ``wake``: what a kernel spread over the cores pays when it starts with no other one
-    running (``product_timing.HANDOFF``); none for one thread."""
+    of its replica and device running (``product_timing.HANDOFF``); none for one
+    thread."""
     alone, shared = max(alone, 0.0), max(shared, 0.0)
     if alone < INLINE_S:
         return alone, 1.0, 0.0
@@ -56,10 +57,14 @@ def makespan(jobs, deps, cores, copies=1, processes=1):
 
     ``jobs[i]``: (work, width), (work, width, wake) or (work, width, wake, place) of
     op i (work 0: instant; wake: seconds added at its width when it starts with no
-    other op wider than one core running: Eigen's threads asleep; place: (its device,
-    its kernel) or None, ``_widths``); ``deps[i]``: the indices of the ops op i waits
-    for (all below i: a topological order).  Each process's executor starts at most
-    ``cores`` ops at once, and each device's runs its cheap ops (one thread, under
+    other op of its own copy and device wider than one core running: a lone run's cost
+    beyond its chain, Eigen's threads woken and its inputs first touched; another
+    replica's or stage's kernel beside it does not spare it that (measured: the GPT's 2
+    replicas ran 1.80-1.85x as long as 1 in three runs, its kernels' shared times sum
+    to 1.80x their times alone; one wake-up for all replicas replayed 1.62x); place:
+    (its device, its kernel) or None, ``_widths``); ``deps[i]``: the indices of the ops
+    op i waits for (all below i: a topological order).  Each process's executor starts
+    at most ``cores`` ops at once, and each device's runs its cheap ops (one thread, under
     ``INLINE_S``; the ops without a kernel) one at a time, beside its wider ones and
     other devices' (measured: the corpus mini-BERT's step, 1305 ops of 1-3 us on one
     device, took 2.49 ms, its ops' times one after another 2.33 ms and its update
@@ -110,7 +115,7 @@ def makespan(jobs, deps, cores, copies=1, processes=1):
         for an op that is not cheap."""
         if jobs[i][1] > 1.0 or jobs[i][0] >= INLINE_S:
             return None
-        return (c, jobs[i][3][0] if len(jobs[i]) > 3 and jobs[i][3] else "")
+        return (c, _device(jobs[i]))
     while ready or running:
         busy = collections.Counter(process(c) for c, _, _ in running)
         lanes = set(lane(c, i) for c, i, _ in running) - {None}
@@ -126,8 +131,9 @@ def makespan(jobs, deps, cores, copies=1, processes=1):
                 lanes.add(own)
             busy[process(c)] += 1
             work = jobs[i][0]
-            if len(jobs[i]) > 2 and jobs[i][2] > 0.0 \
-                    and not any(jobs[k][1] > 1.0 for _, k, _ in running):
+            if len(jobs[i]) > 2 and jobs[i][2] > 0.0 and not any(
+                    jobs[k][1] > 1.0 and (c2, _device(jobs[k])) == (c, _device(jobs[i]))
+                    for c2, k, _ in running):
                 work += jobs[i][2] * jobs[i][1]
             running.append([c, i, work])
         for entry in held:
@@ -148,6 +154,11 @@ def makespan(jobs, deps, cores, copies=1, processes=1):
                 still.append(entry)
         running = still
     return now
+
+
+def _device(job):
+    """The device of a job with a place, else "" (a replica's step is one device)."""
+    return job[3][0] if len(job) > 3 and job[3] else ""
 
 
 def _widths(jobs, running, cores):
