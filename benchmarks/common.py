@@ -66,10 +66,10 @@ def fresh_kernel_timings(cached=False):
     """Point EPL's planner caches (the calibration, the kernels' timings) at a folder of
     this run unless ``cached``: the planner's accuracy benchmarks then time each model's
     kernels under the load of the moment, side by side with its runs, as they measure
-    the calibration (a prediction and its measurement from one hour).  It does not
-    correct a slower hour by itself: stop 48's steps ran 10-15 % slower than three
-    hours before while the kernels' chains did not (docs/plan.md, Limits).  Returns
-    the folder, or None where the cache is kept."""
+    the calibration (a prediction and its measurement from one hour: the machine's
+    steps here moved 10-15 % between hours, and kernels timed in a slower hour priced
+    stop 47's faster one's rows slow; docs/plan.md, stop 49).  Returns the folder, or
+    None where the cache is kept."""
     if cached:
         return None
     import tempfile
