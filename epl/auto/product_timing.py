@@ -301,24 +301,55 @@ def _session_config(cores):
 def _fast_seconds(sess, fetch, budget=0.2, least=5):
     """The median of the runs after a warm-up (other work on shared cores only slows
     runs down; the median keeps one lucky run out)."""
-    sess.run(fetch)                                  # warm-up
-    times, start = [], time.perf_counter()
-    while len(times) < least or (time.perf_counter() - start < budget
-                                 and len(times) < max(50, int(budget * 250))):
-        began = time.perf_counter()
-        sess.run(fetch)
-        times.append(time.perf_counter() - began)
-    return sorted(times)[len(times) // 2]
+    return _medians(_rounds(sess, [fetch], budget, least))[0]
 
 
-def _per_copy(sess, chains, budget):
+def _rounds(sess, fetches, budget=0.2, least=5):
+    """Runs of the ``fetches`` taken in turn, after a warm-up of each: one list of
+    seconds per round, one entry per fetch.  Taken in turn, a slow moment of the
+    machine (another process on the shared cores) falls on every fetch alike; timed one
+    fetch after the other it fell on one (measured: a wide product's lone run read 6.21
+    ms and its chain 1.09 ms a copy in one run, 3.00 and 2.73 in another; its
+    wake-up, the difference, priced the wide-head model 7-45 % slow)."""
+    for fetch in fetches:
+        sess.run(fetch)                              # warm-up
+    rounds, start = [], time.perf_counter()
+    cap = max(50, int(budget * 250))
+    while len(rounds) < least or (time.perf_counter() - start < budget * len(fetches)
+                                  and len(rounds) < cap):
+        times = []
+        for fetch in fetches:
+            began = time.perf_counter()
+            sess.run(fetch)
+            times.append(time.perf_counter() - began)
+        rounds.append(times)
+    return rounds
+
+
+def _medians(rounds):
+    """Each fetch's median over the ``rounds`` (``_rounds``)."""
+    return [sorted(r[k] for r in rounds)[len(rounds) // 2] for k in range(len(rounds[0]))]
+
+
+def _median_gap(rounds, a, b):
+    """The median over the rounds of fetch b's time less fetch a's in the same round:
+    what b does beyond a, a slow moment taken out of both."""
+    gaps = sorted(r[b] - r[a] for r in rounds)
+    return gaps[len(gaps) // 2]
+
+
+def _per_copy(sess, chains, budget, floor=None):
     """(seconds one copy adds to ``chains`` run side by side, seconds of the run through
-    their first copies): the runs through their first copy and through a later one
-    (fewer copies for a long kernel)."""
-    first = _fast_seconds(sess, [c[0] for c in chains], budget)
-    n = int(min(CHAIN, max(3, 1 + CHAIN_S / max(first, 1e-6))))
-    last = _fast_seconds(sess, [c[n - 1] for c in chains], budget)
-    return max(0.0, (last - first) / (n - 1)), first
+    their first copies, less ``floor``'s run where given): the runs through their first
+    copy and through a later one (fewer copies for a long kernel), taken in turn with
+    ``floor`` (``_rounds``)."""
+    firsts = [c[0] for c in chains]
+    rough = min(t[0] for t in _rounds(sess, [firsts], 0.0, 3))
+    n = int(min(CHAIN, max(3, 1 + CHAIN_S / max(rough, 1e-6))))
+    fetches = [firsts, [c[n - 1] for c in chains]] + ([floor] if floor is not None else [])
+    rounds = _rounds(sess, fetches, budget)
+    first = _median_gap(rounds, 2, 0) if floor is not None else _medians(rounds)[0]
+    return max(0.0, _median_gap(rounds, 0, 1) / (n - 1)), first
 
 
 def measure(sigs, cores):
@@ -348,10 +379,10 @@ def measure(sigs, cores):
                 try:
                     sess.run(v1.global_variables_initializer())
                     sess.run(v1.get_collection(update_timing.INITS))
-                    floor = _fast_seconds(sess, tf.no_op(), budget)  # Session.run's own
-                    alone, first = _per_copy(sess, chains[:1], budget)
+                    floor = tf.no_op()                  # Session.run's own
+                    alone, first = _per_copy(sess, chains[:1], budget, floor)
                     out[sig] = {"alone": alone, "shared": _per_copy(sess, chains, budget)[0],
-                                "first": max(0.0, first - floor)}
+                                "first": max(0.0, first)}
                 except tf.errors.OpError:
                     if not kernel:
                         raise
