@@ -64,7 +64,7 @@ def test_job_from_alone_and_shared_times():
     assert dataflow.job(1e-3, 2e-3, 2, -5e-5)[2] == 0.0
 
 
-def test_a_wide_op_pays_its_wake_up_only_with_no_other_wide_op_running():
+def test_a_wide_op_pays_its_wake_up_only_with_no_other_wide_op_of_its_replica_running():
     # alone: 2 core-ms + 0.5 ms wake at width 2 -> (2 + 1) / 2 = 1.5 ms
     assert dataflow.makespan([(2e-3, 2.0, 5e-4)], [[]], cores=2) == pytest.approx(1.5e-3)
     # two wide ops started together: the first wakes the threads (3 core-ms), the

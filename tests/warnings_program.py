@@ -6,15 +6,20 @@ import tempfile
 
 import numpy as np
 import tensorflow.compat.v1 as tf
+from tensorflow.python.util import deprecation
 
 tf.disable_v2_behavior()  # TF 2.x: TF1 graph semantics (1.15: its defaults)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import epl  # noqa: E402
+from epl.auto.gpt import GPT  # noqa: E402
 from tests import models  # noqa: E402
 
 
 def fresh(devices, **cfg):
+    # TensorFlow warns once per deprecated function: forget which it warned about, so a
+    # use of EPL's after the program's own is seen
+    deprecation._PRINTED_WARNING.clear()
     models.reset()
     conf = {"cluster.devices_per_worker": devices}
     conf.update(cfg)
@@ -73,6 +78,18 @@ def main():
     model.compile(tf.keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
     model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat(), steps_per_epoch=2,
               epochs=1, verbose=0)
+    # memory-efficient AMP (its loss scale's update), the planner's GPT built and priced
+    fresh(2, **{"amp.level": "O1", "amp.loss_scale": "dynamic"})
+    epl.set_default_strategy(epl.replicate(1))
+    bx, by = batches(4)
+    _, loss = models.forward(bx, by)
+    deprecation._PRINTED_WARNING.clear()        # (the loss called tf.where: again)
+    train(tf.train.AdamOptimizer(0.01).minimize(loss))
+    fresh(1)
+    gpt = GPT(1, 64, 4, seq=16, vocab=64)
+    epl.auto.predict(gpt.model_fn, gpt.dataset_fn, gpt.optimizer_fn,
+                     [["data_parallel", {"degree": 8}]], epl.auto.Cluster.preset("a100-80gb"),
+                     global_batch=8)
     if hasattr(tf, "estimator"):  # TF 1.15 and 2.15 (removed in 2.16)
         estimator(x, y)
     print("EPL warnings program done")

@@ -131,10 +131,11 @@ def makespan(jobs, deps, cores, copies=1, processes=1):
                 lanes.add(own)
             busy[process(c)] += 1
             work = jobs[i][0]
-            if len(jobs[i]) > 2 and jobs[i][2] > 0.0 and not any(
-                    jobs[k][1] > 1.0 and (c2, _device(jobs[k])) == (c, _device(jobs[i]))
-                    for c2, k, _ in running):
-                work += jobs[i][2] * jobs[i][1]
+            if len(jobs[i]) > 2 and jobs[i][2] > 0.0:
+                mine = (c, _device(jobs[i]))
+                if not any(jobs[k][1] > 1.0 and (c2, _device(jobs[k])) == mine
+                           for c2, k, _ in running):
+                    work += jobs[i][2] * jobs[i][1]
             running.append([c, i, work])
         for entry in held:
             heapq.heappush(ready, entry)

@@ -34,7 +34,8 @@ def _layer_norm(x, h):
 
 
 def _dense(x, units, name):
-    return v1.layers.dense(x, units, name=name)
+    # (the layer class, which ``epl.split`` shards; its ``dense`` function is deprecated)
+    return v1.layers.Dense(units, name=name)(x)
 
 
 class GPT(object):

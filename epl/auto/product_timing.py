@@ -301,55 +301,52 @@ def _session_config(cores):
 def _fast_seconds(sess, fetch, budget=0.2, least=5):
     """The median of the runs after a warm-up (other work on shared cores only slows
     runs down; the median keeps one lucky run out)."""
-    return _medians(_rounds(sess, [fetch], budget, least))[0]
+    return _medians(sess, [fetch], budget, least)[0]
 
 
-def _rounds(sess, fetches, budget=0.2, least=5):
-    """Runs of the ``fetches`` taken in turn, after a warm-up of each: one list of
-    seconds per round, one entry per fetch.  Taken in turn, a slow moment of the
-    machine (another process on the shared cores) falls on every fetch alike; timed one
-    fetch after the other it fell on one (measured: a wide product's lone run read 6.21
-    ms and its chain 1.09 ms a copy in one run, 3.00 and 2.73 in another; its
-    wake-up, the difference, priced the wide-head model 7-45 % slow)."""
-    for fetch in fetches:
-        sess.run(fetch)                              # warm-up
-    rounds, start = [], time.perf_counter()
-    cap = max(50, int(budget * 250))
-    while len(rounds) < least or (time.perf_counter() - start < budget * len(fetches)
-                                  and len(rounds) < cap):
-        times = []
-        for fetch in fetches:
-            began = time.perf_counter()
-            sess.run(fetch)
-            times.append(time.perf_counter() - began)
-        rounds.append(times)
-    return rounds
+BLOCKS = 4      # blocks of runs each fetch's runs are spread over (``_medians``)
 
 
-def _medians(rounds):
-    """Each fetch's median over the ``rounds`` (``_rounds``)."""
-    return [sorted(r[k] for r in rounds)[len(rounds) // 2] for k in range(len(rounds[0]))]
-
-
-def _median_gap(rounds, a, b):
-    """The median over the rounds of fetch b's time less fetch a's in the same round:
-    what b does beyond a, a slow moment taken out of both."""
-    gaps = sorted(r[b] - r[a] for r in rounds)
-    return gaps[len(gaps) // 2]
+def _medians(sess, fetches, budget=0.2, least=5):
+    """Each fetch's median seconds, about ``budget`` seconds of runs each: the fetches
+    take turns in BLOCKS blocks, a block a warm-up run then runs of one fetch back to
+    back.  Spread over the whole timing, a slow moment of the machine (another process
+    on the shared cores) falls on a share of every fetch's runs; timed one fetch after
+    the other it fell on one (measured: a wide product's lone run read 6.21 ms and its
+    chain 1.09 ms a copy in one run, 3.00 and 2.73 in another; its wake-up, the
+    difference, priced the wide-head model 7-45 % slow).  Runs back to back, not one
+    fetch after the other: a run that follows another fetch's starts colder (measured:
+    the GPT's products' chains then read 5-16 % less a copy, and its steps 19 % fast)."""
+    times = [[] for _ in fetches]
+    cap = max(50, int(budget * 250)) // BLOCKS
+    for _ in range(BLOCKS):
+        for k, fetch in enumerate(fetches):
+            sess.run(fetch)                          # warm-up
+            start, block = time.perf_counter(), 0
+            while block < -(-least // BLOCKS) or (
+                    time.perf_counter() - start < budget / BLOCKS and block < cap):
+                began = time.perf_counter()
+                sess.run(fetch)
+                times[k].append(time.perf_counter() - began)
+                block += 1
+    return [sorted(t)[len(t) // 2] for t in times]
 
 
 def _per_copy(sess, chains, budget, floor=None):
     """(seconds one copy adds to ``chains`` run side by side, seconds of the run through
     their first copies, less ``floor``'s run where given): the runs through their first
     copy and through a later one (fewer copies for a long kernel), taken in turn with
-    ``floor`` (``_rounds``)."""
+    ``floor`` (``_medians``)."""
     firsts = [c[0] for c in chains]
-    rough = min(t[0] for t in _rounds(sess, [firsts], 0.0, 3))
+    sess.run(firsts)                                 # warm-up
+    began = time.perf_counter()
+    sess.run(firsts)
+    rough = time.perf_counter() - began
     n = int(min(CHAIN, max(3, 1 + CHAIN_S / max(rough, 1e-6))))
     fetches = [firsts, [c[n - 1] for c in chains]] + ([floor] if floor is not None else [])
-    rounds = _rounds(sess, fetches, budget)
-    first = _median_gap(rounds, 2, 0) if floor is not None else _medians(rounds)[0]
-    return max(0.0, _median_gap(rounds, 0, 1) / (n - 1)), first
+    times = _medians(sess, fetches, budget)
+    first = times[0] - times[2] if floor is not None else times[0]
+    return max(0.0, (times[1] - times[0]) / (n - 1)), first
 
 
 def measure(sigs, cores):

@@ -255,10 +255,10 @@ class SkipOnOverflow(object):
             with tf.control_dependencies([done]):
                 scale, good = self.scale.read_value(), self.good.read_value()
                 grown = good + 1 >= GROWTH_INTERVAL
-                new_scale = tf.where(self.finite, tf.where(grown, scale * 2.0, scale),
-                                     scale * 0.5)
-                new_good = tf.where(self.finite, tf.where(grown, tf.zeros_like(good), good + 1),
-                                    tf.zeros_like(good))
+                where = tf.compat.v2.where      # (TF 1.15's tf.where is deprecated)
+                new_scale = where(self.finite, where(grown, scale * 2.0, scale), scale * 0.5)
+                new_good = where(self.finite, where(grown, tf.zeros_like(good), good + 1),
+                                 tf.zeros_like(good))
                 updates = [self.scale.assign(new_scale, read_value=False),
                            self.good.assign(new_good, read_value=False)]
                 if self.debug_log:
