@@ -216,9 +216,13 @@ def price(profile, layout, cluster, global_batch=None):
     # replayed on the shared cores (epl.auto.local_step); GC adds the forward kernels
     # it runs again
     flow, whole_step = local_step.flow_of(profile, lay, cluster, head is None)
-    if flow is not None:
-        sigs = (sigs if sigs is not None else region_sigs()) \
-            | set(sig for sig in flow["sigs"] if sig is not None)
+    # ZeRO and offload on this machine's devices: their own ops, EPL's built step with
+    # them replayed against the same step without
+    moved = local_step.state_flows(profile, lay, cluster, head is None)
+    for f in [flow] + list(moved or []):
+        if f is not None:
+            sigs = (sigs if sigs is not None else region_sigs()) \
+                | set(sig for sig in f["sigs"] if sig is not None)
     if sigs is not None:
         timings, costs = local_step.timed(sigs, cluster.cores, op_overhead)
         op_overhead = costs["op"]
@@ -231,6 +235,12 @@ def price(profile, layout, cluster, global_batch=None):
         update_timed = local_step.update_seconds(
             flow, timings, 1 if whole_step or lay.zero else min(d, cluster.nodes),
             cluster.cores)
+    state_moves = 0.0
+    if moved is not None:
+        with_them, without = [local_step.replay(
+            f, timings, costs, profile.input_seconds(), cluster.cores,
+            flops_s * cluster.devices_per_node, 1) for f in moved]
+        state_moves = max(0.0, with_them - without)
 
     def timed_kernels(r):
         """The region's other kernels that were timed: {sig: [forward, backward]}."""
@@ -353,11 +363,17 @@ def price(profile, layout, cluster, global_batch=None):
             weights, grads, master, cast_copies = n_params * 4, n_params * 4, 0.0, n_params * 2
         slots = n_params * 4 * profile.slots_per_param
         states = master + slots
-        zero_grads = 0.0
+        zero_grads, held_share = 0.0, 1.0
         if lay.zero:
             share = zero_share(profile, d) if cluster.stage_cut == "epl" and p == 1 \
                 else 1.0 / d
             states *= share
+            if cluster.stage_cut == "epl":
+                # EPL places each variable itself on its owner too, its peers read it
+                # there (measured, DP 2: the MLP's variables 24.0 and 18.2 MiB on its
+                # two devices, 42.2 without ZeRO; priced whole on each, its ZeRO
+                # memory read 22-26 % high)
+                held_share = share
             if cluster.stage_cut == "epl" and d > 1:
                 # EPL reduces each variable's gradients to its owner: the owner holds
                 # the peers' copies of what it owns beside its own (measured: the wide
@@ -392,7 +408,7 @@ def price(profile, layout, cluster, global_batch=None):
             acts = profile.step_peak(updates_last=d > 1, side_by_side=t * p * d == 1) \
                 - grads - split_off
             scratch = 0.0
-        held = weights
+        held = weights * held_share
         if lay.offload:     # the variables live on the host: a GPU copies the weights in
             # for the step; EPL's CPU devices read them where they are (measured)
             held = 0.0 if dev.name.startswith("local") else weights
@@ -400,7 +416,7 @@ def price(profile, layout, cluster, global_batch=None):
             + zero_grads
         memory.append(int(mem))
         details.append(dict(stage=k, blocks=len(blocks) if staged is None else None,
-                            params=n_params, weights=weights,
+                            params=n_params, weights=weights, held_weights=held,
                             gradients=grads, gradient_copies=grad_copies,
                             reduced=grads - (head.params_split / float(d) * width
                                              if head is not None else 0.0),
@@ -468,6 +484,10 @@ def price(profile, layout, cluster, global_batch=None):
             zero_gather = max(zero_gather, ag)
         if lay.offload and not in_place:
             offload = max(offload, (det["gradients"] + det["weights"]) / dev.host_bandwidth)
+    if lay.offload:
+        offload += state_moves
+    else:
+        zero_gather += state_moves
     step = makespan + dp_exposed + update + offload + zero_gather + dev.run_overhead
     n_dev = t * p * d
     slow = totals.index(slowest)
