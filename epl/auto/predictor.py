@@ -19,6 +19,8 @@ docs/plan.md; in short, per pipeline stage and micro-batch:
 """
 
 from epl.auto import graph_profile, local_step, schedule
+from epl.auto.collective_cost import (  # noqa: F401  (link_ and ring_: the tests')
+    dp_allreduce_s, link_allreduce_s, ring_allreduce_s, tp_allreduce_s)
 from epl.auto.layout import Layout
 
 BUCKET_BYTES = 64 << 20       # gradient fusion bucket (communication.max_splits aside)
@@ -47,48 +49,6 @@ class Prediction(object):
         return ("Prediction(%s: %.4g s/step, %.4g samples/s, MFU %.3f, peak %.3g GiB)"
                 % (self.layout.describe(), self.step_time_s, self.samples_per_s, self.mfu,
                    self.peak_memory_bytes / 2.0 ** 30))
-
-
-def ring_allreduce_s(nbytes, members, bandwidth, latency):
-    """Ring all-reduce: 2 (n-1)/n of the bytes over each member's link."""
-    if members <= 1 or nbytes <= 0:
-        return 0.0
-    return 2.0 * (members - 1) / members * nbytes / bandwidth + 2 * (members - 1) * latency
-
-
-def link_allreduce_s(nbytes, members, link, chained=1):
-    """An all-reduce over ``members`` ranks of ``link``, ``chained`` collectives one after
-    another (their bytes sent once): a ring, or EPL's in-process rendezvous
-    (``Link.algorithm``), where the last rank to arrive reduces every rank's tensor in
-    one pass: n reads and a write of the size (3 at the 2 ranks it is calibrated on:
-    the ring's bytes there) and one latency per collective, whatever the ranks."""
-    if link.algorithm != "rendezvous":
-        return ring_allreduce_s(nbytes, members, link.bandwidth, link.latency * chained)
-    if members <= 1 or nbytes <= 0:
-        return 0.0
-    return (members + 1) / 3.0 * nbytes / link.bandwidth + 2 * link.latency * chained
-
-
-def tp_allreduce_s(nbytes, cluster, t):
-    if t <= cluster.devices_per_node:
-        return link_allreduce_s(nbytes, t, cluster.intra)
-    return ring_allreduce_s(nbytes, t, cluster.nic_bandwidth_per_device(),
-                            cluster.inter.latency)
-
-
-def dp_allreduce_s(nbytes, cluster, t, d, chained=1):
-    """Gradient all-reduce over the d replicas (ranks: t fastest, then d, then p): the
-    replicas on one node reduce-scatter over NVSwitch, the nodes all-reduce their shard
-    over the NICs, then all-gather within the node.  ``chained``: collectives run one
-    after another (EPL's fusion buckets on one communicator): the bytes are sent once,
-    the latency paid per collective."""
-    local = max(1, min(d, cluster.devices_per_node // t)) if t < cluster.devices_per_node \
-        else 1
-    nodes = d // local
-    intra = link_allreduce_s(nbytes, local, cluster.intra, chained)
-    inter = ring_allreduce_s(nbytes / float(local), nodes, cluster.nic_bandwidth_per_device(),
-                             cluster.inter.latency * chained)
-    return intra + inter
 
 
 def zero_share(profile, d):
