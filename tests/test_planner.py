@@ -214,7 +214,7 @@ def test_epls_inprocess_allreduce_is_one_rendezvous_timed_without_the_calibratio
     not a ring's 2 (n-1).  The calibration timed it in Session.runs, whose overhead a
     collective inside a step does not pay.  Both survive the cluster's JSON."""
     from epl.auto import machines
-    from epl.auto.predictor import dp_allreduce_s, link_allreduce_s, ring_allreduce_s
+    from epl.auto.collective_cost import dp_allreduce_s, link_allreduce_s, ring_allreduce_s
     small, large, run = 1 << 16, 8 << 20, 5e-5
     figures = dict(matmul_flops=1e10, memory_bandwidth=1e10, run_overhead_s=run,
                    allreduce_bandwidth=1e9, allreduce_latency_s=1e-4,

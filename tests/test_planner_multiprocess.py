@@ -74,7 +74,8 @@ def test_figures_without_the_cross_process_keys_say_how_to_get_them():
 
 def test_dp_across_processes_prices_the_cross_node_all_reduce():
     from epl.auto import graph_profile
-    from epl.auto.predictor import link_allreduce_s, price, ring_allreduce_s
+    from epl.auto.collective_cost import link_allreduce_s, ring_allreduce_s
+    from epl.auto.predictor import price
     prof = graph_profile.profile(auto_models.model, auto_models.dataset,
                                  auto_models.optimizer)
     lay = Layout(d=3)

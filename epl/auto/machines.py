@@ -117,7 +117,7 @@ class Link(object):
     """A network: bandwidth (bytes/s, one direction, per port) and latency per step.
     ``algorithm``: how an all-reduce over it runs: "ring" (NCCL's, the presets': 2 (n-1)
     steps) or "rendezvous" (EPL's in one process, csrc/collectives.cc: the last rank to
-    arrive reduces every rank's tensor in one pass; ``predictor.link_allreduce_s``)."""
+    arrive reduces every rank's tensor in one pass; ``collective_cost.link_allreduce_s``)."""
 
     ALGORITHMS = ("ring", "rendezvous")
 

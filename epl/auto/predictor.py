@@ -19,8 +19,7 @@ docs/plan.md; in short, per pipeline stage and micro-batch:
 """
 
 from epl.auto import graph_profile, local_step, schedule
-from epl.auto.collective_cost import (  # noqa: F401  (link_ and ring_: the tests')
-    dp_allreduce_s, link_allreduce_s, ring_allreduce_s, tp_allreduce_s)
+from epl.auto.collective_cost import dp_allreduce_s, link_allreduce_s, tp_allreduce_s
 from epl.auto.layout import Layout
 
 BUCKET_BYTES = 64 << 20       # gradient fusion bucket (communication.max_splits aside)
