@@ -369,11 +369,11 @@ def measure(sigs, cores):
     rng = np.random.RandomState(0)
     out = dict((sig, _time_one(sig, rng, cores)) for sig in sigs)
     for sig in sigs:
-        first = out[sig]
-        if sig != HOP and first and max(first["alone"], first["first"]) >= HEAVY_S:
+        once = out[sig]
+        if sig != HOP and once and max(once["alone"], once["first"]) >= HEAVY_S:
             again = _time_one(sig, rng, cores)
             if again:
-                out[sig] = dict((k, min(first[k], again[k])) for k in first)
+                out[sig] = dict((k, min(once[k], again[k])) for k in once)
     return out
 
 
