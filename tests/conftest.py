@@ -2,6 +2,7 @@ import atexit
 import os
 import shutil
 import tempfile
+import zlib
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # A collective whose peers never come fails fast in tests instead of after 10 minutes.
@@ -71,3 +72,51 @@ def fresh_graph():
     models.reset()
     yield
     models.reset()
+
+
+
+# How much of each parametrized test a run takes (EPL_TEST_MATRIX):
+#   full       every variant (the default: `make test` on one line);
+#   first      the first variant of each (every test function once: the eager_off mode);
+#   share:K/N  the first variant, plus the variants whose id hashes to K of N: N runs on
+#              N TensorFlow lines run every variant once between them, and every test
+#              function on each.  CI runs share:0/2 on the default line and share:1/2 on
+#              TF 2.x (.ci/run): the suite's variants (programs x layouts x graph modes)
+#              are what TF's own behaviour does not change between the lines, and what
+#              made CI's run of both lines longer than its 90 minutes.
+MATRIX = os.environ.get("EPL_TEST_MATRIX", "full")
+
+
+def _matrix_share(spec):
+    """(K, N) of the spec; (None, None) for full; (None, 0) for first."""
+    if spec == "full":
+        return None, None
+    if spec == "first":
+        return None, 0
+    if spec.startswith("share:"):
+        k, _, n = spec[len("share:"):].partition("/")
+        if k.isdigit() and n.isdigit() and 0 <= int(k) < int(n):
+            return int(k), int(n)
+    raise ValueError("EPL_TEST_MATRIX=%r: use full, first or share:K/N (0 <= K < N)" % spec)
+
+
+_SHARE = _matrix_share(MATRIX)     # (a mistyped spec fails here, before collecting)
+
+
+def pytest_collection_modifyitems(config, items):
+    share, shares = _SHARE
+    if shares is None:
+        return
+    seen, dropped = set(), []
+    for item in items:
+        if getattr(item, "callspec", None) is None:
+            continue
+        function = (str(item.fspath), item.originalname)
+        if function not in seen:
+            seen.add(function)
+        elif not shares or zlib.crc32(item.nodeid.encode()) % shares != share:
+            dropped.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        gone = set(id(i) for i in dropped)
+        items[:] = [i for i in items if id(i) not in gone]
