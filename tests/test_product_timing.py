@@ -183,6 +183,9 @@ def test_kernels_are_timed_in_a_chain_on_one_set_of_inputs():
             assert all(op.control_inputs == [before] for before, op in zip(ops, ops[1:]))
     got = product_timing.measure([kernel, product_timing.EXECUTOR], 2)
     assert all(x["alone"] >= 0.0 and x["shared"] >= 0.0 for x in got.values())
+    # a lone run and a run of a copy on every core at once, each less an empty run
+    assert all(set(x) == {"alone", "shared", "first", "first_shared"} for x in got.values())
+    assert all(x["first"] >= 0.0 and x["first_shared"] >= 0.0 for x in got.values())
 
 
 class _SlowMomentSession(object):
@@ -214,9 +217,10 @@ def test_a_slow_moment_does_not_split_a_kernels_lone_run_from_its_chain(
     costs["noop"] = floor
     sess = _SlowMomentSession(costs, (slow_from, slow_from + 0.15))
     monkeypatch.setattr(product_timing.time, "perf_counter", sess.clock)
-    alone, lone = product_timing._per_copy(sess, [chain], 0.2, "noop")
+    alone, lone, empty = product_timing._per_copy(sess, [chain], 0.2, "noop")
     assert alone == pytest.approx(per_copy, rel=0.05)
     assert lone == pytest.approx(first - floor, rel=0.05)
+    assert empty == pytest.approx(floor, rel=0.05)
 
 
 def _convnet(features):

@@ -262,7 +262,8 @@ def _hop_seconds(budget):
         with v1.Session(graph=graph, config=_session_config(2)) as sess:
             sess.run(v1.global_variables_initializer())
             same, hop = [_per_copy(sess, c, budget)[0] for c in chains]
-    return {"alone": max(0.0, hop - same), "shared": max(0.0, hop - same), "first": 0.0}
+    return {"alone": max(0.0, hop - same), "shared": max(0.0, hop - same), "first": 0.0,
+            "first_shared": 0.0}
 
 
 def _chain(sig, rng, device, cores=1):
@@ -333,10 +334,10 @@ def _medians(sess, fetches, budget=0.2, least=5):
 
 
 def _per_copy(sess, chains, budget, floor=None):
-    """(seconds one copy adds to ``chains`` run side by side, seconds of the run through
-    their first copies, less ``floor``'s run where given): the runs through their first
-    copy and through a later one (fewer copies for a long kernel), taken in turn with
-    ``floor`` (``_medians``)."""
+    """(seconds one copy adds to ``chains`` run side by side, seconds of the run
+    through their first copies less ``floor``'s run where given, ``floor``'s run or
+    0): the runs through their first copy and through a later one (fewer copies for a
+    long kernel), taken in turn with ``floor`` (``_medians``)."""
     firsts = [c[0] for c in chains]
     sess.run(firsts)                                 # warm-up
     began = time.perf_counter()
@@ -345,8 +346,8 @@ def _per_copy(sess, chains, budget, floor=None):
     n = int(min(CHAIN, max(3, 1 + CHAIN_S / max(rough, 1e-6))))
     fetches = [firsts, [c[n - 1] for c in chains]] + ([floor] if floor is not None else [])
     times = _medians(sess, fetches, budget)
-    first = times[0] - times[2] if floor is not None else times[0]
-    return max(0.0, (times[1] - times[0]) / (n - 1)), first
+    empty = times[2] if floor is not None else 0.0
+    return max(0.0, (times[1] - times[0]) / (n - 1)), times[0] - empty, empty
 
 
 HEAVY_S = 0.0005   # a kernel whose lone run reads this long is timed twice (``measure``)
@@ -362,10 +363,14 @@ HEAVY_S = 0.0005   # a kernel whose lone run reads this long is timed twice (``m
 
 
 def measure(sigs, cores):
-    """{sig: {"alone": s, "shared": s, "first": s}} for the signatures, timed now: the
-    seconds each adds to a step, ``alone`` on one device, ``shared`` with a copy on
-    every core; ``first``: one run of it alone less an empty run.  A heavy kernel
-    (``HEAVY_S``) is timed again at the end: the lesser of its two times is kept."""
+    """{sig: {"alone": s, "shared": s, "first": s, "first_shared": s}} for the
+    signatures, timed now: the seconds each adds to a step, ``alone`` on one device,
+    ``shared`` with a copy on every core; ``first``: one run of it alone less an empty
+    run; ``first_shared``: one run of a copy on every core at once less an empty run
+    (what a kernel's wake-up is with another replica's beside it: recorded for the
+    replay's wake-up rule, docs/plan.md, stop 52; caches without it still price).  A
+    heavy kernel (``HEAVY_S``) is timed again at the end: the lesser of its two times
+    is kept."""
     rng = np.random.RandomState(0)
     out = dict((sig, _time_one(sig, rng, cores)) for sig in sigs)
     for sig in sigs:
@@ -378,7 +383,7 @@ def measure(sigs, cores):
 
 
 def _time_one(sig, rng, cores):
-    """``sig``'s {"alone": s, "shared": s, "first": s} (``measure``), or None for a kernel
+    """``sig``'s timings (``measure``), or None for a kernel
     that could not be rebuilt or run alone (the roofline prices it)."""
     if sig == HOP:
         return _hop_seconds(KERNEL_BUDGET_S * 4)
@@ -399,9 +404,10 @@ def _time_one(sig, rng, cores):
                 sess.run(v1.global_variables_initializer())
                 sess.run(v1.get_collection(update_timing.INITS))
                 floor = tf.no_op()                  # Session.run's own
-                alone, first = _per_copy(sess, chains[:1], budget, floor)
-                return {"alone": alone, "shared": _per_copy(sess, chains, budget)[0],
-                        "first": max(0.0, first)}
+                alone, first, empty = _per_copy(sess, chains[:1], budget, floor)
+                shared, first_shared, _ = _per_copy(sess, chains, budget)
+                return {"alone": alone, "shared": shared, "first": max(0.0, first),
+                        "first_shared": max(0.0, first_shared - empty)}
             except tf.errors.OpError:
                 if not kernel:
                     raise
