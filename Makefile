@@ -45,7 +45,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.epl-installed
 CSRC := $(wildcard csrc/*.cc csrc/*.h csrc/build.py)
 
-.PHONY: setup demo test test-eager-off test-estimator bench ops clean horovod docs gpu-ops-check xeon-compile-check
+.PHONY: setup demo test oracle-tests test-eager-off test-estimator bench ops clean horovod docs gpu-ops-check xeon-compile-check
 
 setup: $(STAMP) $(OPS_SO)
 
@@ -76,6 +76,8 @@ ORACLE_TESTS := $(addprefix tests/test_,$(addsuffix .py,data_parallel pipeline s
 	zero gradient_checkpoint amp offload grouped_apply accumulate_runs moe_user_layer \
 	static_shapes corpus update_paths gradient_paths auto_stages read_order metrics split_attention split_comm split_bert \
 	split_hybrids))
+oracle-tests:    # (the list, for .ci/run)
+	@echo $(ORACLE_TESTS)
 test-eager-off: setup
 	@if [ "$(TF)" != 2 ]; then echo "make test-eager-off: a TF 2.x mode; use TF=2"; exit 2; fi
 	EPL_TEST_GRAPH_MODE=eager_off $(PY) -m pytest -q $(ORACLE_TESTS) -k "not under_load"

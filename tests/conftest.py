@@ -45,9 +45,13 @@ HAS_ESTIMATOR = hasattr(tf, "estimator")
 # same on every TensorFlow line.  EPL_TEST_LAUNCHERS=0 skips them: CI's run of the
 # TF 2.x line sets it (they run on the default line there) to keep CI's total short.
 # test_multi_worker.py (TF's distributed runtime under epl-launch) runs on every line.
+# With them: the TCP transport's own hygiene (sockets, handshakes: the op library's
+# collectives over TCP run on every line in test_collectives_xproc.py) and the checks
+# of EPL's source (test_architecture.py reads files, it runs no TensorFlow).
 LAUNCHER_FILES = frozenset([
     "test_cluster_managers.py", "test_restarts.py", "test_netns.py", "test_launcher.py",
-    "test_launcher_faults.py", "test_benchmark_watchdog.py"])
+    "test_launcher_faults.py", "test_benchmark_watchdog.py", "test_tcp_transport.py",
+    "test_architecture.py"])
 SKIP_LAUNCHERS = os.environ.get("EPL_TEST_LAUNCHERS", "1") == "0"
 
 
@@ -101,6 +105,12 @@ def _matrix_share(spec):
 
 
 _SHARE = _matrix_share(MATRIX)     # (a mistyped spec fails here, before collecting)
+# EPL_TEST_FIRSTS_ELSEWHERE: test files (paths, space-separated) whose plain tests and
+# first variants another run on this line takes: under share:K/N this run takes only
+# their shared variants.  CI's TF 2.x run names the oracle files (Makefile's
+# ORACLE_TESTS): `make test-eager-off` runs their first variants on that line.
+FIRSTS_ELSEWHERE = frozenset(
+    os.path.basename(p) for p in os.environ.get("EPL_TEST_FIRSTS_ELSEWHERE", "").split())
 
 
 def pytest_collection_modifyitems(config, items):
@@ -109,12 +119,17 @@ def pytest_collection_modifyitems(config, items):
         return
     seen, dropped = set(), []
     for item in items:
+        elsewhere = bool(shares) and os.path.basename(str(item.fspath)) in FIRSTS_ELSEWHERE
         if getattr(item, "callspec", None) is None:
+            if elsewhere:
+                dropped.append(item)
             continue
         function = (str(item.fspath), item.originalname)
-        if function not in seen:
-            seen.add(function)
-        elif not shares or zlib.crc32(item.nodeid.encode()) % shares != share:
+        first = function not in seen
+        seen.add(function)
+        if first and not elsewhere:
+            continue
+        if first or not shares or zlib.crc32(item.nodeid.encode()) % shares != share:
             dropped.append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)

@@ -21,8 +21,9 @@ def _items():
     return items + [item("test_other", "t::test_other", None)]
 
 
-def _run(spec, monkeypatch):
+def _run(spec, monkeypatch, elsewhere=()):
     monkeypatch.setattr(conftest, "_SHARE", conftest._matrix_share(spec))
+    monkeypatch.setattr(conftest, "FIRSTS_ELSEWHERE", frozenset(elsewhere))
     items, dropped = _items(), []
     config = types.SimpleNamespace(hook=types.SimpleNamespace(
         pytest_deselected=lambda items: dropped.extend(items)))
@@ -41,6 +42,17 @@ def test_shares_run_every_variant_once_between_them_and_every_function_on_each(m
     assert 10 < len(zero) < 35 and 10 < len(one) < 35       # (a hash: about half each)
     assert _run("first", monkeypatch) == ["t::test_plain", "t::test_small[0]",
                                           "t::test_cross[0-0]", "t::test_other"]
+
+
+def test_files_whose_firsts_run_elsewhere_keep_only_their_share(monkeypatch):
+    """CI's TF 2.x run after disable_v2_behavior(): the oracle files' plain tests and
+    first variants run in the eager_off run (make test-eager-off) instead."""
+    one = _run("share:1/2", monkeypatch)
+    rest = _run("share:1/2", monkeypatch, elsewhere=["test_x.py"])
+    firsts = ["t::test_plain", "t::test_small[0]", "t::test_cross[0-0]", "t::test_other"]
+    assert sorted(rest) == sorted(set(one) - set(firsts)) and len(rest) > 5
+    assert _run("first", monkeypatch, elsewhere=["test_x.py"]) == firsts
+    assert len(_run("full", monkeypatch, elsewhere=["test_x.py"])) == 45
 
 
 @pytest.mark.parametrize("spec", ["half", "share:2/2", "share:a/2", "share:1"])
