@@ -78,7 +78,6 @@ def fresh_graph():
     models.reset()
 
 
-
 # How much of each parametrized test a run takes (EPL_TEST_MATRIX):
 #   full       every variant (the default: `make test` on one line);
 #   first      the first variant of each (every test function once: the eager_off mode);
