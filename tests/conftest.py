@@ -83,8 +83,8 @@ def fresh_graph():
 #   first      the first variant of each (every test function once: the eager_off mode);
 #   share:K/N  the first variant, plus the variants whose id hashes to K of N: N runs on
 #              N TensorFlow lines run every variant once between them, and every test
-#              function on each.  CI runs share:0/3 on the default line and share:1/3 on
-#              TF 2.x (.ci/run; two thirds of the variants): the suite's variants
+#              function on each.  CI runs share:0/4 on the default line and share:1/4 on
+#              TF 2.x (.ci/run; half of the variants): the suite's variants
 #              (programs x layouts x graph modes) are what TF's own behaviour does not
 #              change between the lines, and what made CI's run of both lines longer
 #              than its 90 minutes (share:0/2 took 2658 s on TF 1.15 and ~2150 s on
