@@ -81,10 +81,21 @@ def _capture(monkeypatch, tmp_path, *argv):
 
 
 def test_build_command_names_the_portable_target(monkeypatch, tmp_path):
+    """The library: each source compiled for the portable target (side by side, up to
+    --jobs at a time), then one link of their objects into the library."""
     out = tmp_path / "libepl_ops_test.so"
-    cmd, = _capture(monkeypatch, tmp_path, "--out", str(out))
-    marches = [a for a in cmd if a.startswith("-march=")]
-    assert marches == (["-march=" + PORTABLE] if PORTABLE else []), cmd
+    cmds = _capture(monkeypatch, tmp_path, "--out", str(out), "--jobs", "3")
+    compiles, link = cmds[:-1], cmds[-1]
+    sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "*.cc")))
+    assert sorted(c[c.index("-o") - 1] for c in compiles) == sources
+    marches = (["-march=" + PORTABLE] if PORTABLE else [])
+    for c in compiles:
+        assert "-c" in c and "-shared" not in c
+        assert [a for a in c if a.startswith("-march=")] == marches, c
+    objects = [a for a in link if a.endswith(".o")]
+    assert "-shared" in link and "-c" not in link and len(objects) == len(sources), link
+    assert not any(a.endswith(".cc") for a in link), link
+    assert out.exists()
     with open(str(tmp_path / "libepl_ops_test.json")) as f:
         info = json.load(f)
     assert info["target"] == (PORTABLE or "%s (compiler default)" % platform.machine().lower())

@@ -383,8 +383,8 @@ def measure(sigs, cores):
 
 
 def _time_one(sig, rng, cores):
-    """``sig``'s timings (``measure``), or None for a kernel
-    that could not be rebuilt or run alone (the roofline prices it)."""
+    """``sig``'s timings (``measure``), or None for a kernel that could not be rebuilt
+    or run alone (the roofline prices it)."""
     if sig == HOP:
         return _hop_seconds(KERNEL_BUDGET_S * 4)
     kernel = sig.startswith('["kernel"') or sig.startswith('["update"') \
