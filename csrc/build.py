@@ -71,13 +71,18 @@ def portable_target(machine=None):
     return [], "%s (compiler default)" % machine
 
 
+def _object_path(out_dir, src):
+    """Where ``_compile_objects`` puts ``src``'s object."""
+    return os.path.join(out_dir, os.path.splitext(os.path.basename(src))[0] + ".o")
+
+
 def _compile_objects(cxx, cmd_flags, sources, out_dir, jobs):
     """Compiles every source to an object in ``out_dir`` (no link), ``jobs`` at a time;
     returns the sources that failed."""
     os.makedirs(out_dir, exist_ok=True)
 
     def one(src):
-        obj = os.path.join(out_dir, os.path.splitext(os.path.basename(src))[0] + ".o")
+        obj = _object_path(out_dir, src)
         proc = subprocess.run([cxx, "-c"] + cmd_flags + [src, "-o", obj],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         return src, proc.returncode, proc.stdout.decode(errors="replace")
@@ -193,8 +198,8 @@ def main():
         failed = _compile_objects(cxx, compile_flags, sources, objects, args.jobs)
         code = 1 if failed else subprocess.run(
             [cxx, "-shared", "-fPIC", "-pthread"]
-            + [os.path.join(objects, os.path.splitext(os.path.basename(src))[0] + ".o")
-               for src in sources] + ["-o", tmp] + link + ["-lrt"]).returncode
+            + [_object_path(objects, src) for src in sources]
+            + ["-o", tmp] + link + ["-lrt"]).returncode
     finally:
         shutil.rmtree(objects, ignore_errors=True)
     if code != 0:
