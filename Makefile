@@ -53,7 +53,7 @@ $(STAMP): setup.py
 	@PYBIN=$$(tools/find_python.sh $(TF)) || exit 1; \
 	if [ ! -x $(PY) ]; then echo "Creating $(VENV) (TensorFlow line $(TF)) with $$PYBIN"; "$$PYBIN" -m venv $(VENV) || exit 1; fi
 	$(PIP) install -q --disable-pip-version-check $(PIP_PIN)
-	$(PIP) install -q --disable-pip-version-check $(TF_PACKAGES) pytest pytest-timeout
+	$(PIP) install -q --disable-pip-version-check $(TF_PACKAGES) pytest pytest-timeout pytest-xdist
 	$(PIP) install -q --disable-pip-version-check --no-deps -e .
 	@touch $(STAMP)
 
@@ -66,7 +66,7 @@ demo: setup
 	$(PY) examples/quick_start/run_demo.py
 
 test: setup
-	$(PY) -m pytest -q tests
+	tools/run_tests.sh $(PY) tests
 
 # The strategies' oracle tests in TF 2.x's other graph mode: disable_eager_execution()
 # alone (shapes index to ints, resource variables, control flow v2), as users write it
@@ -80,7 +80,7 @@ oracle-tests:    # (the list, for .ci/run)
 	@echo $(ORACLE_TESTS)
 test-eager-off: setup
 	@if [ "$(TF)" != 2 ]; then echo "make test-eager-off: a TF 2.x mode; use TF=2"; exit 2; fi
-	EPL_TEST_GRAPH_MODE=eager_off $(PY) -m pytest -q $(ORACLE_TESTS) -k "not under_load"
+	EPL_TEST_GRAPH_MODE=eager_off tools/run_tests.sh $(PY) $(ORACLE_TESTS) -k "not under_load"
 
 # The Estimator line's check (TF=2.15; TF=1 too): every Estimator test (marker
 # `estimator`, tests/conftest.py), a smoke set of the strategies' oracles (data parallel,

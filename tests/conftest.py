@@ -30,11 +30,11 @@ GRAPH_MODE = os.environ.get("EPL_TEST_GRAPH_MODE", "v1")
 if GRAPH_MODE not in ("v1", "eager_off"):
     raise ValueError("EPL_TEST_GRAPH_MODE=%r: use v1 (disable_v2_behavior(), the default) or "
                      "eager_off (disable_eager_execution() alone, TF 2.x)" % GRAPH_MODE)
+tf.logging.set_verbosity(tf.logging.ERROR)   # (first: the switch below warns on TF 1.15)
 if GRAPH_MODE == "eager_off" and tf.VERSION.startswith("2."):
     tf.disable_eager_execution()
 else:
     tf.disable_v2_behavior()
-tf.logging.set_verbosity(tf.logging.ERROR)
 
 # tf.estimator: TensorFlow removed it in 2.16 (tensorflow-estimator 2.15 is the last).
 HAS_ESTIMATOR = hasattr(tf, "estimator")
@@ -57,6 +57,15 @@ SKIP_LAUNCHERS = os.environ.get("EPL_TEST_LAUNCHERS", "1") == "0"
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "estimator: needs tf.estimator (TF 1.15; TF 2.x < 2.16)")
+    config.addinivalue_line("markers", ALONE)
+
+
+# `make test` runs the suite side by side on the machine's cores (tools/run_tests.sh:
+# pytest-xdist), then the tests marked `alone` one at a time: a job whose worker processes
+# wait on each other with timeouts, or a test that times this machine, must not share
+# the cores with another test (a 2-core machine would run its processes at half speed).
+ALONE = ("alone: runs with no other test beside it (its processes wait on each other with "
+         "timeouts, or it times the machine): tools/run_tests.sh runs these one at a time")
 
 
 def pytest_runtest_setup(item):

@@ -13,6 +13,8 @@ import epl
 from epl.auto import search
 from tests import auto_models, models
 
+pytestmark = pytest.mark.alone   # it times this machine (conftest.py)
+
 
 def _train(train_op, steps=3):
     with tf.Session() as sess:

@@ -14,6 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import watchdog  # noqa: E402
 
+pytestmark = pytest.mark.alone   # it times this machine (conftest.py)
+
 PY = sys.executable
 HANG = [PY, "-c", "import time; time.sleep(600)"]
 NO_RESULT = [PY, "-c", "print('starting'); import sys; sys.exit(0)"]

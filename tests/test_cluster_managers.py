@@ -19,6 +19,8 @@ import pytest
 
 from tests.test_multi_worker import _check_workers
 
+pytestmark = pytest.mark.alone   # processes that wait on each other with timeouts (conftest.py)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 TIMEOUT = 120

@@ -9,6 +9,8 @@ import pytest
 
 from tests import xproc_collectives_worker as W
 
+pytestmark = pytest.mark.alone   # processes that wait on each other with timeouts (conftest.py)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -411,6 +411,7 @@ def test_split_layer_inside_the_body_of_a_replicated_loop_is_refused(v2, tmpdir)
 
 # -- multi-worker ----------------------------------------------------------------------
 
+@pytest.mark.alone   # (2 worker processes: conftest.py)
 @pytest.mark.parametrize("name", ["nested", "lstm"])
 def test_two_workers_data_parallel(v2, tmp_path, name):
     """2 worker processes (``epl-launch --num_workers 2``), data parallel, training a

@@ -11,6 +11,8 @@ import uuid
 
 import pytest
 
+pytestmark = pytest.mark.alone   # processes that wait on each other with timeouts (conftest.py)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "fault_worker.py")

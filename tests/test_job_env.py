@@ -9,6 +9,8 @@ import pytest
 from epl.core import job_env, rendezvous
 from epl.core.job_env import JobEnvError, discover, expand_hostlist, expand_tasks_per_node
 
+pytestmark = pytest.mark.alone   # processes that wait on each other with timeouts (conftest.py)
+
 
 # -- hostlists ----------------------------------------------------------------------------
 

@@ -159,6 +159,7 @@ def worker_share(worker, workers, batch=BATCH):
     return share
 
 
+@pytest.mark.alone   # (2 worker processes: conftest.py)
 def test_two_workers(tmp_path):
     """Two workers, each feeding its half of every global batch: both report the global
     batch's loss and metrics (combined across workers), and predict their own rows."""

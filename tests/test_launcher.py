@@ -9,6 +9,8 @@ import pytest
 from epl.core.worker_files import LAUNCH_DIR_PREFIX
 from epl.launch import channel, launch_dirs
 
+pytestmark = pytest.mark.alone   # processes that wait on each other with timeouts (conftest.py)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

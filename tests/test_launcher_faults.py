@@ -21,6 +21,8 @@ import pytest
 
 from epl.launch import signals, triage
 
+pytestmark = pytest.mark.alone   # processes that wait on each other with timeouts (conftest.py)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARK_ENV = "EPL_TEST_JOB_MARK"
 

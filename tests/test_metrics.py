@@ -281,6 +281,7 @@ def test_estimator_evaluate_reports_every_replica(tmp_path, how):
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
+@pytest.mark.alone   # (2 worker processes: conftest.py)
 def test_two_workers(tmp_path):
     """Between-graph: 2 workers x 2 devices, each feeding its share of every global batch
     and training: every worker reads the whole job's metrics.  (A graph that only

@@ -10,6 +10,8 @@ import pytest
 from tests import models
 from tests.mw_train import BATCH, STEPS
 
+pytestmark = pytest.mark.alone   # processes that wait on each other with timeouts (conftest.py)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 

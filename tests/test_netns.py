@@ -22,6 +22,8 @@ from epl.launch import workers as launch_workers
 from tests import models, netns
 from tests.mw_train import BATCH, STEPS
 
+pytestmark = pytest.mark.alone   # processes that wait on each other with timeouts (conftest.py)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PORT = 7000             # every host's base port: worker 0 has TF on 7000, EPL on 7001

@@ -14,6 +14,8 @@ from epl.auto import Cluster, local
 from epl.auto.layout import Layout
 from tests import auto_models
 
+pytestmark = pytest.mark.alone   # processes that wait on each other with timeouts (conftest.py)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FAKE = {"version": local.CACHE_VERSION, "cores": 2, "matmul_flops": 9e10,

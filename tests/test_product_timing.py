@@ -11,6 +11,8 @@ from epl.auto.layout import Layout
 from epl.auto.predictor import price
 from tests import auto_models
 
+pytestmark = pytest.mark.alone   # it times this machine (conftest.py)
+
 v1 = tf.compat.v1
 
 

@@ -19,6 +19,8 @@ from epl.core.config import Config, parse_steps
 from epl.profile import analysis, collectives, render
 from tests import models
 
+pytestmark = pytest.mark.alone   # processes that wait on each other with timeouts (conftest.py)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 # float32 bytes of the variables of tests/models.py (2 dense layers, kernels and biases)

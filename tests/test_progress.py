@@ -20,6 +20,8 @@ from epl.launch.display import ProgressDisplay
 from tests import models
 from tests.mw_progress import BATCH, STEPS
 
+pytestmark = pytest.mark.alone   # processes that wait on each other with timeouts (conftest.py)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 # The gradients of models.forward: float32, one per variable.

@@ -100,6 +100,7 @@ def busy_cpu():
     proc.wait()
 
 
+@pytest.mark.alone   # (it loads the cores on purpose: conftest.py)
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("stages, micro, schedule, runs", [
     (4, 4, "PreferForward", 8), (4, 4, "PreferBackward", 3), (2, 2, "PreferBackward", 2)])

@@ -17,6 +17,8 @@ import tensorflow.compat.v1 as tf
 from tests import models
 from tests import restart_train as rt
 
+pytestmark = pytest.mark.alone   # processes that wait on each other with timeouts (conftest.py)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 

@@ -353,6 +353,7 @@ def test_pipeline_of_split_and_replicate_scopes_is_refused_by_name():
 
 # -- 2 workers: replicated ends on one, split blocks on the other ------------------------
 
+@pytest.mark.alone   # (2 worker processes: conftest.py)
 def test_two_workers_replicas_and_split_blocks_match_local(tmp_path):
     """2 workers x 2 devices (epl-launch), in-graph: the replicated embeddings and head
     on worker 0's devices, the blocks split over worker 1's; the local model on the
@@ -371,6 +372,7 @@ def test_two_workers_replicas_and_split_blocks_match_local(tmp_path):
     _assert_same((got.pop("losses"), {k[2:]: v for k, v in got.items()}), want[:2])
 
 
+@pytest.mark.alone   # (2 worker processes: conftest.py)
 def test_two_workers_each_a_split_group_match_local(tmp_path):
     """2 workers x 2 devices (epl-launch), between-graph: each worker one split(2) group
     over its own devices, feeding its half of every global batch; the local model on the

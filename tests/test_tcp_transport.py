@@ -168,6 +168,9 @@ def _cpu_seconds(pid):
 
 
 # ---- the tests ------------------------------------------------------------------------------
+if __name__ != "__main__":     # (the worker side starts without pytest)
+    import pytest
+    pytestmark = pytest.mark.alone   # processes that wait on each other with timeouts (conftest.py)
 
 def test_handshake_nonces_are_random_even_without_a_free_file_descriptor():
     """The listener's nonce must never be predictable: a fixed one lets a recorded
