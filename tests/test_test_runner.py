@@ -32,12 +32,12 @@ def _suite(tmp_path, beside_ok, alone_ok):
         % (str(tmp_path), beside_ok, alone_ok))
 
 
-def _run(tmp_path, jobs="2"):
+def _run(tmp_path, jobs="2", *args):
     env = dict(os.environ, EPL_TEST_JOBS=jobs)
     env.pop("PYTEST_ADDOPTS", None)
     return subprocess.run(["bash", RUNNER, sys.executable, "-c", str(tmp_path / "pytest.ini"),
-                           str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          env=env, cwd=str(tmp_path), timeout=240)
+                           str(tmp_path)] + list(args), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, env=env, cwd=str(tmp_path), timeout=240)
 
 
 def _pids(tmp_path):
@@ -92,3 +92,10 @@ def test_a_bad_job_count_is_refused_by_name(tmp_path):
     out = proc.stdout.decode()
     assert proc.returncode == 2 and "EPL_TEST_JOBS=two" in out, out
     assert not list(tmp_path.glob("*.pid"))
+
+
+@needs_xdist
+def test_a_run_that_selects_nothing_is_pytests_no_tests_status(tmp_path):
+    _suite(tmp_path, True, True)
+    proc = _run(tmp_path, "2", "-k", "no_such_test")
+    assert proc.returncode == 5, proc.stdout.decode()
