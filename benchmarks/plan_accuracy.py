@@ -14,7 +14,10 @@ The machine has 2 cores shared with other users: timings are noisy; a case's ste
 the median of its steps, measured ``--rounds`` times round-robin over a model's cases
 (case 1, 2, ..., then again), the fastest round kept (``step_s``; all in
 ``step_s_rounds``; the peak: the largest).  Cases of one model run one after another
-(interleaved with nothing else of ours).
+(interleaved with nothing else of ours).  The model's kernels are timed anew before each
+round and priced at each kernel's fastest round (``fastest_kernels``): both sides of a
+row are then the machine's fastest moments, where one timing's kernels priced the same
+measurements 6-12 % apart round to round.
 
 Models: ``mlp``, ``convnet``, ``gpt`` (``epl.auto.gpt.GPT``), ``widehead`` (an MLP with
 an 8192-class head, for the split head), ``resnet`` (a small TF-Slim ResNet v1, a model
@@ -36,6 +39,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -318,6 +322,38 @@ def _price(row, profile, cluster):
                breakdown={k: v for k, v in pred.breakdown.items() if k != "stages"})
 
 
+def fastest_kernels(best, priced, round_index):
+    """Times the kernels of the rows anew (a cache folder of this round's, priced
+    through), merges them into ``best`` (each kernel's every figure the least of the
+    rounds': other work on the shared cores only slows a run, as a measured step keeps its
+    fastest round), and points the kernel cache at ``best``: the rows are priced with
+    the kernels of the machine's fastest moments, not of one moment (stop 56: the GPT's
+    kernels timed once priced its one-device step 557 ms while its rounds read 401-521).
+    ``priced``: (row, profile, cluster) for each row; ``round_index``: 0 for the first
+    round, whose kernels were timed in the current cache folder as the rows were priced."""
+    from epl.auto import product_timing
+    if round_index:     # (round 1's: timed as its rows were first priced)
+        os.environ["EPL_CACHE_DIR"] = tempfile.mkdtemp(
+            prefix="epl-plan-round%d-" % (round_index + 1))
+        for row, profile, cluster in priced:
+            _price(row, profile, cluster)
+    path = product_timing.cache_path()
+    if os.path.exists(path):
+        with open(path) as f:
+            got = json.load(f)
+        for sig, x in got.items():
+            old = best.get(sig)
+            if x is None or old is None:
+                best[sig] = old if x is None else dict(x)
+                continue
+            for k, v in x.items():
+                if isinstance(v, (int, float)) and isinstance(old.get(k), (int, float)):
+                    old[k] = min(old[k], v)
+    from epl.auto import local
+    os.environ["EPL_CACHE_DIR"] = tempfile.mkdtemp(prefix="epl-plan-fastest-")
+    local.save_cache(best, product_timing.cache_path())
+
+
 def _settle(row):
     """status and errors of a row from its rounds: ``ok`` (measured and priced),
     ``unpriced`` (measured, not priced) or the measurement's failure."""
@@ -349,7 +385,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=2,
                     help="measure every case of a model this many times, round-robin over "
                     "its cases; a case's step: the fastest round's median, its peak: the "
-                    "largest")
+                    "largest; the model's kernels are timed anew in each round and priced "
+                    "at each one's fastest (fastest_kernels)")
     ap.add_argument("--no-calibrate-each-model", dest="calibrate_each_model",
                     action="store_false", help="use the cached calibration throughout "
                     "(default: measure it again before each model, under today's load)")
@@ -359,7 +396,8 @@ def main(argv=None):
     ap.add_argument("--cached-kernels", action="store_true",
                     help="price with the kernels' timings cached under ~/.cache/epl "
                     "(default: time each model's kernels in this run, under the load "
-                    "of its runs: common.fresh_kernel_timings)")
+                    "of its runs, once per round: common.fresh_kernel_timings, "
+                    "fastest_kernels)")
     args = ap.parse_args(argv)
     if args.reprice:
         return reprice(args.reprice, args.json)
@@ -395,6 +433,9 @@ def main(argv=None):
             head = search.split_head(fns[0], fns[1])    # the layer "split" would split
         if args.calibrate_each_model:     # side by side: the load of the cores now
             calib = local.measure()
+        retime = not args.cached_kernels and args.rounds > 1
+        if retime:          # this model's kernels, from none
+            os.environ["EPL_CACHE_DIR"] = tempfile.mkdtemp(prefix="epl-plan-round1-")
         cases = []
         for label, devices, strategy in LAYOUTS:
             if label not in wanted:
@@ -407,7 +448,11 @@ def main(argv=None):
                        run_strategy=run, calibration=calib, step_s_rounds=[], failures=[])
             _price(row, profile, local_cluster(calib, devices))
             cases.append((row, run_fns))
+        best = {}
         for r in range(args.rounds):
+            if retime:      # this round's kernels, timed beside its runs (round 1: above)
+                fastest_kernels(best, [(row, profile, local_cluster(calib, row["devices"]))
+                                       for row, _ in cases], r)
             for row, run_fns in cases:
                 status, got = search.measure(run_fns, row["run_strategy"], row["devices"],
                                              args.steps, 600)
@@ -422,6 +467,9 @@ def main(argv=None):
                         r + 1, args.rounds, name, row["layout"], "%.2f ms" % (
                             1e3 * got["step_s"]) if status == "ok" else status), flush=True)
                     continue
+                if retime:  # priced at every kernel's fastest round
+                    _price(row, profile, local_cluster(calib, row["devices"]))
+                row["kernels_folder"] = os.environ.get("EPL_CACHE_DIR")
                 _settle(row)
                 rows_out.append(row)
                 print(_line(row), flush=True)
@@ -441,7 +489,11 @@ def main(argv=None):
 
 
 def reprice(path, out):
+    """The rows of an earlier run's JSON priced again: with the kernels that run timed
+    (each row's ``kernels_folder``, while it lasts) unless ``EPL_CACHE_DIR`` names a
+    cache, else with the cache of ``~/.cache/epl``."""
     from epl.auto import graph_profile
+    chosen = os.environ.get("EPL_CACHE_DIR")
     with open(path) as f:
         old = json.load(f)
     profiles = {}
@@ -450,6 +502,9 @@ def reprice(path, out):
             profiles[r["model"]] = None if missing_package(r["model"]) else \
                 graph_profile.profile(*MODELS[r["model"]])
         prof = profiles[r["model"]]
+        folder = r.get("kernels_folder")
+        if folder and os.path.isdir(folder) and not chosen:  # the run's own kernels
+            os.environ["EPL_CACHE_DIR"] = folder
         if prof is None:
             print("%-8s %-20s not repriced: %s is not installed" % (
                 r["model"], r["layout"], missing_package(r["model"])))
