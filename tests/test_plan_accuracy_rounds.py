@@ -1,0 +1,46 @@
+"""benchmarks/plan_accuracy.py prices a row with each kernel's fastest round, as it keeps a
+row's fastest measured round (``fastest_kernels``): both sides the machine's fastest
+moments."""
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
+
+import plan_accuracy  # noqa: E402
+from epl.auto import product_timing  # noqa: E402
+
+
+def _round(monkeypatch, folder, timings):
+    """A round whose kernels were timed into ``folder`` (round 1's case: no pricing)."""
+    monkeypatch.setenv("EPL_CACHE_DIR", str(folder))
+    path = product_timing.cache_path()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(timings, f)
+
+
+def test_each_kernel_keeps_its_least_figures_over_the_rounds(monkeypatch, tmp_path):
+    best = {}
+    _round(monkeypatch, tmp_path / "r1", {
+        "a": {"alone": 2.0, "shared": 3.0, "first": 5.0},
+        "b": None,                                  # could not be rebuilt in round 1
+        "c": {"alone": 1.0, "shared": 1.5, "first": 1.0}})
+    plan_accuracy.fastest_kernels(best, [], 0)
+    merged = os.environ["EPL_CACHE_DIR"]
+    assert merged != str(tmp_path / "r1")          # a folder of the merge's own
+    _round(monkeypatch, tmp_path / "r2", {
+        "a": {"alone": 1.5, "shared": 3.5, "first": 4.0},
+        "b": {"alone": 7.0, "shared": 8.0, "first": 9.0},
+        "c": None,
+        "d": {"alone": 0.5, "shared": 0.5, "first": 0.5}})
+    plan_accuracy.fastest_kernels(best, [], 0)
+    want = {"a": {"alone": 1.5, "shared": 3.0, "first": 4.0},
+            "b": {"alone": 7.0, "shared": 8.0, "first": 9.0},
+            "c": {"alone": 1.0, "shared": 1.5, "first": 1.0},
+            "d": {"alone": 0.5, "shared": 0.5, "first": 0.5}}
+    assert best == want
+    with open(product_timing.cache_path()) as f:    # what the rows are priced with
+        assert json.load(f) == want
+    assert product_timing.timed(["a", "d"], 2) == {"a": want["a"], "d": want["d"]}
