@@ -337,18 +337,8 @@ def fastest_kernels(best, priced, round_index):
             prefix="epl-plan-round%d-" % (round_index + 1))
         for row, profile, cluster in priced:
             _price(row, profile, cluster)
-    path = product_timing.cache_path()
-    if os.path.exists(path):
-        with open(path) as f:
-            got = json.load(f)
-        for sig, x in got.items():
-            old = best.get(sig)
-            if x is None or old is None:
-                best[sig] = old if x is None else dict(x)
-                continue
-            for k, v in x.items():
-                if isinstance(v, (int, float)) and isinstance(old.get(k), (int, float)):
-                    old[k] = min(old[k], v)
+    for sig, x in product_timing.cached_timings().items():
+        best[sig] = product_timing.least(best.get(sig), x)
     from epl.auto import local
     os.environ["EPL_CACHE_DIR"] = tempfile.mkdtemp(prefix="epl-plan-fastest-")
     local.save_cache(best, product_timing.cache_path())

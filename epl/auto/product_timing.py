@@ -376,9 +376,18 @@ def measure(sigs, cores):
     for sig in sigs:
         once = out[sig]
         if sig != HOP and once and max(once["alone"], once["first"]) >= HEAVY_S:
-            again = _time_one(sig, rng, cores)
-            if again:
-                out[sig] = dict((k, min(once[k], again[k])) for k in once)
+            out[sig] = least(once, _time_one(sig, rng, cores))
+    return out
+
+
+def least(a, b):
+    """Two timings of one kernel as one: each figure the lesser (other work on the
+    shared cores only slows a run down); a timing that is None (the kernel could not run
+    that time) gives way to the other."""
+    if a is None or b is None:
+        return b if a is None else a
+    out = dict(b)
+    out.update((k, min(v, b[k]) if k in b else v) for k, v in a.items())
     return out
 
 
@@ -440,13 +449,18 @@ def timed(sigs, cores, path=None):
     """The cached timings of ``sigs`` (the missing ones measured now and cached); a
     kernel that could not be timed alone maps to None."""
     path = path or cache_path()
-    try:
-        with open(path) as f:
-            cached = json.load(f)
-    except (IOError, OSError, ValueError):
-        cached = {}
+    cached = cached_timings(path)
     missing = sorted(set(s for s in sigs if s not in cached))
     if missing:
         cached.update(measure(missing, cores))
         local.save_cache(cached, path)
     return dict((s, cached[s]) for s in sigs)
+
+
+def cached_timings(path=None):
+    """Every kernel's timings in the cache (``cache_path``), {} where there is none."""
+    try:
+        with open(path or cache_path()) as f:
+            return json.load(f)
+    except (IOError, OSError, ValueError):
+        return {}
