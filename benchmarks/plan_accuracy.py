@@ -322,21 +322,21 @@ def _price(row, profile, cluster):
                breakdown={k: v for k, v in pred.breakdown.items() if k != "stages"})
 
 
-def fastest_kernels(best, priced, round_index):
-    """Times the kernels of the rows anew (a cache folder of this round's, priced
-    through), merges them into ``best`` (each kernel's every figure the least of the
-    rounds': other work on the shared cores only slows a run, as a measured step keeps its
-    fastest round), and points the kernel cache at ``best``: the rows are priced with
-    the kernels of the machine's fastest moments, not of one moment (stop 56: the GPT's
-    kernels timed once priced its one-device step 557 ms while its rounds read 401-521).
-    ``priced``: (row, profile, cluster) for each row; ``round_index``: 0 for the first
-    round, whose kernels were timed in the current cache folder as the rows were priced."""
+def fastest_kernels(best, price_all, round_index):
+    """Times the kernels of the rows anew (a cache folder of this round's, filled by
+    ``price_all()``, which prices every row), merges them into ``best`` (each kernel's
+    every figure the least of the rounds': other work on the shared cores only slows a
+    run, as a measured step keeps its fastest round), and points the kernel cache at
+    ``best``: the rows are priced with the kernels of the machine's fastest moments, not
+    of one moment (stop 56: the GPT's kernels timed once priced its one-device step 557 ms
+    while its rounds read 401-521).  ``round_index``: 0 for the first round, whose
+    kernels were timed in the current cache folder as the rows were first priced
+    (``price_all`` is not called)."""
     from epl.auto import product_timing
     if round_index:     # (round 1's: timed as its rows were first priced)
         os.environ["EPL_CACHE_DIR"] = tempfile.mkdtemp(
             prefix="epl-plan-round%d-" % (round_index + 1))
-        for row, profile, cluster in priced:
-            _price(row, profile, cluster)
+        price_all()
     for sig, x in product_timing.cached_timings().items():
         best[sig] = product_timing.least(best.get(sig), x)
     from epl.auto import local
@@ -441,8 +441,9 @@ def main(argv=None):
         best = {}
         for r in range(args.rounds):
             if retime:      # this round's kernels, timed beside its runs (round 1: above)
-                fastest_kernels(best, [(row, profile, local_cluster(calib, row["devices"]))
-                                       for row, _ in cases], r)
+                fastest_kernels(best, lambda: [
+                    _price(row, profile, local_cluster(calib, row["devices"]))
+                    for row, _ in cases], r)
             for row, run_fns in cases:
                 status, got = search.measure(run_fns, row["run_strategy"], row["devices"],
                                              args.steps, 600)

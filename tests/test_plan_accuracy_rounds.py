@@ -27,7 +27,7 @@ def test_each_kernel_keeps_its_least_figures_over_the_rounds(monkeypatch, tmp_pa
         "a": {"alone": 2.0, "shared": 3.0, "first": 5.0},
         "b": None,                                  # could not be rebuilt in round 1
         "c": {"alone": 1.0, "shared": 1.5, "first": 1.0}})
-    plan_accuracy.fastest_kernels(best, [], 0)
+    plan_accuracy.fastest_kernels(best, None, 0)
     merged = os.environ["EPL_CACHE_DIR"]
     assert merged != str(tmp_path / "r1")          # a folder of the merge's own
     _round(monkeypatch, tmp_path / "r2", {
@@ -35,7 +35,7 @@ def test_each_kernel_keeps_its_least_figures_over_the_rounds(monkeypatch, tmp_pa
         "b": {"alone": 7.0, "shared": 8.0, "first": 9.0},
         "c": None,
         "d": {"alone": 0.5, "shared": 0.5, "first": 0.5}})
-    plan_accuracy.fastest_kernels(best, [], 0)
+    plan_accuracy.fastest_kernels(best, None, 0)
     want = {"a": {"alone": 1.5, "shared": 3.0, "first": 4.0},
             "b": {"alone": 7.0, "shared": 8.0, "first": 9.0},
             "c": {"alone": 1.0, "shared": 1.5, "first": 1.0},
@@ -44,3 +44,35 @@ def test_each_kernel_keeps_its_least_figures_over_the_rounds(monkeypatch, tmp_pa
     with open(product_timing.cache_path()) as f:    # what the rows are priced with
         assert json.load(f) == want
     assert product_timing.timed(["a", "d"], 2) == {"a": want["a"], "d": want["d"]}
+
+
+def test_a_later_round_times_its_kernels_in_a_folder_of_its_own(monkeypatch, tmp_path):
+    """Round 2 on: ``price_all`` is called with the cache pointed at a new, empty folder
+    (its kernels timed anew, not read from round 1's), and what it timed is merged."""
+    best = {}
+    _round(monkeypatch, tmp_path / "r1", {"a": {"alone": 2.0, "shared": 3.0, "first": 5.0}})
+    plan_accuracy.fastest_kernels(best, None, 0)
+    merged = os.environ["EPL_CACHE_DIR"]
+    seen = []
+
+    def price_all():
+        folder = os.environ["EPL_CACHE_DIR"]
+        seen.append(folder)
+        assert os.path.basename(folder).startswith("epl-plan-round2-")
+        assert product_timing.cached_timings() == {}        # nothing of round 1's
+        _round(monkeypatch, folder, {"a": {"alone": 1.0, "shared": 4.0, "first": 6.0}})
+    plan_accuracy.fastest_kernels(best, price_all, 1)
+    assert len(seen) == 1 and seen[0] not in (merged, str(tmp_path / "r1"))
+    assert best == {"a": {"alone": 1.0, "shared": 3.0, "first": 5.0}}
+
+
+def test_plan_multiprocess_keeps_a_cases_fastest_round(monkeypatch):
+    import plan_multiprocess
+    row = dict(step_s_rounds=[0.30, 0.20, 0.25], rows_per_step=64, failures=[
+        ["timeout", "round 4"]])
+    plan_multiprocess._settle(row)
+    assert row["status"] == "ok" and row["step_s"] == 0.20
+    assert abs(row["samples_per_s"] - 320.0) < 1e-9
+    failed = dict(step_s_rounds=[], failures=[["error", "a"], ["timeout", "b"]])
+    plan_multiprocess._settle(failed)
+    assert failed["status"] == "timeout" and failed["message"] == "b"
