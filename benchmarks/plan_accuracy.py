@@ -247,12 +247,16 @@ DEFAULT_MODELS = "mlp,gpt,convnet,widehead,resnet,bert"
 QUICK = ("1 device", "DP 2", "PP 2 x m4 1f1b")
 
 
+WAKE_UP = None      # --wake-up: how the replay pays a kernel's wake-up (None: Cluster's)
+
+
 def local_cluster(calib, devices):
     """``Cluster.local`` from these figures, pricing the model's products by timing
     each on this machine (``epl.auto.product_timing``)."""
     from epl.auto import Cluster
     out = Cluster.from_local(calib, devices)
     out.time_products = True
+    out.wake_up = WAKE_UP or out.wake_up
     return out
 
 
@@ -388,7 +392,12 @@ def main(argv=None):
                     "(default: time each model's kernels in this run, under the load "
                     "of its runs, once per round: common.fresh_kernel_timings, "
                     "fastest_kernels)")
+    ap.add_argument("--wake-up", choices=("wait", "work"), default=None,
+                    help="how the replay pays a kernel's wake-up (Cluster.wake_up; "
+                    "default: the Cluster's, wait): work prices as stops 49-56 did")
     args = ap.parse_args(argv)
+    global WAKE_UP
+    WAKE_UP = args.wake_up
     if args.reprice:
         return reprice(args.reprice, args.json)
     import common

@@ -50,6 +50,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import plan_accuracy  # noqa: E402
 from plan_accuracy import MODELS, err, fastest_kernels, predict_case  # noqa: E402
 
 PORT = 7000         # namespace hosts: TensorFlow on 7000, EPL's collectives on 7001
@@ -224,6 +225,7 @@ def cluster_of(figures, processes, latency_ms):
         out = Cluster.from_local(figures, 1, processes=processes,
                                  latency_s=None if latency_ms is None else latency_ms / 1e3)
     out.time_products = True
+    out.wake_up = plan_accuracy.WAKE_UP or out.wake_up
     return out
 
 
@@ -332,7 +334,11 @@ def main(argv=None):
     ap.add_argument("--cached-kernels", action="store_true",
                     help="price with the kernels' timings cached under ~/.cache/epl "
                     "(default: timed in this run: common.fresh_kernel_timings)")
+    ap.add_argument("--wake-up", choices=("wait", "work"), default=None,
+                    help="how the replay pays a kernel's wake-up (Cluster.wake_up; "
+                    "default: the Cluster's, wait)")
     args = ap.parse_args(argv)
+    plan_accuracy.WAKE_UP = args.wake_up
     if args.worker:
         return worker_main(args.model, args.steps, args.out)
     if args.reprice:

@@ -64,35 +64,67 @@ def test_job_from_alone_and_shared_times():
     assert dataflow.job(1e-3, 2e-3, 2, -5e-5)[2] == 0.0
 
 
-def test_a_wide_op_pays_its_wake_up_only_with_no_other_wide_op_of_its_replica_running():
-    # alone: 2 core-ms + 0.5 ms wake at width 2 -> (2 + 1) / 2 = 1.5 ms
-    assert dataflow.makespan([(2e-3, 2.0, 5e-4)], [[]], cores=2) == pytest.approx(1.5e-3)
-    # two wide ops started together: the first wakes the threads (3 core-ms), the
-    # second finds them busy (2 core-ms): 5 core-ms over 2 cores
+@pytest.mark.parametrize("wake", dataflow.WAKES)
+def test_a_wide_op_pays_its_wake_up_only_with_no_other_wide_op_of_its_replica_running(wake):
+    # alone: 2 core-ms at width 2 after a 0.5 ms wake-up: 1.5 ms either way (as work:
+    # (2 + 1) core-ms at width 2)
+    assert dataflow.makespan([(2e-3, 2.0, 5e-4)], [[]], cores=2, wake=wake) \
+        == pytest.approx(1.5e-3)
+    # two wide ops started together: as work, the first wakes the threads (3 core-ms),
+    # the second finds them busy (2 core-ms): 5 core-ms over 2 cores; as a wait, both
+    # wait the same 0.5 ms, then 4 core-ms over 2 cores
     jobs = [(2e-3, 2.0, 5e-4), (2e-3, 2.0, 5e-4)]
-    assert dataflow.makespan(jobs, [[], []], cores=2) == pytest.approx(2.5e-3)
+    assert dataflow.makespan(jobs, [[], []], cores=2, wake=wake) == pytest.approx(2.5e-3)
     # one after the other: each starts alone and pays
-    assert dataflow.makespan(jobs, [[], [0]], cores=2) == pytest.approx(3e-3)
-    # beside a one-core op, a wide op still wakes Eigen's threads
+    assert dataflow.makespan(jobs, [[], [0]], cores=2, wake=wake) == pytest.approx(3e-3)
+    # beside a one-core op, a wide op still wakes Eigen's threads: as work, 4 core-ms
+    # over 2 cores; as a wait, the thin op runs its first half alone (0.5 ms), then
+    # the two take a core each (0.5 ms: the thin op's last half, the wide op's first
+    # 0.5 core-ms), then the wide op's last 1.5 core-ms at width 2 (0.75 ms)
     jobs = [(1e-3, 1.0), (2e-3, 2.0, 5e-4)]
-    assert dataflow.makespan(jobs, [[], []], cores=2) == pytest.approx(2e-3)
+    assert dataflow.makespan(jobs, [[], []], cores=2, wake=wake) == pytest.approx(
+        {"work": 2e-3, "wait": 1.75e-3}[wake])
 
 
-def test_each_replica_pays_its_own_wake_up():
-    # two replicas of a wide op started together: another replica's kernel running
-    # does not spare one its lone-run cost (measured: the GPT's 2 replicas ran
-    # 1.80-1.85x as long as 1, its kernels' shared times summed 1.80x their times
-    # alone; one wake for the pair replayed 1.62x): (3 + 3) core-ms over 2 cores
+def test_each_replica_pays_its_own_wake_up_as_a_wait_beside_the_others_work():
+    # two replicas of a wide op started together: another replica's kernel does not
+    # spare one its lone-run cost, but the replicas wait it out at once, holding no
+    # cores: 0.5 ms, then (2 + 2) core-ms over 2 cores.  As work (the rule of stops
+    # 49-56) each adds 1 core-ms: (3 + 3) core-ms over 2 cores.  Measured on a 2-vCPU
+    # Xeon with 33 MiB of L3 (stop 57): the GPT's 2 replicas ran 1.76x as long as 1;
+    # the work rule said 1.98x, the wait 1.69x (its DP 2 row +17.6 % -> +0.5 %)
     job = (2e-3, 2.0, 5e-4)
-    assert dataflow.makespan([job], [[]], cores=2, copies=2) == pytest.approx(3e-3)
-    # within one replica, a second wide op beside a running one still finds the
-    # threads awake: (3 + 2) core-ms over 2 cores
-    assert dataflow.makespan([job, job], [[], []], cores=2) == pytest.approx(2.5e-3)
+    assert dataflow.makespan([job], [[]], cores=2, copies=2) == pytest.approx(2.5e-3)
+    assert dataflow.makespan([job], [[]], cores=2, copies=2, wake="work") \
+        == pytest.approx(3e-3)
+    a = (2e-3, 2.0, 5e-4, ("/device:CPU:0", "k"))
+    b = (2e-3, 2.0, 5e-4, ("/device:CPU:1", "k"))
     # one copy of a built step: its devices (a pipeline's stages, EPL's replicas) each
     # pay their own; two ops of one device the first only (one kernel: the widths kept)
-    a, b = job + (("/device:CPU:0", "k"),), job + (("/device:CPU:1", "k"),)
-    assert dataflow.makespan([a, b], [[], []], cores=2) == pytest.approx(3e-3)
-    assert dataflow.makespan([a, a], [[], []], cores=2) == pytest.approx(2.5e-3)
+    assert dataflow.makespan([a, b], [[], []], cores=2) == pytest.approx(2.5e-3)
+    assert dataflow.makespan([a, b], [[], []], cores=2, wake="work") == pytest.approx(3e-3)
+    for wake in dataflow.WAKES:
+        assert dataflow.makespan([a, a], [[], []], cores=2, wake=wake) \
+            == pytest.approx(2.5e-3)
+
+
+def test_a_replica_waking_leaves_the_cores_to_one_working():
+    # replica 0 (device 0) runs a 1 core-ms thin op, then a wide op; replica 1 (device 1)
+    # starts its wide op at once.  As a wait: 0-0.5 ms the thin op alone (replica 1
+    # waking); 0.5-1 a core each (replica 1's wide op does 0.5 of its 2 core-ms);
+    # 1-1.5 replica 0's wide op wakes while replica 1's has the 2 cores (1 core-ms);
+    # 1.5-2 a core each (replica 1 done, replica 0's 0.5 core-ms); then replica 0's last
+    # 1.5 core-ms at width 2: 2.75 ms.  As work: each wide op 3 core-ms beside the
+    # other's: 3.5 ms
+    thin = (1e-3, 1.0, 0.0, ("/device:CPU:0", None))
+    w0 = (2e-3, 2.0, 5e-4, ("/device:CPU:0", "k"))
+    w1 = (2e-3, 2.0, 5e-4, ("/device:CPU:1", "k"))
+    jobs, deps = [thin, w0, w1], [[], [0], []]
+    wait, work = [dataflow.makespan(jobs, deps, cores=2, wake=w) for w in ("wait", "work")]
+    assert wait == pytest.approx(2.75e-3)
+    assert work == pytest.approx(3.5e-3)
+    with pytest.raises(ValueError, match="wake must be one of"):
+        dataflow.makespan(jobs, deps, cores=2, wake="sleep")
 
 
 def test_different_wide_kernels_on_different_devices_take_as_long_as_one_after_another():

@@ -203,3 +203,46 @@ def test_the_built_steps_updates_are_found(monkeypatch, tmp_path):
                for i, _ in flow["updates"])
     # each on its stage's device: both stages update variables
     assert len(set(device for _, device in flow["updates"])) == 2
+
+
+@pytest.mark.parametrize("wake", dataflow.WAKES)
+def test_the_replicas_wake_ups_are_priced_as_the_cluster_says(monkeypatch, tmp_path, wake):
+    """A wide kernel's wake-up (its lone run, 1.5 ms, less its chain, 1 ms) reaches the
+    replay of two replicas as ``Cluster.wake_up`` says (``dataflow.WAKES``): a wait
+    the replicas sit out at once, or core-seconds beside the other's work; the setting
+    survives the cluster's JSON."""
+    monkeypatch.setenv("EPL_CACHE_DIR", str(tmp_path))
+    prof = graph_profile.profile(auto_models.model, auto_models.dataset, auto_models.optimizer)
+    prof.input_seconds = lambda: 0.0
+    flow = prof.dataflow()
+    updates = set(i for i, _ in flow["updates"])
+    plain = _fixed(None)
+
+    def timed(sigs, cores, path=None):
+        out = plain(sigs, cores, path)
+        for s, x in out.items():
+            if x and x.get("alone"):
+                out[s] = dict(x, first=1.5e-3)
+        return out
+    monkeypatch.setattr(product_timing, "timed", timed)
+    cluster = Cluster.from_local(dict(local.measure(quick=True), cores=2), 2)
+    cluster.time_products = True
+    cluster.wake_up = wake
+    assert Cluster.from_dict(cluster.to_dict()).wake_up == wake
+    got = price(prof, Layout(d=2), cluster).breakdown["compute_s"]
+    jobs = [(2e-3, 2.0, 5e-4) if s is not None and i not in updates else (0.0, 1.0)
+            for i, s in enumerate(flow["sigs"])]
+    assert got == pytest.approx(dataflow.makespan(jobs, flow["deps"], 2, 2, wake=wake))
+    other = [w for w in dataflow.WAKES if w != wake][0]
+    assert got != pytest.approx(dataflow.makespan(jobs, flow["deps"], 2, 2, wake=other))
+
+
+def test_a_cluster_says_how_wake_ups_are_paid_and_a_mistyped_rule_is_named():
+    local = Cluster.from_local(dict(matmul_flops=1e10, memory_bandwidth=1e10,
+                                    allreduce_bandwidth=1e9, allreduce_latency_s=1e-4), 2)
+    assert local.wake_up == "wait"
+    d = local.to_dict()
+    d.pop("wake_up")                      # a cluster JSON of before: the default
+    assert Cluster.from_dict(d).wake_up == "wait"
+    with pytest.raises(ValueError, match="wake_up must be one of wait, work, got 'wake'"):
+        Cluster.from_dict(dict(d, wake_up="wake"))

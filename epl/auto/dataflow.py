@@ -33,6 +33,13 @@ import heapq
 
 
 INLINE_S = 20e-6         # seconds alone below which a kernel runs on one thread
+# How a kernel's wake-up (its lone run's cost beyond its chain) is paid (``makespan``):
+# "wait": its replica waits it out holding no cores, so another replica's or stage's
+# kernels use the cores meanwhile and the wake-ups of replicas started together overlap
+# (stop 57, the small-cache kinds of machine: the GPT's DP 2 +17.6 % -> +0.5 %, DP 4
+# +36.3 % -> +13.8 %); "work": core-seconds at the kernel's width, which another
+# replica's kernels share the cores with (stop 49, the Xeon with 504 MiB of L3).
+WAKES = ("wait", "work")
 
 
 def job(alone, shared, cores, wake=0.0):
@@ -51,18 +58,16 @@ def job(alone, shared, cores, wake=0.0):
     return alone * width, width, (max(0.0, wake) if width > 1.0 else 0.0)
 
 
-def makespan(jobs, deps, cores, copies=1, processes=1):
+def makespan(jobs, deps, cores, copies=1, processes=1, wake="wait"):
     """Seconds from the first op to the last of ``copies`` replicas of the graph, in
     ``processes`` worker processes (the copies split evenly, in order).
 
     ``jobs[i]``: (work, width), (work, width, wake) or (work, width, wake, place) of
-    op i (work 0: instant; wake: seconds added at its width when it starts with no
-    other op of its own copy and device wider than one core running: a lone run's cost
-    beyond its chain, Eigen's threads woken and its inputs first touched; another
-    replica's or stage's kernel beside it does not spare it that (measured: the GPT's 2
-    replicas ran 1.80-1.85x as long as 1 in three runs, its kernels' shared times sum
-    to 1.80x their times alone; one wake-up for all replicas replayed 1.62x); place:
-    (its device, its kernel) or None, ``_widths``); ``deps[i]``: the indices of the ops
+    op i (work 0: instant; wake: what it pays when it starts with no other op of its
+    own copy and device wider than one core working: a lone run's cost beyond its
+    chain, Eigen's threads woken and its inputs first touched; another replica's or
+    stage's kernel beside it does not spare it that; ``wake`` says how it is paid:
+    ``WAKES``; place: (its device, its kernel) or None, ``_widths``); ``deps[i]``: the indices of the ops
     op i waits for (all below i: a topological order).  Each process's executor starts
     at most ``cores`` ops at once, and each device's runs its cheap ops (one thread, under
     ``INLINE_S``; the ops without a kernel) one at a time, beside its wider ones and
@@ -74,6 +79,9 @@ def makespan(jobs, deps, cores, copies=1, processes=1):
     turns (measured: 3 processes on 2 cores took as long as their steps one after
     another: the GPT 540 ms, 3 x 178; 2 processes ran 9-12 % slower than 2 replicas in
     one process, which is how they are replayed)."""
+    if wake not in WAKES:
+        raise ValueError("dataflow.makespan: wake must be one of %s, got %r"
+                         % (", ".join(WAKES), wake))
     n = len(jobs)
     users = [[] for _ in range(n)]
     for i, ds in enumerate(deps):
@@ -81,7 +89,7 @@ def makespan(jobs, deps, cores, copies=1, processes=1):
             users[j].append(i)
     waiting = [[len(set(ds)) for ds in deps] for _ in range(copies)]
     ready, order = [], 0           # (arrival, copy, op): the executor's queue, in order
-    running = []                   # [copy, op, work left]
+    running = []                   # [copy, op, work left, wake-up left ("wait")]
     now = 0.0
 
     def release(c, i):
@@ -117,8 +125,8 @@ def makespan(jobs, deps, cores, copies=1, processes=1):
             return None
         return (c, _device(jobs[i]))
     while ready or running:
-        busy = collections.Counter(process(c) for c, _, _ in running)
-        lanes = set(lane(c, i) for c, i, _ in running) - {None}
+        busy = collections.Counter(process(c) for c, _, _, _ in running)
+        lanes = set(lane(c, i) for c, i, _, _ in running) - {None}
         held = []                   # ready, their process's pool or device's lane full
         while ready and len(running) < slots * processes:
             entry = heapq.heappop(ready)
@@ -130,25 +138,37 @@ def makespan(jobs, deps, cores, copies=1, processes=1):
             if own is not None:
                 lanes.add(own)
             busy[process(c)] += 1
-            work = jobs[i][0]
+            work, wait = jobs[i][0], 0.0
             if len(jobs[i]) > 2 and jobs[i][2] > 0.0:
                 mine = (c, _device(jobs[i]))
                 if not any(jobs[k][1] > 1.0 and (c2, _device(jobs[k])) == mine
-                           for c2, k, _ in running):
-                    work += jobs[i][2] * jobs[i][1]
-            running.append([c, i, work])
+                           for c2, k, _, w in running if w <= 0.0):
+                    if wake == "wait":
+                        wait = jobs[i][2]
+                    else:
+                        work += jobs[i][2] * jobs[i][1]
+            running.append([c, i, work, wait])
         for entry in held:
             heapq.heappush(ready, entry)
-        widths = _widths(jobs, [(process(c) if crowded else 0, i) for c, i, _ in running],
+        working = [e for e in running if e[3] <= 0.0]
+        widths = _widths(jobs, [(process(c) if crowded else 0, i) for c, i, _, _ in working],
                          cores)
         # (work is counted at the op's own width: at a wider one, each core does less)
-        rates = [given * jobs[i][1] / w for (_, i, _), given, w in
-                 zip(running, _share(widths, float(cores)), widths)]
-        step = min(left / rate for (_, _, left), rate in zip(running, rates))
+        rates = [given * jobs[i][1] / w for (_, i, _, _), given, w in
+                 zip(working, _share(widths, float(cores)), widths)]
+        step = min([left / rate for (_, _, left, _), rate in zip(working, rates)]
+                   + [e[3] for e in running if e[3] > 0.0])
         now += step
+        rate_of = dict((id(e), r) for e, r in zip(working, rates))
         still = []
-        for entry, rate in zip(running, rates):
-            entry[2] -= rate * step
+        for entry in running:
+            if entry[3] > 0.0:          # waking: holds its executor thread, no cores
+                entry[3] -= step
+                if entry[3] <= 1e-12:
+                    entry[3] = 0.0
+                still.append(entry)
+                continue
+            entry[2] -= rate_of[id(entry)] * step
             if entry[2] <= 1e-12:
                 release(entry[0], entry[1])
             else:

@@ -111,10 +111,12 @@ def update_seconds(flow, timings, processes=1, cores=1):
     return max(per_device.values())
 
 
-def replay(flow, timings, costs, input_seconds, cores, machine_flops, copies, processes=1):
+def replay(flow, timings, costs, input_seconds, cores, machine_flops, copies, processes=1,
+           wake="wait"):
     """Seconds of ``copies`` replicas of ``flow`` in ``processes`` worker processes on
     ``cores`` shared cores (the optimizer's updates as bare ops: ``update_seconds``
-    prices them)."""
+    prices them); ``wake``: how a kernel's wake-up is paid (``dataflow.WAKES``,
+    ``Cluster.wake_up``)."""
     jobs = []
     pulls = set(flow.get("inputs", ()))
     updates = set(i for i, _ in flow.get("updates") or ())
@@ -134,4 +136,4 @@ def replay(flow, timings, costs, input_seconds, cores, machine_flops, copies, pr
     for i, n in enumerate(flow.get("hops") or ()):  # tensors received from another device
         if n:
             jobs[i] = (jobs[i][0] + n * costs["hop"],) + tuple(jobs[i][1:])
-    return dataflow.makespan(jobs, flow["deps"], cores, copies, processes)
+    return dataflow.makespan(jobs, flow["deps"], cores, copies, processes, wake)

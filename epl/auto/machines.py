@@ -16,7 +16,7 @@ import copy
 import json
 import math
 
-from epl.auto import local
+from epl.auto import dataflow, local
 
 DTYPES = ("fp32", "tf32", "fp16", "bf16")
 GB = 1e9
@@ -178,6 +178,11 @@ class Cluster(object):
         # replay on shared cores misses by ~5 % (its median; docs/plan.md) while its
         # layouts' predictions lie 1-3 % apart.  The presets rank by samples/s alone.
         self.tie = 0.0
+        # How a kernel's wake-up is priced in the replay of a step on shared cores
+        # (time_products): "wait" (a latency its replica waits out; others' kernels use
+        # the cores) or "work" (core-seconds beside theirs): ``dataflow.WAKES``, which
+        # says where each fits (docs/plan.md, stop 57)
+        self.wake_up = "wait"
 
     @property
     def num_devices(self):
@@ -243,7 +248,7 @@ class Cluster(object):
                     inter=self.inter.to_dict(), accumulate_in_place=self.accumulate_in_place,
                     fusion_buffer=self.fusion_buffer, stage_cut=self.stage_cut,
                     shared_cores=self.shared_cores, shared_variables=self.shared_variables,
-                    tie=self.tie)
+                    tie=self.tie, wake_up=self.wake_up)
 
     def to_json(self, path=None):
         text = json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -269,6 +274,10 @@ class Cluster(object):
         out.shared_cores = bool(d.get("shared_cores", False))
         out.shared_variables = bool(d.get("shared_variables", False))
         out.tie = float(d.get("tie", 0.0))
+        out.wake_up = d.get("wake_up", "wait")
+        if out.wake_up not in dataflow.WAKES:
+            raise ValueError("epl.auto.Cluster: wake_up must be one of %s, got %r"
+                             % (", ".join(dataflow.WAKES), out.wake_up))
         return out
 
     @classmethod

@@ -190,7 +190,8 @@ def price(profile, layout, cluster, global_batch=None):
         replayed = local_step.replay(flow, timings, costs, profile.input_seconds(),
                                      cluster.cores, flops_s * cluster.devices_per_node,
                                      1 if whole_step else d,
-                                     1 if whole_step else min(d, cluster.nodes))
+                                     1 if whole_step else min(d, cluster.nodes),
+                                     cluster.wake_up)
         update_timed = local_step.update_seconds(
             flow, timings, 1 if whole_step or lay.zero else min(d, cluster.nodes),
             cluster.cores)
@@ -198,7 +199,7 @@ def price(profile, layout, cluster, global_batch=None):
     if moved is not None:
         with_them, without = [local_step.replay(
             f, timings, costs, profile.input_seconds(), cluster.cores,
-            flops_s * cluster.devices_per_node, 1) for f in moved]
+            flops_s * cluster.devices_per_node, 1, wake=cluster.wake_up) for f in moved]
         state_moves = max(0.0, with_them - without)
 
     def timed_kernels(r):
