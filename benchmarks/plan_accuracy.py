@@ -348,6 +348,22 @@ def fastest_kernels(best, price_all, round_index):
     local.save_cache(best, product_timing.cache_path())
 
 
+def record_round(row, status, got, label, r, rounds):
+    """One round's measurement into the row (its step, its largest peak) or its failure;
+    before the last round, a progress line and False."""
+    if status == "ok":
+        row["step_s_rounds"].append(got["step_s"])
+        row["peak_bytes"] = max(row.get("peak_bytes", 0), got["peak_bytes"])
+        row["rows_per_step"] = got["rows_per_step"]
+    else:
+        row["failures"].append([status, got])
+    if r + 1 < rounds:
+        print("  (round %d of %d) %s: %s" % (r + 1, rounds, label, "%.2f ms" % (
+            1e3 * got["step_s"]) if status == "ok" else status), flush=True)
+        return False
+    return True
+
+
 def _settle(row):
     """status and errors of a row from its rounds: ``ok`` (measured and priced),
     ``unpriced`` (measured, not priced) or the measurement's failure."""
@@ -456,16 +472,8 @@ def main(argv=None):
             for row, run_fns in cases:
                 status, got = search.measure(run_fns, row["run_strategy"], row["devices"],
                                              args.steps, 600)
-                if status == "ok":
-                    row["step_s_rounds"].append(got["step_s"])
-                    row["peak_bytes"] = max(row.get("peak_bytes", 0), got["peak_bytes"])
-                    row["rows_per_step"] = got["rows_per_step"]
-                else:
-                    row["failures"].append([status, got])
-                if r + 1 < args.rounds:
-                    print("  (round %d of %d) %s %s: %s" % (
-                        r + 1, args.rounds, name, row["layout"], "%.2f ms" % (
-                            1e3 * got["step_s"]) if status == "ok" else status), flush=True)
+                if not record_round(row, status, got, "%s %s" % (name, row["layout"]), r,
+                                    args.rounds):
                     continue
                 if retime:  # priced at every kernel's fastest round
                     _price(row, profile, local_cluster(calib, row["devices"]))

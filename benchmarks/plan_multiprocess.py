@@ -51,7 +51,8 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import plan_accuracy  # noqa: E402
-from plan_accuracy import MODELS, err, fastest_kernels, predict_case  # noqa: E402
+from plan_accuracy import (MODELS, err, fastest_kernels, predict_case,  # noqa: E402
+                           record_round)
 
 PORT = 7000         # namespace hosts: TensorFlow on 7000, EPL's collectives on 7001
 STRATEGY = ["data_parallel"]
@@ -381,16 +382,9 @@ def main(argv=None):
                     status, got = measure_multiprocess(name, row["processes"], args.steps,
                                                        row["latency_ms"], args.timeout)
                 if status == "ok":
-                    row["step_s_rounds"].append(got["step_s"])
-                    row["peak_bytes"] = max(row.get("peak_bytes", 0), got["peak_bytes"])
-                    row.update(rows_per_step=got["rows_per_step"],
-                               workers=got.get("workers"))
-                else:
-                    row["failures"].append([status, got])
-                if r + 1 < args.rounds:
-                    print("  (round %d of %d) %s %s: %s" % (
-                        r + 1, args.rounds, name, row["case"], "%.2f ms" % (
-                            1e3 * got["step_s"]) if status == "ok" else status), flush=True)
+                    row["workers"] = got.get("workers")
+                if not record_round(row, status, got, "%s %s" % (name, row["case"]), r,
+                                    args.rounds):
                     continue
                 _settle(row)
                 _price(row, profile)    # at every kernel's fastest round (retime)

@@ -76,3 +76,16 @@ def test_plan_multiprocess_keeps_a_cases_fastest_round(monkeypatch):
     failed = dict(step_s_rounds=[], failures=[["error", "a"], ["timeout", "b"]])
     plan_multiprocess._settle(failed)
     assert failed["status"] == "timeout" and failed["message"] == "b"
+
+
+def test_a_round_adds_its_step_and_keeps_the_largest_peak(capsys):
+    row = dict(step_s_rounds=[], failures=[])
+    assert not plan_accuracy.record_round(
+        row, "ok", dict(step_s=0.3, peak_bytes=7, rows_per_step=64), "mlp DP 2", 0, 3)
+    assert "(round 1 of 3) mlp DP 2: 300.00 ms" in capsys.readouterr().out
+    assert not plan_accuracy.record_round(row, "timeout", "no step in 600 s", "mlp DP 2",
+                                          1, 3)
+    assert plan_accuracy.record_round(
+        row, "ok", dict(step_s=0.2, peak_bytes=5, rows_per_step=64), "mlp DP 2", 2, 3)
+    assert row == dict(step_s_rounds=[0.3, 0.2], failures=[["timeout", "no step in 600 s"]],
+                       peak_bytes=7, rows_per_step=64)
