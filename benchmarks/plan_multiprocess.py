@@ -31,7 +31,8 @@ relay of the namespace hosts is Python: with latency it also caps the bandwidth,
 the calibration (tcp over loopback, no relay) does not see.
 
     python benchmarks/plan_multiprocess.py [--models mlp,gpt] [--cases "DP 2 in-process,
-        DP 2 proc,DP 3 proc,DP 2 hosts +5ms"] [--steps 10] [--rounds 2] [--json benchmarks/results/plan_multiprocess.json]
+        DP 2 proc,DP 3 proc,DP 2 hosts +5ms"] [--steps 10] [--rounds 2]
+        [--json benchmarks/results/plan_multiprocess.json]
         [--no-calibrate-each-model]
 """
 import argparse
