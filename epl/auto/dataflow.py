@@ -62,21 +62,21 @@ def makespan(jobs, deps, cores, copies=1, processes=1, wake="wait"):
     """Seconds from the first op to the last of ``copies`` replicas of the graph, in
     ``processes`` worker processes (the copies split evenly, in order).
 
-    ``jobs[i]``: (work, width), (work, width, wake) or (work, width, wake, place) of
-    op i (work 0: instant; wake: what it pays when it starts with no other op of its
-    own copy and device wider than one core working: a lone run's cost beyond its
-    chain, Eigen's threads woken and its inputs first touched; another replica's or
-    stage's kernel beside it does not spare it that; ``wake`` says how it is paid:
-    ``WAKES``; place: (its device, its kernel) or None, ``_widths``); ``deps[i]``: the
-    indices of the ops op i waits for (all below i: a topological order).  Each
-    process's executor starts at most ``cores`` ops at once, and each device's runs its cheap ops (one thread, under
-    ``INLINE_S``; the ops without a kernel) one at a time, beside its wider ones and
-    other devices' (measured: the corpus mini-BERT's step, 1305 ops of 1-3 us on one
-    device, took 2.49 ms, its ops' times one after another 2.33 ms and its update
-    0.08; two cheap ops at a time replayed it in 1.95 ms; its 2 replicas on 2 devices
-    ran 1.3x as long as 1).  More processes than cores are different kernels to each
-    other (``_widths``): each process's pool is as wide as the machine, and they take
-    turns (measured: 3 processes on 2 cores took as long as their steps one after
+    ``jobs[i]``: (work, width), (work, width, wake) or (work, width, wake, place) of op
+    i (work 0: instant; wake: what it pays when it starts with no other op of its own
+    copy and device wider than one core working: a lone run's cost beyond its chain,
+    Eigen's threads woken and its inputs first touched; another replica's or stage's
+    kernel beside it does not spare it that; ``wake`` says how it is paid: ``WAKES``;
+    place: (its device, its kernel) or None, ``_widths``); ``deps[i]``: the indices of
+    the ops op i waits for (all below i: a topological order). Each process's executor
+    starts at most ``cores`` ops at once, and each device's runs its cheap ops (one
+    thread, under ``INLINE_S``; the ops without a kernel) one at a time, beside its
+    wider ones and other devices' (measured: the corpus mini-BERT's step, 1305 ops of
+    1-3 us on one device, took 2.49 ms, its ops' times one after another 2.33 ms and its
+    update 0.08; two cheap ops at a time replayed it in 1.95 ms; its 2 replicas on 2
+    devices ran 1.3x as long as 1). More processes than cores are different kernels to
+    each other (``_widths``): each process's pool is as wide as the machine, and they
+    take turns (measured: 3 processes on 2 cores took as long as their steps one after
     another: the GPT 540 ms, 3 x 178; 2 processes ran 9-12 % slower than 2 replicas in
     one process, which is how they are replayed)."""
     if wake not in WAKES:
