@@ -496,6 +496,15 @@ def main(argv=None):
     return rows_out
 
 
+def use_run_kernels(row, chosen):
+    """Points the kernel cache at the kernels the row's run timed (its
+    ``kernels_folder``, while it lasts) unless ``chosen`` (``EPL_CACHE_DIR`` as the
+    reprice began) names a cache."""
+    folder = row.get("kernels_folder")
+    if folder and os.path.isdir(folder) and not chosen:
+        os.environ["EPL_CACHE_DIR"] = folder
+
+
 def reprice(path, out):
     """The rows of an earlier run's JSON priced again: with the kernels that run timed
     (each row's ``kernels_folder``, while it lasts) unless ``EPL_CACHE_DIR`` names a
@@ -510,9 +519,7 @@ def reprice(path, out):
             profiles[r["model"]] = None if missing_package(r["model"]) else \
                 graph_profile.profile(*MODELS[r["model"]])
         prof = profiles[r["model"]]
-        folder = r.get("kernels_folder")
-        if folder and os.path.isdir(folder) and not chosen:  # the run's own kernels
-            os.environ["EPL_CACHE_DIR"] = folder
+        use_run_kernels(r, chosen)
         if prof is None:
             print("%-8s %-20s not repriced: %s is not installed" % (
                 r["model"], r["layout"], missing_package(r["model"])))

@@ -53,7 +53,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import plan_accuracy  # noqa: E402
 from plan_accuracy import (MODELS, err, fastest_kernels, predict_case,  # noqa: E402
-                           record_round)
+                           record_round, use_run_kernels)
 
 PORT = 7000         # namespace hosts: TensorFlow on 7000, EPL's collectives on 7001
 STRATEGY = ["data_parallel"]
@@ -296,9 +296,7 @@ def reprice(path, out):
     for row in rows:
         if row["model"] not in profiles:
             profiles[row["model"]] = graph_profile.profile(*MODELS[row["model"]])
-        folder = row.get("kernels_folder")
-        if folder and os.path.isdir(folder) and not chosen:  # the run's own kernels
-            os.environ["EPL_CACHE_DIR"] = folder
+        use_run_kernels(row, chosen)
         _price(row, profiles[row["model"]])
         print(_line(row), flush=True)
     if out:

@@ -89,3 +89,14 @@ def test_a_round_adds_its_step_and_keeps_the_largest_peak(capsys):
         row, "ok", dict(step_s=0.2, peak_bytes=5, rows_per_step=64), "mlp DP 2", 2, 3)
     assert row == dict(step_s_rounds=[0.3, 0.2], failures=[["timeout", "no step in 600 s"]],
                        peak_bytes=7, rows_per_step=64)
+
+
+def test_a_reprice_uses_the_runs_own_kernels_unless_a_cache_is_named(monkeypatch, tmp_path):
+    monkeypatch.setenv("EPL_CACHE_DIR", "before")
+    plan_accuracy.use_run_kernels(dict(kernels_folder=str(tmp_path)), None)
+    assert os.environ["EPL_CACHE_DIR"] == str(tmp_path)
+    plan_accuracy.use_run_kernels(dict(kernels_folder=str(tmp_path / "gone")), None)
+    assert os.environ["EPL_CACHE_DIR"] == str(tmp_path)        # (a folder that is gone)
+    monkeypatch.setenv("EPL_CACHE_DIR", "named")
+    plan_accuracy.use_run_kernels(dict(kernels_folder=str(tmp_path)), "named")
+    assert os.environ["EPL_CACHE_DIR"] == "named"
