@@ -66,14 +66,12 @@ def _jobs(flow):
 _EXECUTOR_COSTS = (product_timing.EXECUTOR, product_timing.HOP, product_timing.HANDOFF)
 
 
-def _fixed(alone, shared, crowded=None):
+def _fixed(alone, shared):
     """``product_timing.timed`` with every kernel at these times (the executor's own
-    costs per op, per device crossing and per wake-up: none; ``crowded``: none where
-    None, as in a cache from before stop 58)."""
-    more = {} if crowded is None else {"crowded": crowded}
+    costs per op, per device crossing and per wake-up: none)."""
     return lambda sigs, cores, path=None: dict(
         (s, {"alone": 0.0, "shared": 0.0} if s in _EXECUTOR_COSTS
-         else dict({"alone": alone, "shared": shared}, **more)) for s in sigs)
+         else {"alone": alone, "shared": shared}) for s in sigs)
 
 
 def test_pipeline_stages_add_the_timed_kernels(monkeypatch, tmp_path):
@@ -126,78 +124,6 @@ def test_tensor_parallelism_prices_the_timed_kernels_by_their_split_share(
     assert got[2] == pytest.approx(got[1], rel=1e-9)
 
 
-def test_tensor_parallel_groups_beyond_the_cores_are_priced_crowded(monkeypatch, tmp_path):
-    """TP 2 x DP 2 on 2 cores: 4 devices run their kernels at once, each kernel at its
-    ``crowded`` time (measured with two chains per core), not twice its ``shared`` time
-    (stop 57: the GPT's TP 2 x DP 2 read +8 ... +17 %, its 4 devices filling the gaps 2
-    leave).  Without a crowded time (an older cache) it is twice the shared time, as
-    before; TP 2 alone (2 devices, 2 cores) does not use it."""
-    monkeypatch.setenv("EPL_CACHE_DIR", str(tmp_path))
-    prof = graph_profile.profile(auto_models.model, auto_models.dataset, auto_models.optimizer)
-    figures = dict(local.measure(quick=True), cores=2)
-    runs = sum(a + b for r in [prof.pre, prof.post] + list(prof.blocks)
-               for a, b in list(r.products.values()) + list(r.kernels.values()))
-
-    def compute(lay, shared, crowded):
-        cluster = Cluster.from_local(figures, 4 if lay is tp_dp else 2)
-        cluster.time_products = True
-        monkeypatch.setattr(product_timing, "timed", _fixed(1e-3, shared, crowded))
-        return price(prof, lay, cluster).breakdown["compute_s"]
-    tp_dp, tp = Layout(t=2, d=2), Layout(t=2)
-    # each kernel run: half of it on each device (the split share), at the crowded time
-    assert compute(tp_dp, 2e-3, 5e-3) - compute(tp_dp, 2e-3, 3e-3) == pytest.approx(
-        0.5 * runs * 2e-3, rel=1e-6)
-    # no crowded time: twice the shared, as before
-    assert compute(tp_dp, 3e-3, None) - compute(tp_dp, 2e-3, None) == pytest.approx(
-        0.5 * runs * 2 * 1e-3, rel=1e-6)
-    assert compute(tp_dp, 2e-3, 4e-3) == pytest.approx(compute(tp_dp, 2e-3, None))
-    assert compute(tp, 2e-3, 3e-3) == pytest.approx(compute(tp, 2e-3, None))
-
-
-def test_a_kernels_time_with_more_devices_than_cores_comes_from_its_crowded_chains():
-    """``busy_seconds``: alone on one device; ``shared`` with a device per core; with
-    twice as many devices as cores the ``crowded`` time (two chains per core), in
-    proportion between, and beyond it the devices take turns at half the crowded time
-    each.  A timing without ``crowded`` (a cache from before stop 58) takes turns at
-    the shared time."""
-    x = {"alone": 1.0, "shared": 2.0, "crowded": 3.0}
-    got = [product_timing.busy_seconds(x, busy, 2) for busy in (1, 2, 3, 4, 8)]
-    assert got == pytest.approx([1.0, 2.0, (2.0 + 0.5 * (1.5 - 2.0)) * 1.5, 3.0, 6.0])
-    assert product_timing.shared_work(x, 4, 2) == pytest.approx(1.5)
-    old = {"alone": 1.0, "shared": 2.0}
-    assert [product_timing.busy_seconds(old, busy, 2) for busy in (1, 2, 3, 4)] \
-        == pytest.approx([1.0, 2.0, 3.0, 4.0])
-
-
-def test_a_cache_without_crowded_times_gets_them_and_keeps_its_figures(monkeypatch,
-                                                                       tmp_path):
-    """A kernel cache from before stop 58 prices as it did until its kernels are timed
-    crowded: ``timed`` times the kernels it lacks and those without a crowded time,
-    adds only the crowded time to the latter (a reprice keeps its run's figures), and
-    leaves the executor's own costs alone (they are not timed crowded)."""
-    path = str(tmp_path / "kernels.json")
-    product = json.dumps(["MatMul", [[8, 8], [8, 8], [8, 8]], {}])
-    old = {"alone": 1e-3, "shared": 2e-3, "first": 3e-3}
-    local.save_cache({product: old, product_timing.EXECUTOR: {"alone": 1e-6,
-                                                             "shared": 1e-6}}, path)
-    asked = []
-
-    def measure(sigs, cores):
-        asked.append(sorted(sigs))
-        return dict((s, {"alone": 9.0, "shared": 9.0, "first": 9.0, "crowded": 5e-3})
-                    for s in sigs)
-    monkeypatch.setattr(product_timing, "measure", measure)
-    fresh = json.dumps(["MatMul", [[4, 4], [4, 4], [4, 4]], {}])
-    got = product_timing.timed([product, fresh, product_timing.EXECUTOR], 2, path)
-    assert asked == [sorted([product, fresh])]
-    assert got[product] == dict(old, crowded=5e-3)
-    assert got[fresh]["alone"] == 9.0
-    assert got[product_timing.EXECUTOR] == {"alone": 1e-6, "shared": 1e-6}
-    assert product_timing.timed([product, fresh], 2, path) == dict(
-        (s, got[s]) for s in (product, fresh))
-    assert len(asked) == 1                      # kept: not timed again
-
-
 def test_one_stage_replays_the_steps_dataflow(monkeypatch, tmp_path):
     """One stage on Cluster.local: compute is the step's dataflow graph replayed on the
     cores (epl.auto.dataflow) with the kernels' times: every kernel 1 ms alone and 2 ms
@@ -220,28 +146,6 @@ def test_one_stage_replays_the_steps_dataflow(monkeypatch, tmp_path):
     # work: 2 ms per kernel per replica over 2 cores; the critical path bounds one
     assert dataflow.makespan(jobs, flow["deps"], 2, 2) == pytest.approx(
         2 * timed_ops * 2e-3 / 2, rel=0.25)
-
-
-def test_replicas_beyond_the_cores_replay_the_kernels_crowded_work(monkeypatch, tmp_path):
-    """DP 4 on 2 cores: the replay gives each kernel half its crowded time as work (4
-    devices' chains at once on 2 cores: stop 57, the GPT's DP 4 read +13.8 % with
-    twice its shared time); DP 2 on 2 cores keeps the shared time."""
-    monkeypatch.setenv("EPL_CACHE_DIR", str(tmp_path))
-    prof = graph_profile.profile(auto_models.model, auto_models.dataset, auto_models.optimizer)
-    prof.input_seconds = lambda: 0.0
-    monkeypatch.setattr(product_timing, "timed", _fixed(1e-3, 2e-3, crowded=3e-3))
-    figures = dict(local.measure(quick=True), cores=2)
-    flow = prof.dataflow()
-    updates = set(i for i, _ in flow["updates"])
-
-    def jobs(work):         # (width: work over the 1 ms alone)
-        return [(work, work / 1e-3) if s is not None and i not in updates else (0.0, 1.0)
-                for i, s in enumerate(flow["sigs"])]
-    for devices, work in ((2, 2e-3), (4, 1.5e-3)):
-        cluster = Cluster.from_local(figures, devices)
-        cluster.time_products = True
-        got = price(prof, Layout(d=devices), cluster).breakdown["compute_s"]
-        assert got == pytest.approx(dataflow.makespan(jobs(work), flow["deps"], 2, devices))
 
 
 def test_every_other_kernel_is_rebuilt_alone_with_its_shapes():
@@ -281,11 +185,8 @@ def test_kernels_are_timed_in_a_chain_on_one_set_of_inputs():
             assert all(op.control_inputs == [before] for before, op in zip(ops, ops[1:]))
     got = product_timing.measure([kernel, product_timing.EXECUTOR], 2)
     assert all(x["alone"] >= 0.0 and x["shared"] >= 0.0 for x in got.values())
-    # a lone run and a run of a copy on every core at once, each less an empty run; a
-    # model's kernel also with two copies on every core
-    assert set(got[kernel]) == {"alone", "shared", "crowded", "first", "first_shared"}
-    assert set(got[product_timing.EXECUTOR]) == {"alone", "shared", "first", "first_shared"}
-    assert got[kernel]["crowded"] > 0.0
+    # a lone run and a run of a copy on every core at once, each less an empty run
+    assert all(set(x) == {"alone", "shared", "first", "first_shared"} for x in got.values())
     assert all(x["first"] >= 0.0 and x["first_shared"] >= 0.0 for x in got.values())
 
 

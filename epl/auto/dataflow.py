@@ -9,9 +9,7 @@ dataflow graph as events:
 
 * each op is a job of ``work`` core-seconds that can use up to ``width`` cores: from
   its times alone (the machine's cores to itself) and shared (one copy per core at
-  once, ``product_timing``): ``work`` = shared, ``width`` = shared / alone (1..cores)
-  (more devices running than cores: ``product_timing.shared_work``, from its time
-  with two copies per core);
+  once, ``product_timing``): ``work`` = shared, ``width`` = shared / alone (1..cores);
 * the executor starts ready ops in order, at most ``cores`` at once (its inter-op
   pool), each device's cheap ops (a few microseconds, on one thread) one at a time,
   and the running ones share the cores, each up to its width (water-filling:

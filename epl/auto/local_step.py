@@ -105,7 +105,8 @@ def update_seconds(flow, timings, processes=1, cores=1):
         return None
     per_device = {}
     for (_, device), x in zip(updates, times):
-        seconds = product_timing.busy_seconds(x, processes, cores)
+        seconds = x["alone"] if processes <= 1 \
+            else x["shared"] * max(1.0, processes / float(cores))
         per_device[device] = per_device.get(device, 0.0) + seconds
     return max(per_device.values())
 
@@ -120,15 +121,13 @@ def replay(flow, timings, costs, input_seconds, cores, machine_flops, copies, pr
     pulls = set(flow.get("inputs", ()))
     updates = set(i for i, _ in flow.get("updates") or ())
     places = flow.get("devices") or [""] * len(flow["sigs"])  # (a built, placed step's)
-    busy = copies * max(1, len(set(places) - {""}))     # devices running kernels at once
     for i, (sig, f) in enumerate(zip(flow["sigs"], flow["flops"])):
         x = timings.get(sig) if sig is not None and i not in updates else None
         if i in pulls:              # the input pipeline's batch: its own time
             jobs.append((max(input_seconds, costs["op"]), 1.0, 0.0, (places[i], None)))
         elif x:
-            jobs.append(dataflow.job(
-                x["alone"], product_timing.shared_work(x, busy, cores), cores,
-                x.get("first", 0.0) - x["alone"] - costs["handoff"])
+            jobs.append(dataflow.job(x["alone"], x["shared"], cores,
+                                     x.get("first", 0.0) - x["alone"] - costs["handoff"])
                         + ((places[i], sig),))
         elif f:                     # an untimed product: by FLOPs, on every core
             jobs.append((f / machine_flops * cores, float(cores), 0.0, (places[i], i)))

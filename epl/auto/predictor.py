@@ -18,7 +18,7 @@ docs/plan.md; in short, per pipeline stage and micro-batch:
   micro-batch's backward; the optimizer's update at memory bandwidth; offload's copies.
 """
 
-from epl.auto import graph_profile, local_step, product_timing, schedule
+from epl.auto import graph_profile, local_step, schedule
 from epl.auto.collective_cost import dp_allreduce_s, link_allreduce_s, tp_allreduce_s
 from epl.auto.layout import Layout
 
@@ -217,7 +217,8 @@ def price(profile, layout, cluster, global_batch=None):
         return r.ops - sum(a + b for a, b in timed_kernels(r).values())
 
     def kernel_s(sig):
-        return product_timing.busy_seconds(timings[sig], busy, cluster.cores)
+        x = timings[sig]
+        return x["alone"] if busy == 1 else x["shared"] * max(1.0, busy / float(cluster.cores))
 
     def products_s(r, backward):
         """Seconds of the region's products over the micro-batch: timed forward (or

@@ -14,10 +14,7 @@ its threads, up to twice its own time on a small tensor): what one more copy add
 
 * ``alone``: one device with the machine's cores to itself;
 * ``shared``: as many devices as cores, each running a chain at once (the per-device
-  time when every device is busy);
-* ``crowded``: twice as many devices as cores, each running a chain at once (more
-  devices than cores take turns, and a wide kernel's idle moments, its threads waking
-  and its last shards, are other devices' work: ``busy_seconds``).
+  time when every device is busy; more devices than cores take turns).
 
 The other kernels of a step (batch norm and its gradient, pooling, ReLU gradients,
 padding, the loss...: on a conv net a third of the step, where a bytes-over-bandwidth
@@ -366,11 +363,9 @@ HEAVY_S = 0.0005   # a kernel whose lone run reads this long is timed twice (``m
 
 
 def measure(sigs, cores):
-    """{sig: {"alone": s, "shared": s, "crowded": s, "first": s, "first_shared": s}} for
-    the signatures, timed now: the seconds each adds to a step, ``alone`` on one device,
-    ``shared`` with a copy on every core, ``crowded`` with two copies on every core (a
-    model's kernels; not an update's chain, the executor's or a device crossing: those
-    take turns as ``shared`` says); ``first``: one run of it alone less an empty
+    """{sig: {"alone": s, "shared": s, "first": s, "first_shared": s}} for the
+    signatures, timed now: the seconds each adds to a step, ``alone`` on one device,
+    ``shared`` with a copy on every core; ``first``: one run of it alone less an empty
     run; ``first_shared``: one run of a copy on every core at once less an empty run
     (what a kernel's wake-up is with another replica's beside it: recorded for the
     replay's wake-up rule, docs/plan.md, stop 52; caches without it still price).  A
@@ -404,66 +399,28 @@ def _time_one(sig, rng, cores):
     kernel = sig.startswith('["kernel"') or sig.startswith('["update"') \
         or sig == EXECUTOR
     budget = KERNEL_BUDGET_S if kernel else 0.2
-    crowd = _crowds(sig)
-    devices = 2 * cores if crowd else cores
     graph = tf.Graph()
     with graph.as_default():
         try:
             chains = [_chain(sig, rng, "/device:CPU:%d" % i, cores)
-                      for i in range(devices)]
+                      for i in range(cores)]
         except (ValueError, TypeError, tf.errors.OpError):
             if not kernel:
                 raise
             return None
-        with v1.Session(graph=graph, config=_session_config(devices)) as sess:
+        with v1.Session(graph=graph, config=_session_config(cores)) as sess:
             try:
                 sess.run(v1.global_variables_initializer())
                 sess.run(v1.get_collection(update_timing.INITS))
                 floor = tf.no_op()                  # Session.run's own
                 alone, first, empty = _per_copy(sess, chains[:1], budget, floor)
-                shared, first_shared, _ = _per_copy(sess, chains[:cores], budget)
-                out = {"alone": alone, "shared": shared, "first": max(0.0, first),
-                       "first_shared": max(0.0, first_shared - empty)}
-                if crowd:
-                    out["crowded"] = _per_copy(sess, chains, budget)[0]
-                return out
+                shared, first_shared, _ = _per_copy(sess, chains, budget)
+                return {"alone": alone, "shared": shared, "first": max(0.0, first),
+                        "first_shared": max(0.0, first_shared - empty)}
             except tf.errors.OpError:
                 if not kernel:
                     raise
                 return None
-
-
-def _crowds(sig):
-    """Whether ``sig`` is timed ``crowded`` too: a model's product or other kernel (an
-    update's chain, the executor's op and a device crossing are not)."""
-    return sig not in (EXECUTOR, HOP) and not sig.startswith('["update"')
-
-
-# A wide kernel on as many devices as cores, each running it, leaves the cores idle
-# while its threads wake and while its last shards finish; twice as many devices fill
-# those moments with each other's work (measured, this 2-core machine: the GPT's 4
-# replicas ran 1.75x as long as its 2, its tensor-parallel 2 x 2 1.79x as long as its 2
-# devices of one group, which ``shared`` x 2 priced at 1.98x; the MLP's small kernels,
-# run on one thread each, 2.07x).
-def shared_work(x, busy, cores):
-    """What one run of the kernel timed ``x`` costs the shared ``cores`` (seconds of all
-    of them) while ``busy`` devices run kernels: ``shared``, down to half the
-    ``crowded`` time at twice as many devices as cores, in proportion between
-    (``shared`` where it was not timed crowded: caches from before stop 58)."""
-    crowded = x.get("crowded")
-    if crowded is None or busy <= cores:
-        return x["shared"]
-    more = min(1.0, (busy - cores) / float(cores))
-    return x["shared"] + more * (crowded / 2.0 - x["shared"])
-
-
-def busy_seconds(x, busy, cores):
-    """Seconds the kernel timed ``x`` takes on one of ``busy`` devices running kernels at
-    once on ``cores`` shared cores: ``alone`` for one; ``shared_work`` each, more
-    devices than cores taking turns."""
-    if busy <= 1:
-        return x["alone"]
-    return shared_work(x, busy, cores) * max(1.0, busy / float(cores))
 
 
 def input_seconds(dataset_fn, budget=0.3):
@@ -494,16 +451,8 @@ def timed(sigs, cores, path=None):
     path = path or cache_path()
     cached = cached_timings(path)
     missing = sorted(set(s for s in sigs if s not in cached))
-    # a cache from before stop 58 lacks the kernels' crowded times: they are timed now,
-    # the figures it holds are kept
-    uncrowded = sorted(set(s for s in sigs if cached.get(s) and _crowds(s)
-                           and "crowded" not in cached[s]))
-    if missing or uncrowded:
-        fresh = measure(missing + uncrowded, cores)
-        for sig in uncrowded:
-            if fresh[sig] and "crowded" in fresh[sig]:
-                cached[sig] = dict(cached[sig], crowded=fresh[sig]["crowded"])
-        cached.update((sig, fresh[sig]) for sig in missing)
+    if missing:
+        cached.update(measure(missing, cores))
         local.save_cache(cached, path)
     return dict((s, cached[s]) for s in sigs)
 
