@@ -7,8 +7,9 @@ step time over >= 1 s of steps after a warm-up step, and the fullest device's by
 during a traced step (the variables it holds + the step's peak there,
 ``epl.ir.memory_trace``).  Predicted: ``predict`` from the graph (never run) and the
 cached calibration of ``Cluster.local`` (measured first if there is none).  The planner's
-pick: the layout ``predict`` ranks first by samples/s among a model's layouts, against
-the measured fastest (a hit when within 5% of it).
+pick: for each model and device count N, the layout ``predict`` ranks first among the
+model's layouts on N devices (as ``plan`` ranks a cluster of N), against the measured
+fastest of them (a hit when within 5% of it); also over all of a model's layouts.
 
 The machine has 2 cores shared with other users: timings are noisy; a case's step is
 the median of its steps, measured ``--rounds`` times round-robin over a model's cases
@@ -582,10 +583,40 @@ def _simplicity(row):
     return (stages[0] if stages else 1, tp_degree(row["strategy"]), row["devices"])
 
 
+def pick(rows):
+    """The planner's pick among ``rows`` (measured and priced): the first as ``plan``
+    ranks them on Cluster.local (predicted samples/s; ties within ``LOCAL_TIE``: the
+    fewest stages, the lowest split degree, then the fewest devices) against the
+    measured fastest, a hit within 5 % of it; and the first by predicted samples/s
+    alone."""
+    from epl.auto import machines, planner
+    fastest = max(rows, key=lambda r: r["samples_per_s"])
+    chosen, alone = [planner.rank(rows, lambda r: r["pred_samples_per_s"], _simplicity,
+                                  tie)[0] for tie in (machines.LOCAL_TIE, 0.0)]
+    gap, gap_alone = [100.0 * (1 - r["samples_per_s"] / fastest["samples_per_s"])
+                      for r in (chosen, alone)]
+    return dict(predicted_best=chosen["layout"], measured_best=fastest["layout"],
+                gap_pct=gap, hit=gap <= 5.0, by_rate_alone=alone["layout"],
+                by_rate_alone_gap_pct=gap_alone)
+
+
+def _pick_line(label, got):
+    return "%-16s plan's first: %-20s measured fastest: %-20s (%.1f%% slower: %s)%s" % (
+        label, got["predicted_best"], got["measured_best"], got["gap_pct"],
+        "hit" if got["hit"] else "miss",
+        "" if got["by_rate_alone"] == got["predicted_best"] else
+        "; by samples/s alone: %s (%.1f%%)" % (got["by_rate_alone"],
+                                                got["by_rate_alone_gap_pct"]))
+
+
 def summarize(rows):
     """Errors and picks over the rows measured and priced (``ok``; unpriced rows and
-    failures are left out)."""
-    from epl.auto import machines, planner
+    failures are left out).  The picks the target reads (``picks``) are ``plan``'s
+    question: for a model on a cluster of N devices, which of the layouts on N devices
+    is fastest (``plan`` ranks only layouts that use the cluster's devices), one pick
+    per model and N with two or more rows.  ``picks_across_sizes`` ranks all of a
+    model's rows together (1, 2 and 4 devices; a question ``plan`` does not answer: the
+    rows' samples/s on different clusters), as stops 49-57 reported it."""
     ok = [r for r in rows if r["status"] == "ok"]
     out = {"lines": []}
     if not ok:
@@ -601,25 +632,21 @@ def summarize(rows):
     out["lines"].append("memory:    median |error| %.1f%%, worst %.1f%%; under-predicted by "
                         "> 10%%: %d of %d" % (out["memory_median_abs"],
                                                out["memory_worst_abs"], len(under), len(ok)))
-    picks = {}
+    picks, across = {}, {}
     for model in sorted(set(r["model"] for r in ok)):
         mine = [r for r in ok if r["model"] == model]
-        fastest = max(mine, key=lambda r: r["samples_per_s"])
-        # ranked as ``plan`` ranks on Cluster.local (ties: the fewest stages, the lowest
-        # split degree, then the fewest devices)
-        chosen, alone = [planner.rank(mine, lambda r: r["pred_samples_per_s"], _simplicity,
-                                      tie)[0] for tie in (machines.LOCAL_TIE, 0.0)]
-        gap, gap_alone = [100.0 * (1 - r["samples_per_s"] / fastest["samples_per_s"])
-                          for r in (chosen, alone)]
-        picks[model] = dict(predicted_best=chosen["layout"], measured_best=fastest["layout"],
-                            gap_pct=gap, hit=gap <= 5.0, by_rate_alone=alone["layout"],
-                            by_rate_alone_gap_pct=gap_alone)
-        out["lines"].append("%-8s plan's first: %-20s measured fastest: %-20s (%.1f%% slower"
-                            ": %s)%s" % (model, chosen["layout"], fastest["layout"], gap,
-                                         "hit" if gap <= 5.0 else "miss",
-                                         "" if alone is chosen else
-                                         "; by samples/s alone: %s (%.1f%%)" % (
-                                             alone["layout"], gap_alone)))
+        for n in sorted(set(r["devices"] for r in mine)):
+            same = [r for r in mine if r["devices"] == n]
+            if len(same) > 1:
+                picks["%s on %d devices" % (model, n)] = pick(same)
+        across[model] = pick(mine)
+    hits = sum(1 for got in picks.values() if got["hit"])
+    out["lines"].append("picks (plan on a cluster of N devices, its layouts on N): %d of %d"
+                        % (hits, len(picks)))
+    out["lines"].extend(_pick_line(key, got) for key, got in sorted(picks.items()))
+    out["lines"].append("across cluster sizes (all of a model's rows ranked together):")
+    out["lines"].extend(_pick_line(key, got) for key, got in sorted(across.items()))
+    out["picks_across_sizes"] = across
     out["picks"] = picks
     unpriced = [r for r in rows if r["status"] == "unpriced"]
     if unpriced:
