@@ -97,31 +97,87 @@ def test_pipeline_stages_add_the_timed_kernels(monkeypatch, tmp_path):
     assert got[1] - got[0] == pytest.approx(2 * max(counts) * 1e-3, rel=1e-6)
 
 
-def test_tensor_parallelism_prices_the_timed_kernels_by_their_split_share(
+def test_tensor_parallelism_prices_the_split_products_by_their_shards_own_times(
         monkeypatch, tmp_path):
-    """TP 2 on Cluster.local is priced by region from the unsplit kernels' times, each
-    region's share split t ways (before: by FLOPs over a calibrated peak, the GPT's TP 2
-    -25.6 % against -4.3 % for its replayed single device).  This model's blocks split
-    whole (Megatron pairs, every product and pointwise op), so raising every kernel's
-    shared time by 1 ms raises the step by 0.5 ms per kernel run; the FLOP peak plays
-    no part."""
+    """TP 2 on Cluster.local is priced by region from the kernels' times (before stop
+    47: by FLOPs over a calibrated peak, the GPT's TP 2 -25.6 % against -4.3 % for its
+    replayed single device).  A split product is timed as its shard (``epl.auto.shards``:
+    its own thinner shape; before stop 58 the unsplit product's time x 1/t, which
+    priced a shard at the whole one's speed); the other kernels are the unsplit ones'
+    times x the region's split share.  This model's blocks split whole (Megatron pairs,
+    every product and pointwise op): raising the shards' times by 1 ms raises the step
+    by 1 ms per split product run, the unsplit products' times play no part, raising
+    the other kernels' by 1 ms adds 0.5 ms per run, and the FLOP peak plays no part."""
+    from epl.auto import shards
     monkeypatch.setenv("EPL_CACHE_DIR", str(tmp_path))
     prof = graph_profile.profile(auto_models.model, auto_models.dataset, auto_models.optimizer)
     regions = [prof.pre, prof.post] + list(prof.blocks)
     assert all(r.flops_split == r.flops and r.pointwise_split == r.pointwise for r in regions)
+    shard_sigs = set(shards.shard_signature(k, 2) for r in regions for k in r.shards)
+    assert None not in shard_sigs
+    products = set(sig for r in regions for sig in r.products)
     figures = dict(local.measure(quick=True), cores=2)
+    asked = []
+
+    def timed(whole, shard, kernel):
+        def get(sigs, cores, path=None):
+            asked.append(set(sigs))
+            return dict((s, {"alone": 0.0, "shared": 0.0} if s in _EXECUTOR_COSTS else
+                         {"alone": 1e-3, "shared": shard if s in shard_sigs else
+                          whole if s in products else kernel}) for s in sigs)
+        return get
     got = []
-    for shared, peak in ((3e-3, 1.0), (4e-3, 1.0), (4e-3, 3.0)):
+    for times, peak in (((3e-3, 3e-3, 3e-3), 1.0), ((3e-3, 4e-3, 3e-3), 1.0),
+                        ((5e-3, 4e-3, 3e-3), 1.0), ((5e-3, 4e-3, 4e-3), 1.0),
+                        ((5e-3, 4e-3, 4e-3), 3.0)):
         cluster = Cluster.from_local(figures, 2)
         cluster.time_products = True
         cluster.device.peak = dict((k, v * peak) for k, v in cluster.device.peak.items())
-        monkeypatch.setattr(product_timing, "timed", _fixed(1e-3, shared))
+        monkeypatch.setattr(product_timing, "timed", timed(*times))
         got.append(price(prof, Layout(t=2), cluster).breakdown["compute_s"])
-    runs = sum(a + b for r in regions
-               for a, b in list(r.products.values()) + list(r.kernels.values()))
-    assert runs >= 20
-    assert got[1] - got[0] == pytest.approx(0.5 * runs * 1e-3, rel=1e-6)
+    assert shard_sigs <= asked[-1]
+    split_runs = sum(a + b for r in regions for a, b in r.shards.values())
+    kernel_runs = sum(a + b for r in regions for a, b in r.kernels.values())
+    assert split_runs == sum(a + b for r in regions for a, b in r.products.values()) >= 6
+    assert kernel_runs >= 10
+    assert got[1] - got[0] == pytest.approx(split_runs * 1e-3, rel=1e-6)
     assert got[2] == pytest.approx(got[1], rel=1e-9)
+    assert got[3] - got[2] == pytest.approx(0.5 * kernel_runs * 1e-3, rel=1e-6)
+    assert got[4] == pytest.approx(got[3], rel=1e-9)
+
+
+def test_a_shard_is_its_products_shape_divided_where_megatron_splits_it():
+    """The shards of the corpus GPT-style block (``epl.auto.shards``), t = 2: the
+    column-parallel products (QKV, the first MLP layer) keep their inputs' rows and
+    halve their output columns; the row-parallel ones (the attention's projection, the
+    second MLP layer) halve the inner dimension and keep a whole (summed) output;
+    attention's batched products halve the heads; a gradient product divides what its
+    forward one's tensors divide (a column-parallel weight's gradient: its columns)."""
+    from epl.auto import shards
+    from epl.auto.gpt import GPT
+    gpt = GPT(1, 64, 4, seq=16, vocab=100, batch=2)
+    prof = graph_profile.profile(gpt.model_fn, gpt.dataset_fn, gpt.optimizer_fn)
+    block = prof.blocks[0]
+    got = {}
+    for k, n in block.shards.items():
+        sig, _ = shards.unkey(k)
+        got.setdefault(tuple(map(tuple, json.loads(sig)[1][:2])), []).append(
+            (json.loads(shards.shard_signature(k, 2))[1], n))
+    rows = 2 * 16
+    # forward products (x, w) -> their shards, each run once forward
+    assert ([[rows, 64], [64, 96], [rows, 96]], [1, 0]) in got[((rows, 64), (64, 192))]
+    assert ([[rows, 32], [32, 64], [rows, 64]], [1, 0]) in got[((rows, 64), (64, 64))]
+    assert ([[rows, 64], [64, 128], [rows, 128]], [1, 0]) in got[((rows, 64), (64, 256))]
+    assert ([[rows, 128], [128, 64], [rows, 64]], [1, 0]) in got[((rows, 256), (256, 64))]
+    batched = [json.loads(shards.shard_signature(k, 2)) for k in block.shards
+               if json.loads(shards.unkey(k)[0])[0].startswith("BatchMatMul")]
+    assert len(batched) >= 3       # scores, context (forward) and their gradients
+    assert all(shape[1] == 2 for _, shapes, _ in batched for shape in shapes)
+    # the first MLP layer's weight gradient: x^T dy, its columns halved
+    assert ([[rows, 64], [rows, 128], [64, 128]], [0, 1]) in got[((rows, 64), (rows, 256))]
+    # every product of the block is split (the whole block is Megatron's pattern)
+    assert sum(a + b for a, b in block.shards.values()) == sum(
+        a + b for a, b in block.products.values())
 
 
 def test_one_stage_replays_the_steps_dataflow(monkeypatch, tmp_path):

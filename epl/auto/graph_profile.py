@@ -21,7 +21,7 @@ import re
 import tensorflow as tf
 
 from epl import ir
-from epl.auto import liveness, product_timing, shapes, step_graph
+from epl.auto import liveness, product_timing, shapes, shards, step_graph
 from epl.features import auto_stages
 from epl.tf_adapter import graph as tfg
 
@@ -50,6 +50,9 @@ class Region(object):
         # each distinct product (product_timing.signature at the built rows): [forward,
         # backward] kernels of it; the forward flops/row of products without one
         self.products = {}
+        # those of them sharded by tensor parallelism: {shards.key(signature, recipe):
+        # [forward, backward]} (recipe None: the pattern not read, priced 1/t)
+        self.shards = {}
         self.untimed_flops = 0.0
         # the other kernels (product_timing.kernel_signature): [forward, backward] of
         # each, and the bytes per row its forward ops write (the roofline's part they
@@ -306,6 +309,7 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
 
     fallback = "pre" if stage_of is None else 0
     consumers = {}                # saved tensor -> regions whose backward reads it
+    gradient_products = []        # (op, region, signature, forward op name)
     for op in backward:
         if op.type in _SHAPE_OPS:
             continue
@@ -318,6 +322,7 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
             sig = product_timing.signature(op, rows)
             if sig is not None:
                 regions[where].products.setdefault(sig, [0, 0])[1] += 1
+                gradient_products.append((op, where, sig, grad_of.group(1)))
             else:
                 sig = product_timing.kernel_signature(op, rows)
                 if sig is not None:
@@ -332,6 +337,7 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
                                           region_of.get(t.op.name, fallback))
                 consumers.setdefault(t.name, set()).add(where)
     split = set()                 # tensor names sharded under tensor parallelism
+    split_products = {}           # forward op name -> (op, shards.forward_axes or None)
     heads = None
     var_regions = {}
     entered = set()
@@ -365,6 +371,12 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
                 reg.flops_split += flops
             elif in_split:
                 reg.flops_split += flops
+            if (weight or in_split) and sig is not None:
+                held = [i for i, (v, _) in enumerate(var_inputs) if v is not None]
+                axes = shards.forward_axes(op, held[-1] if held else None, in_split)
+                split_products[op.name] = (op, axes)
+                recipe = shards.forward_recipe(op, axes) if axes else None
+                reg.shards.setdefault(shards.key(sig, recipe), [0, 0])[0] += 1
             dims = shapes.dims(op.outputs[0], rows)
             if op.type.startswith("BatchMatMul") and dims and len(dims) == 4 and heads is None:
                 heads = dims[1]
@@ -399,6 +411,12 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
                     and t.dtype.is_floating and t.name not in entered:
                 entered.add(t.name)
                 reg.input_bytes += shapes.nbytes(t, rows) / float(rows)
+
+    for op, where, sig, forward_name in gradient_products:
+        if forward_name in split_products:
+            fop, axes = split_products[forward_name]
+            recipe = shards.gradient_recipe(op, fop, axes) if axes else None
+            regions[where].shards.setdefault(shards.key(sig, recipe), [0, 0])[1] += 1
 
     shared = {}
     for v in trainable:

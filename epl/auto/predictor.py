@@ -18,7 +18,7 @@ docs/plan.md; in short, per pipeline stage and micro-batch:
   micro-batch's backward; the optimizer's update at memory bandwidth; offload's copies.
 """
 
-from epl.auto import graph_profile, local_step, schedule
+from epl.auto import graph_profile, local_step, schedule, shards
 from epl.auto.collective_cost import dp_allreduce_s, link_allreduce_s, tp_allreduce_s
 from epl.auto.layout import Layout
 
@@ -166,7 +166,14 @@ def price(profile, layout, cluster, global_batch=None):
     regions_all = [profile.pre, profile.post] + list(profile.blocks)
 
     def region_sigs():
-        return set(sig for r in regions_all for sig in list(r.products) + list(r.kernels))
+        return set(sig for r in regions_all for sig in list(r.products) + list(r.kernels)
+                   + shard_sigs(r))
+
+    def shard_sigs(r):
+        """The signatures of the region's split products' shards on one of t devices."""
+        if t == 1:
+            return []
+        return [s for s in (shards.shard_signature(k, t) for k in r.shards) if s]
     if cluster.time_products and lay.dtype == "fp32":
         if p > 1 and cluster.stage_cut == "epl":
             regions_all += list(profile.epl_stages(p) or [])
@@ -228,11 +235,26 @@ def price(profile, layout, cluster, global_batch=None):
         def timed_s(counts, split, whole):      # {sig: [forward, backward] runs}
             return sum(n[1 if backward else 0] * kernel_s(sig) for sig, n in
                        counts.items()) * split_share(split, whole)
-        kernels = timed_s(r.products, r.flops_split, r.flops) \
-            + timed_s(timed_kernels(r), r.pointwise_split, r.pointwise)
+        if t > 1 and r.shards:
+            # the split products at their shards' own times (1/t of the whole one's
+            # where the shard could not be timed or read), the others whole
+            b = 1 if backward else 0
+            kernels = timed_s(r.products, 0.0, 0.0) + sum(
+                n[b] * (shard_s(key) - kernel_s(shards.unkey(key)[0]))
+                for key, n in r.shards.items())
+        else:
+            kernels = timed_s(r.products, r.flops_split, r.flops)
+        kernels += timed_s(timed_kernels(r), r.pointwise_split, r.pointwise)
         untimed = r.untimed_flops * split_share(r.flops_split, r.flops)
         return kernels * mb / float(profile.rows) \
             + (2.0 if backward else 1.0) * untimed * thin(r) * mb / flops_s
+
+    def shard_s(shard_key):
+        """Seconds of one run of a split product's shard on one of the t devices."""
+        sig = shards.shard_signature(shard_key, t)
+        if sig is not None and timings.get(sig):
+            return kernel_s(sig)
+        return kernel_s(shards.unkey(shard_key)[0]) / float(t)
 
     def split_share(part, whole):
         """What is left on one device of a region's work (timed unsplit) of which
