@@ -167,13 +167,7 @@ def price(profile, layout, cluster, global_batch=None):
 
     def region_sigs():
         return set(sig for r in regions_all for sig in list(r.products) + list(r.kernels)
-                   + shard_sigs(r))
-
-    def shard_sigs(r):
-        """The signatures of the region's split products' shards on one of t devices."""
-        if t == 1:
-            return []
-        return [s for s in (shards.shard_signature(k, t) for k in r.shards) if s]
+                   + shards.signatures(r.shards, t))
     if cluster.time_products and lay.dtype == "fp32":
         if p > 1 and cluster.stage_cut == "epl":
             regions_all += list(profile.epl_stages(p) or [])
@@ -250,11 +244,7 @@ def price(profile, layout, cluster, global_batch=None):
             + (2.0 if backward else 1.0) * untimed * thin(r) * mb / flops_s
 
     def shard_s(shard_key):
-        """Seconds of one run of a split product's shard on one of the t devices."""
-        sig = shards.shard_signature(shard_key, t)
-        if sig is not None and timings.get(sig):
-            return kernel_s(sig)
-        return kernel_s(shards.unkey(shard_key)[0]) / float(t)
+        return shards.seconds(shard_key, t, lambda s: kernel_s(s) if timings.get(s) else None)
 
     def split_share(part, whole):
         """What is left on one device of a region's work (timed unsplit) of which

@@ -114,3 +114,20 @@ def shard_signature(shard_key, t):
             shape[axis] = -(-shape[axis] // t)
         out.append(shape)
     return json.dumps([kind, out, attrs], sort_keys=True)
+
+
+def signatures(shard_counts, t):
+    """The shards' signatures on one of ``t`` devices of ``Region.shards`` (none for
+    t = 1), to be timed."""
+    if t == 1:
+        return []
+    return [s for s in (shard_signature(k, t) for k in shard_counts) if s]
+
+
+def seconds(shard_key, t, timed):
+    """Seconds of one run of a split product's shard on one of ``t`` devices: its shard's
+    time (``timed(signature)``, None where it was not timed), else the whole product's
+    / t."""
+    sig = shard_signature(shard_key, t)
+    got = timed(sig) if sig is not None else None
+    return got if got is not None else timed(unkey(shard_key)[0]) / float(t)
