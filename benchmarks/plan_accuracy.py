@@ -616,7 +616,7 @@ def summarize(rows):
     is fastest (``plan`` ranks only layouts that use the cluster's devices), one pick
     per model and N with two or more rows.  ``picks_across_sizes`` ranks all of a
     model's rows together (1, 2 and 4 devices; a question ``plan`` does not answer: the
-    rows' samples/s on different clusters), as stops 49-57 reported it."""
+    rows' samples/s on different clusters), as stops 45-57 reported it."""
     ok = [r for r in rows if r["status"] == "ok"]
     out = {"lines": []}
     if not ok:
