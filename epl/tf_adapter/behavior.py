@@ -34,9 +34,20 @@ def restore(switches):
     """Set the switches ``current()`` read in another process.  Call it before the
     process builds a graph or runs an op (eager execution cannot change after)."""
     import tensorflow as tf
+    from tensorflow.python.util import deprecation
     v1 = tf.compat.v1
-    # TensorFlow's own bundle first (it also picks tf.data's v1 / v2 symbols), then
-    # each switch a program may have set apart from it.
+    if current() == switches:
+        return          # TF 1.15's fresh process under a TF1 program: nothing to set
+    # These calls repeat the user's own choices: TensorFlow's deprecation notices
+    # (TF 1.15's disable_v2_behavior() says disable_resource_variables is) are theirs,
+    # already shown in their process, not EPL's to print again.
+    with deprecation.silence():
+        _set(v1, switches)
+
+
+def _set(v1, switches):
+    """TensorFlow's own bundle first (it also picks tf.data's v1 / v2 symbols), then
+    each switch a program may have set apart from it."""
     if switches["v2_behavior"]:
         v1.enable_v2_behavior()
     else:
