@@ -23,7 +23,7 @@ import tensorflow as tf
 from epl import ir
 from epl.auto import liveness, product_timing, shapes, shards, step_graph
 from epl.features import auto_stages
-from epl.tf_adapter import graph as tfg
+from epl.tf_adapter import graph as tfg, grappler
 
 v1 = tf.compat.v1
 
@@ -221,11 +221,12 @@ def profile(model_fn, dataset_fn, optimizer_fn, block_pattern=BLOCK_PATTERN):
                                            rows, block_pattern, stage_of)
     step_ops = step_graph.optimized_step(graph, train_op)
     prof.step_peak = step_graph.step_peak(step_ops, rows)
+    run_ops = step_graph.optimized_step(graph, train_op, grappler.ON_CPU)
     flows = {}
 
     def dataflow():
         if "flow" not in flows:
-            flows["flow"] = step_graph.dataflow(step_ops(), rows)
+            flows["flow"] = step_graph.dataflow(run_ops(), rows)
         return flows["flow"]
     prof.dataflow = dataflow
 

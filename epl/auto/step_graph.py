@@ -67,12 +67,12 @@ def _built_dataflow_child(conn, fns, config, switches):
             train_op = fns[2]().minimize(loss, global_step=v1.train.get_or_create_global_step())
             rewrite.rewrite_if_needed(graph)
         placed = dict((op.name, op.device) for op in graph.get_operations())
-        _, fetched = grappler.optimized(graph, [train_op])
-        ops = sorted(ir.upstream(fetched), key=tfg.op_id)
-        device = resolved_devices(ops, placed)
-        out = dataflow(ops, rows, placed)
-        out["devices"] = [device[op] for op in ops]
-        out["memory"] = device_memory(graph, ops, rows, device)
+        ops = optimized_step(graph, train_op)()
+        run = optimized_step(graph, train_op, grappler.ON_CPU)()
+        device = resolved_devices(run, placed)
+        out = dataflow(run, rows, placed)
+        out["devices"] = [device[op] for op in run]
+        out["memory"] = device_memory(graph, ops, rows, resolved_devices(ops, placed))
         conn.send(("ok", out))
     except Exception as e:  # pylint: disable=broad-except
         conn.send(("error", "%s: %s" % (type(e).__name__, e)))
@@ -118,15 +118,18 @@ def _device_order(name):
             spec.device_index or 0)
 
 
-def optimized_step(graph, train_op):
+def optimized_step(graph, train_op, device=""):
     """``ops()``: the ops of a step as the session runs them (Grappler's optimization of
     the built graph: folded constants, fused products; ``tf_adapter.grappler``), in
-    dataflow order; computed on the first call, kept."""
+    dataflow order; computed on the first call, kept.  ``device``: where Grappler sees
+    the ops (``grappler.ON_CPU``: the kernels a session on this machine's CPU devices
+    runs, its products fused with their bias and activation: the planner's timed
+    dataflow; none: the graph the memory model reads)."""
     cache = {}
 
     def ops():
         if "ops" not in cache:
-            _, fetched = grappler.optimized(graph, [train_op])
+            _, fetched = grappler.optimized(graph, [train_op], device)
             cache["ops"] = sorted(ir.upstream(fetched), key=tfg.op_id)
         return cache["ops"]
     return ops
