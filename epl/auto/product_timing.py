@@ -91,8 +91,10 @@ def kernel_signature(op, rows):
         return None
     inputs = []
     for t in op.inputs:
-        dtype = t.dtype
-        if dtype == tf.resource or dtype.base_dtype != dtype or dtype == tf.variant:
+        # a variable read in place (a ref: Grappler's casts moved next to the weights,
+        # AMP) is its value to the kernel
+        dtype = t.dtype.base_dtype
+        if dtype in (tf.resource, tf.variant):
             return None
         dims = None         # unknown rank: an empty tensor (batch norm's unused reserve)
         if t.shape.rank is not None:
