@@ -85,8 +85,9 @@ def kernel_signature(op, rows):
     not a kernel to time: a view, state, control flow, a function, a non-float result,
     unknown shapes."""
     if op.type in PRODUCTS or op.type in _NOT_KERNELS or op.op_def.is_stateful \
+            or any(arg.is_ref for arg in op.op_def.input_arg) \
             or not op.outputs or not op.outputs[0].dtype.is_floating:
-        return None
+        return None             # (an input the kernel writes: an update, update_timing)
     if any(v.HasField("func") or len(v.list.func) for v in op.node_def.attr.values()):
         return None
     inputs = []
