@@ -409,7 +409,8 @@ def main(argv=None):
                     "(default: time each model's kernels in this run, under the load "
                     "of its runs, once per round: common.fresh_kernel_timings, "
                     "fastest_kernels)")
-    ap.add_argument("--wake-up", choices=("wait", "work"), default=None,
+    from epl.auto import dataflow
+    ap.add_argument("--wake-up", choices=dataflow.WAKES, default=None,
                     help="how the replay pays a kernel's wake-up (Cluster.wake_up; "
                     "default: the Cluster's, wait): work prices as stops 49-56 did")
     args = ap.parse_args(argv)

@@ -109,3 +109,32 @@ def test_a_kernel_reading_a_variable_in_place_is_timed():
         with tf.Session() as sess:
             sess.run(tf.global_variables_initializer())
             assert sess.run(op.outputs[0]).shape == (8, 4)
+
+
+def test_the_amp_steps_kernels_are_the_planners_and_every_cast_is_timed():
+    """The same oracle on the step EPL builds under AMP (bfloat16 products between
+    casts, some of them moved next to the weights by Grappler): each kernel the traced
+    session ran is the planner's by name, and every cast has a timing signature."""
+    import epl
+    from epl import rewrite
+    from epl.auto import product_timing
+    from tests import models
+    models.reset()
+    epl.init(epl.Config({"amp.level": "O1", "amp.dtype": "bfloat16"}))
+    epl.set_default_strategy(epl.replicate(1))
+    features = tf.data.make_one_shot_iterator(_dataset()).get_next()
+    train_op = _adam().minimize(_model(features),
+                                global_step=tf.train.get_or_create_global_step())
+    graph = tf.get_default_graph()
+    rewrite.rewrite_if_needed(graph)
+    ops = step_graph.optimized_step(graph, train_op, grappler.ON_CPU)()
+    planned = dict((op.name, op.type) for op in ops)
+    traced = _traced_types(graph, train_op)
+    both = [n for n in traced if n in planned]
+    assert sum(planned[n] == "Cast" for n in both) >= 6, sorted(traced.items())
+    differ = [(n, planned[n], traced[n]) for n in both
+              if _kernel(planned[n]) != _kernel(traced[n])]
+    assert not differ, differ
+    untimed = [op.name for op in ops if op.type == "Cast" and op.outputs[0].dtype.is_floating
+               and product_timing.kernel_signature(op, ROWS) is None]
+    assert not untimed, untimed
