@@ -22,7 +22,7 @@ step (``update_seconds``).
 A pipeline's memory is that built step's too: each device's variables and the peak of
 its buffers, the step walked in order (``placed_memory``).
 """
-from epl.auto import dataflow, product_timing
+from epl.auto import cold_reads, dataflow, product_timing
 
 
 def flow_of(profile, lay, cluster, whole_model):
@@ -80,13 +80,15 @@ def timed(sigs, cores, op_overhead):
     "handoff": a lone run's hand-off, "hop": a device crossing}); ``op_overhead``:
     the op's cost where it was not measured."""
     timings = product_timing.timed(
-        set(sigs) | {product_timing.EXECUTOR, product_timing.HANDOFF, product_timing.HOP},
+        set(sigs) | {product_timing.EXECUTOR, product_timing.HANDOFF, product_timing.HOP,
+                     cold_reads.SIGNATURE},
         cores)
     handoff = timings.get(product_timing.HANDOFF) or {}
     costs = dict(
         op=(timings.pop(product_timing.EXECUTOR) or {}).get("alone", op_overhead),
         handoff=handoff.get("first", 0.0) - handoff.get("alone", 0.0),
-        hop=(timings.pop(product_timing.HOP) or {}).get("alone", 0.0))
+        hop=(timings.pop(product_timing.HOP) or {}).get("alone", 0.0),
+        cold=timings.pop(cold_reads.SIGNATURE, None))
     return timings, costs
 
 
@@ -118,6 +120,10 @@ def replay(flow, timings, costs, input_seconds, cores, machine_flops, copies, pr
     prices them); ``wake``: how a kernel's wake-up is paid (``dataflow.WAKES``,
     ``Cluster.wake_up``)."""
     jobs = []
+    # (a weight read from memory once per process: its replicas share the variables)
+    cold = cold_reads.per_byte(costs.get("cold"), flow.get("state", 0)) \
+        * processes / float(max(copies, processes))
+    reads = flow.get("reads") or [0] * len(flow["sigs"])
     pulls = set(flow.get("inputs", ()))
     updates = set(i for i, _ in flow.get("updates") or ())
     places = flow.get("devices") or [""] * len(flow["sigs"])  # (a built, placed step's)
@@ -125,8 +131,9 @@ def replay(flow, timings, costs, input_seconds, cores, machine_flops, copies, pr
         x = timings.get(sig) if sig is not None and i not in updates else None
         if i in pulls:              # the input pipeline's batch: its own time
             jobs.append((max(input_seconds, costs["op"]), 1.0, 0.0, (places[i], None)))
-        elif x:
-            jobs.append(dataflow.job(x["alone"], x["shared"], cores,
+        elif x:                     # (a weight read from memory: ``cold_reads``)
+            jobs.append(dataflow.job(x["alone"] + reads[i] * cold,
+                                     x["shared"] + reads[i] * cold, cores,
                                      x.get("first", 0.0) - x["alone"] - costs["handoff"])
                         + ((places[i], sig),))
         elif f:                     # an untimed product: by FLOPs, on every core

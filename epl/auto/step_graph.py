@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import epl
 from epl import ir, rewrite
-from epl.auto import liveness, product_timing, shapes, update_timing
+from epl.auto import cold_reads, liveness, product_timing, shapes, update_timing
 from epl.features import gradient_checkpoint
 from epl.tf_adapter import behavior, grappler
 from epl.tf_adapter import graph as tfg
@@ -143,7 +143,9 @@ def dataflow(ops, rows, devices=None):
     that pull the input pipeline's next batch, "updates": (index, device) of the
     optimizer's updates of variables (``update_timing.signature``), "hops":
     how many of the ops each op waits for are on another device (``devices``: {op
-    name: device} of the placed graph; Grappler's copy has none)}."""
+    name: device} of the placed graph; Grappler's copy has none), "reads": the bytes
+    each op is the first to read of a variable, "state": the variables' bytes (a weight
+    read from memory where they outgrow the cache: ``cold_reads``)}."""
     index = dict((op, i) for i, op in enumerate(ops))
     sigs, flops, deps, hops, updates = [], [], [], [], []
     inputs = [i for i, op in enumerate(ops) if op.type in _GET_NEXT]
@@ -163,7 +165,8 @@ def dataflow(ops, rows, devices=None):
         here = devices.get(op.name)
         hops.append(sum(1 for w in waits if here and devices.get(w.name) not in (None, "", here)))
     return dict(sigs=sigs, flops=flops, deps=deps, inputs=inputs, hops=hops,
-                updates=updates)
+                updates=updates, reads=cold_reads.first_reads(ops),
+                state=cold_reads.state_bytes(ops))
 
 
 def step_peak(step_ops, rows):
