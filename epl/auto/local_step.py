@@ -14,8 +14,9 @@ dataflow graph stands for a layout, and its ops as ``epl.auto.dataflow`` jobs.
 Each op costs its kernel's time in a chain (``product_timing``), plus what the executor
 spends beside it, each measured: the wake-up of Eigen's threads for a kernel spread
 over the cores (``product_timing.HANDOFF``), a tensor received from another device
-(``HOP``), the input pipeline's batch (``product_timing.input_seconds``), and for an
-op without a kernel to time the executor's own work (``EXECUTOR``).  The optimizer's
+(``HOP``), the input pipeline's batch (``product_timing.input_seconds``), a weight
+read from memory once a step where the variables outgrow the cache (``cold_reads``),
+and for an op without a kernel to time the executor's own work (``EXECUTOR``).  The optimizer's
 updates are timed too (``update_timing``), on cold variables, and added after the
 step (``update_seconds``).
 
