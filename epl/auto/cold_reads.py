@@ -19,8 +19,9 @@ import json
 import os
 import time
 
-import numpy as np
 import tensorflow as tf
+
+from epl.auto import shapes
 
 v1 = tf.compat.v1
 
@@ -66,7 +67,7 @@ def first_reads(ops):
             if source.type in _VARIABLES and source.name not in seen \
                     and t.shape.is_fully_defined():
                 seen.add(source.name)
-                n += int(np.prod(t.shape.as_list(), dtype=np.int64)) * t.dtype.base_dtype.size
+                n += shapes.elements(t.shape.as_list()) * t.dtype.base_dtype.size
         out.append(n)
     return out
 
@@ -86,7 +87,7 @@ def state_bytes(ops):
             shape = tf.TensorShape(op.get_attr("shape"))
             dtype = tf.as_dtype(op.get_attr("dtype")).base_dtype
             if shape.is_fully_defined():
-                total += int(np.prod(shape.as_list(), dtype=np.int64)) * dtype.size
+                total += shapes.elements(shape.as_list()) * dtype.size
     return total
 
 
