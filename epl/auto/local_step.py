@@ -23,7 +23,7 @@ step (``update_seconds``).
 A pipeline's memory is that built step's too: each device's variables and the peak of
 its buffers, the step walked in order (``placed_memory``).
 """
-from epl.auto import cold_reads, dataflow, product_timing
+from epl.auto import cold_reads, dataflow, kernel_mix, product_timing
 
 
 def flow_of(profile, lay, cluster, whole_model):
@@ -76,20 +76,27 @@ def placed_memory(flow):
     return placed or None
 
 
-def timed(sigs, cores, op_overhead):
+def timed(sigs, cores, op_overhead, step=None):
     """(the kernels' timings, the executor's costs: {"op": an op without a kernel,
-    "handoff": a lone run's hand-off, "hop": a device crossing}); ``op_overhead``:
-    the op's cost where it was not measured."""
+    "handoff": a lone run's hand-off, "hop": a device crossing, "cold": the cold-read
+    probe, "mix": what a cheap kernel adds beyond its chain in a step}); ``op_overhead``:
+    the op's cost where it was not measured; ``step``: the model's one-device step
+    (``step_graph.dataflow``), whose cheap kernels in order are the ``kernel_mix``
+    probe (None: no probe, nothing added)."""
+    sigs = set(sigs) | set(s for s in (step or {}).get("sigs", ()) if s is not None)
     timings = product_timing.timed(
-        set(sigs) | {product_timing.EXECUTOR, product_timing.HANDOFF, product_timing.HOP,
-                     cold_reads.SIGNATURE},
+        sigs | {product_timing.EXECUTOR, product_timing.HANDOFF, product_timing.HOP,
+                cold_reads.SIGNATURE},
         cores)
     handoff = timings.get(product_timing.HANDOFF) or {}
     costs = dict(
         op=(timings.pop(product_timing.EXECUTOR) or {}).get("alone", op_overhead),
         handoff=handoff.get("first", 0.0) - handoff.get("alone", 0.0),
         hop=(timings.pop(product_timing.HOP) or {}).get("alone", 0.0),
-        cold=timings.pop(cold_reads.SIGNATURE, None))
+        cold=timings.pop(cold_reads.SIGNATURE, None), mix=0.0)
+    if step is not None:
+        seq = kernel_mix.sequence(step, timings)
+        costs["mix"] = kernel_mix.excess(seq, timings, kernel_mix.timed(seq, cores))
     return timings, costs
 
 
@@ -125,6 +132,7 @@ def replay(flow, timings, costs, input_seconds, cores, machine_flops, copies, pr
     cold = cold_reads.per_byte(costs.get("cold"), flow.get("state", 0)) \
         * processes / float(max(copies, processes))
     reads = flow.get("reads") or [0] * len(flow["sigs"])
+    mix = costs.get("mix", 0.0)
     pulls = set(flow.get("inputs", ()))
     updates = set(i for i, _ in flow.get("updates") or ())
     places = flow.get("devices") or [""] * len(flow["sigs"])  # (a built, placed step's)
@@ -132,9 +140,11 @@ def replay(flow, timings, costs, input_seconds, cores, machine_flops, copies, pr
         x = timings.get(sig) if sig is not None and i not in updates else None
         if i in pulls:              # the input pipeline's batch: its own time
             jobs.append((max(input_seconds, costs["op"]), 1.0, 0.0, (places[i], None)))
-        elif x:                     # (a weight read from memory: ``cold_reads``)
-            jobs.append(dataflow.job(x["alone"] + reads[i] * cold,
-                                     x["shared"] + reads[i] * cold, cores,
+        elif x:                     # (a weight read from memory: ``cold_reads``; a
+            # cheap kernel after different ones: ``kernel_mix``)
+            extra = reads[i] * cold + (mix if x["alone"] < dataflow.INLINE_S
+                                       and sig.startswith('["kernel"') else 0.0)
+            jobs.append(dataflow.job(x["alone"] + extra, x["shared"] + extra, cores,
                                      x.get("first", 0.0) - x["alone"] - costs["handoff"])
                         + ((places[i], sig),))
         elif f:                     # an untimed product: by FLOPs, on every core

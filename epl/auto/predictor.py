@@ -184,7 +184,11 @@ def price(profile, layout, cluster, global_batch=None):
             sigs = (sigs if sigs is not None else region_sigs()) \
                 | set(sig for sig in f["sigs"] if sig is not None)
     if sigs is not None:
-        timings, costs = local_step.timed(sigs, cluster.cores, op_overhead)
+        # (a replayed step's cheap kernels pay what the model's step adds to their
+        # chains: ``kernel_mix``, probed on its one-device step)
+        step = profile.dataflow() if (flow is not None or moved) and profile.dataflow \
+            else None
+        timings, costs = local_step.timed(sigs, cluster.cores, op_overhead, step)
         op_overhead = costs["op"]
     replayed, update_timed = None, None
     if flow is not None:

@@ -152,7 +152,7 @@ def _kernel_inputs(sig, rng, device):
     return feeds
 
 
-def _import_kernel(sig, feeds, device):
+def import_kernel(sig, feeds, device):
     """The kernel of ``sig`` on ``device`` reading ``feeds``: its op."""
     _, _, blob, inputs = json.loads(sig)
     node = v1.NodeDef.FromString(base64.b64decode(blob))
@@ -171,7 +171,7 @@ def _import_kernel(sig, feeds, device):
 def _build_kernel(sig, rng, device):
     """The kernel of ``kernel_signature`` ``sig`` alone on ``device``, in the current
     graph, its float inputs random variables: its op."""
-    return _import_kernel(sig, _kernel_inputs(sig, rng, device), device)
+    return import_kernel(sig, _kernel_inputs(sig, rng, device), device)
 
 
 def _product_inputs(sig, rng):
@@ -262,7 +262,7 @@ def _hop_seconds(budget):
                     y = y * 1.0001
                 ops.append(y.op)
             chains.append([ops])
-        with v1.Session(graph=graph, config=_session_config(2)) as sess:
+        with v1.Session(graph=graph, config=session_config(2)) as sess:
             sess.run(v1.global_variables_initializer())
             same, hop = [_per_copy(sess, c, budget)[0] for c in chains]
     return {"alone": max(0.0, hop - same), "shared": max(0.0, hop - same), "first": 0.0,
@@ -283,7 +283,7 @@ def _chain(sig, rng, device, cores=1):
                 sig, CHAIN, update_timing.COLD_BYTES // cores))
         elif sig.startswith('["kernel"'):
             feeds = _kernel_inputs(sig, rng, device)
-            make = lambda: _import_kernel(sig, feeds, device)   # noqa: E731
+            make = lambda: import_kernel(sig, feeds, device)   # noqa: E731
         else:
             operands = _product_inputs(sig, rng)
             make = lambda: _product(sig, operands)              # noqa: E731
@@ -294,7 +294,7 @@ def _chain(sig, rng, device, cores=1):
     return ops
 
 
-def _session_config(cores):
+def session_config(cores):
     """``cores`` CPU devices, Grappler off: the chains run as built (its deduplication
     would merge the copies; a step's graph is optimized before it is profiled)."""
     cfg = v1.ConfigProto(device_count={"CPU": cores})
@@ -305,13 +305,13 @@ def _session_config(cores):
 def _fast_seconds(sess, fetch, budget=0.2, least=5):
     """The median of the runs after a warm-up (other work on shared cores only slows
     runs down; the median keeps one lucky run out)."""
-    return _medians(sess, [fetch], budget, least)[0]
+    return medians(sess, [fetch], budget, least)[0]
 
 
-BLOCKS = 4      # blocks of runs each fetch's runs are spread over (``_medians``)
+BLOCKS = 4      # blocks of runs each fetch's runs are spread over (``medians``)
 
 
-def _medians(sess, fetches, budget=0.2, least=5):
+def medians(sess, fetches, budget=0.2, least=5):
     """Each fetch's median seconds, about ``budget`` seconds of runs each: the fetches
     take turns in BLOCKS blocks, a block a warm-up run then runs of one fetch back to
     back.  Spread over the whole timing, a slow moment of the machine (another process
@@ -340,7 +340,7 @@ def _per_copy(sess, chains, budget, floor=None):
     """(seconds one copy adds to ``chains`` run side by side, seconds of the run
     through their first copies less ``floor``'s run where given, ``floor``'s run or
     0): the runs through their first copy and through a later one (fewer copies for a
-    long kernel), taken in turn with ``floor`` (``_medians``)."""
+    long kernel), taken in turn with ``floor`` (``medians``)."""
     firsts = [c[0] for c in chains]
     sess.run(firsts)                                 # warm-up
     began = time.perf_counter()
@@ -348,7 +348,7 @@ def _per_copy(sess, chains, budget, floor=None):
     rough = time.perf_counter() - began
     n = int(min(CHAIN, max(3, 1 + CHAIN_S / max(rough, 1e-6))))
     fetches = [firsts, [c[n - 1] for c in chains]] + ([floor] if floor is not None else [])
-    times = _medians(sess, fetches, budget)
+    times = medians(sess, fetches, budget)
     empty = times[2] if floor is not None else 0.0
     return max(0.0, (times[1] - times[0]) / (n - 1)), times[0] - empty, empty
 
@@ -414,7 +414,7 @@ def _time_one(sig, rng, cores):
             if not kernel:
                 raise
             return None
-        with v1.Session(graph=graph, config=_session_config(cores)) as sess:
+        with v1.Session(graph=graph, config=session_config(cores)) as sess:
             try:
                 sess.run(v1.global_variables_initializer())
                 sess.run(v1.get_collection(update_timing.INITS))
