@@ -415,9 +415,11 @@ def main(argv=None):
                     "default: the Cluster's, wait): work prices as stops 49-56 did")
     args = ap.parse_args(argv)
     import tensorflow as tf
-    # TF 2.x: TF1 graph semantics (1.15: its defaults); the dry runs' processes take
-    # this process's switches (search.measure), and EPL refuses eager execution
-    tf.compat.v1.disable_v2_behavior()
+    if tf.__version__.startswith("2."):
+        # TF1 graph semantics (1.15's defaults, where the call only prints a notice): the
+        # dry runs' processes take this process's switches (search.measure), and EPL
+        # refuses eager execution
+        tf.compat.v1.disable_v2_behavior()
     global WAKE_UP
     WAKE_UP = args.wake_up
     if args.reprice:
