@@ -29,7 +29,7 @@ from epl.auto import dataflow, local, product_timing
 v1 = tf.compat.v1
 
 _MOST = 2000                # kernels in the probe's chain at most
-_MOST_BYTES = 256 << 20     # bytes of constant inputs at most (a cheap kernel's are few)
+_MOST_BYTES = 64 << 20      # bytes of constant inputs at most (a cheap kernel's are few)
 _BUDGET_S = 0.5             # seconds of runs per fetch
 
 
@@ -50,27 +50,6 @@ def signature(seq):
     """The cache key of the probe of ``seq``."""
     digest = hashlib.sha1(json.dumps(seq).encode("utf-8")).hexdigest()[:20]
     return json.dumps(["executor", "mix", digest, len(seq)])
-
-
-def _inputs(sig, rng, device, held):
-    """Constant inputs of kernel ``sig`` ({placeholder: tensor}): constants are read in
-    place, so the probe's kernels read no variable and copy nothing; ``held`` collects
-    their ops (the probe's floor runs them alone)."""
-    feeds = {}
-    with v1.device(device):
-        for i, (dtype, dims, value) in enumerate(json.loads(sig)[3]):
-            dtype = tf.as_dtype(dtype)
-            if value is not None:
-                x = tf.constant(value, dtype)
-            elif dims is None:
-                x = tf.constant(np.zeros([0], dtype.as_numpy_dtype))
-            elif dtype.is_floating:
-                x = tf.constant(rng.uniform(0.5, 1.5, dims).astype(dtype.as_numpy_dtype))
-            else:
-                x = tf.constant(np.zeros(dims, dtype.as_numpy_dtype))
-            held.append(x.op)
-            feeds["in_%d:0" % i] = x
-    return feeds
 
 
 def _input_bytes(sig):
@@ -98,7 +77,8 @@ def measure(seq, cores):
         held, chain = [], []
         try:
             for sig in kept:
-                feeds = _inputs(sig, rng, device, held)
+                feeds = product_timing.kernel_inputs(sig, rng, device, constants=True)
+                held.extend(t.op for t in feeds.values())
                 with v1.control_dependencies(chain[-1:]):
                     chain.append(product_timing.import_kernel(sig, feeds, device))
         except (ValueError, TypeError, tf.errors.OpError):

@@ -132,9 +132,10 @@ def _static(t):
     return None if value is None else np.asarray(value)
 
 
-def _kernel_inputs(sig, rng, device):
+def kernel_inputs(sig, rng, device, constants=False):
     """The inputs of ``kernel_signature`` ``sig`` on ``device``: {placeholder: tensor};
-    float inputs random variables, integer ones their values or zeros."""
+    float inputs random variables (``constants``: random constants, read in place with
+    no op of their own to run: ``kernel_mix``), integer ones their values or zeros."""
     feeds = {}
     with v1.device(device):
         for i, (dtype, dims, value) in enumerate(json.loads(sig)[3]):
@@ -143,10 +144,14 @@ def _kernel_inputs(sig, rng, device):
                 x = tf.constant(value, dtype)
             elif dims is None:
                 x = tf.zeros([0], dtype)
+            elif dtype.is_floating and constants:
+                x = tf.constant(rng.uniform(0.5, 1.5, dims).astype(dtype.as_numpy_dtype))
             elif dtype.is_floating:     # (read once: a chain's copies share the read)
                 x = tf.identity(tf.cast(v1.Variable(
                     rng.uniform(0.5, 1.5, dims).astype(np.float32), trainable=False), dtype))
-            else:           # labels, indices: zeros are in range
+            elif constants:     # labels, indices: zeros are in range
+                x = tf.constant(np.zeros(dims, dtype.as_numpy_dtype))
+            else:
                 x = tf.zeros(dims, dtype)
             feeds["in_%d:0" % i] = x
     return feeds
@@ -171,7 +176,7 @@ def import_kernel(sig, feeds, device):
 def _build_kernel(sig, rng, device):
     """The kernel of ``kernel_signature`` ``sig`` alone on ``device``, in the current
     graph, its float inputs random variables: its op."""
-    return import_kernel(sig, _kernel_inputs(sig, rng, device), device)
+    return import_kernel(sig, kernel_inputs(sig, rng, device), device)
 
 
 def _product_inputs(sig, rng):
@@ -282,7 +287,7 @@ def _chain(sig, rng, device, cores=1):
             return update_timing.chain(sig, rng, device, CHAIN, update_timing.sets_for(
                 sig, CHAIN, update_timing.COLD_BYTES // cores))
         elif sig.startswith('["kernel"'):
-            feeds = _kernel_inputs(sig, rng, device)
+            feeds = kernel_inputs(sig, rng, device)
             make = lambda: import_kernel(sig, feeds, device)   # noqa: E731
         else:
             operands = _product_inputs(sig, rng)
