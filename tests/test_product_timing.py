@@ -227,7 +227,8 @@ def test_every_other_kernel_is_rebuilt_alone_with_its_shapes():
 def test_kernels_are_timed_in_a_chain_on_one_set_of_inputs():
     """A kernel's time in a step is what one more copy adds to a chain of copies (the
     first pays the hand-off a step does not): CHAIN copies, each waiting for the one
-    before, all reading the same inputs; products and the executor's identities too."""
+    before, all reading the same inputs; products and the executor's identities too
+    (EXECUTOR_CHAIN of them: 17 identities of 0.05-0.1 us read 0 in one timing)."""
     import numpy as np
     prof = graph_profile.profile(auto_models.model, auto_models.dataset, auto_models.optimizer)
     sigs = [s for s in prof.dataflow()["sigs"] if s is not None]
@@ -236,7 +237,8 @@ def test_kernels_are_timed_in_a_chain_on_one_set_of_inputs():
     for sig in (kernel, product, product_timing.EXECUTOR):
         with tf.Graph().as_default():
             ops = product_timing._chain(sig, np.random.RandomState(0), "/device:CPU:0")
-            assert len(ops) == product_timing.CHAIN
+            assert len(ops) == (product_timing.EXECUTOR_CHAIN if sig == product_timing.EXECUTOR
+                                else product_timing.CHAIN)
             assert len(set(op.type for op in ops)) == 1
             assert [list(op.inputs) for op in ops[1:]] == [list(ops[0].inputs)] * (
                 len(ops) - 1)

@@ -243,8 +243,11 @@ CHAIN_S = 0.02           # a long kernel's chain is cut to about this many secon
 HANDOFF = json.dumps(["MatMul", [[16, 16], [16, 16], [16, 16]],
                       {"transpose_a": False, "transpose_b": False}], sort_keys=True)
 # The executor's own work per op, which the ops without a kernel to time pay (views,
-# variables, constants, state updates): a chain of identities, timed the same way.
+# variables, constants, state updates): a chain of identities, timed the same way, but
+# EXECUTOR_CHAIN long: 17 identities of 0.05-0.1 us each read 0 in one timing and
+# 0.1 us in another (stop 60; a chain of 800 read 0.05-0.1 us an identity).
 EXECUTOR = json.dumps(["executor", "Identity"])
+EXECUTOR_CHAIN = 513
 
 
 # What a tensor crossing from one virtual device to another adds (TensorFlow's send
@@ -275,8 +278,8 @@ def _hop_seconds(budget):
 
 
 def _chain(sig, rng, device, cores=1):
-    """CHAIN copies of the kernel (or product) of ``sig`` on ``device``, each after the
-    one before, on one set of inputs (an update: on sets of variables taken in turn,
+    """CHAIN copies (``EXECUTOR``: EXECUTOR_CHAIN) of the kernel (or product) of ``sig``
+    on ``device``, each after the one before, on one set of inputs (an update: on sets of variables taken in turn,
     ``update_timing.chain``; ``cores`` chains at once): the ops, in order."""
     with v1.device(device):
         if sig == EXECUTOR:
@@ -293,7 +296,7 @@ def _chain(sig, rng, device, cores=1):
             operands = _product_inputs(sig, rng)
             make = lambda: _product(sig, operands)              # noqa: E731
         ops = [make()]
-        for _ in range(CHAIN - 1):
+        for _ in range((EXECUTOR_CHAIN if sig == EXECUTOR else CHAIN) - 1):
             with v1.control_dependencies([ops[-1]]):
                 ops.append(make())
     return ops
@@ -351,7 +354,7 @@ def _per_copy(sess, chains, budget, floor=None):
     began = time.perf_counter()
     sess.run(firsts)
     rough = time.perf_counter() - began
-    n = int(min(CHAIN, max(3, 1 + CHAIN_S / max(rough, 1e-6))))
+    n = int(min(len(chains[0]), max(3, 1 + CHAIN_S / max(rough, 1e-6))))
     fetches = [firsts, [c[n - 1] for c in chains]] + ([floor] if floor is not None else [])
     times = medians(sess, fetches, budget)
     empty = times[2] if floor is not None else 0.0
