@@ -237,8 +237,8 @@ def test_kernels_are_timed_in_a_chain_on_one_set_of_inputs():
     for sig in (kernel, product, product_timing.EXECUTOR):
         with tf.Graph().as_default():
             ops = product_timing._chain(sig, np.random.RandomState(0), "/device:CPU:0")
-            assert len(ops) == (product_timing.EXECUTOR_CHAIN if sig == product_timing.EXECUTOR
-                                else product_timing.CHAIN)
+            long = sig == product_timing.EXECUTOR
+            assert len(ops) == (product_timing.EXECUTOR_CHAIN if long else product_timing.CHAIN)
             assert len(set(op.type for op in ops)) == 1
             assert [list(op.inputs) for op in ops[1:]] == [list(ops[0].inputs)] * (
                 len(ops) - 1)

@@ -279,8 +279,9 @@ def _hop_seconds(budget):
 
 def _chain(sig, rng, device, cores=1):
     """CHAIN copies (``EXECUTOR``: EXECUTOR_CHAIN) of the kernel (or product) of ``sig``
-    on ``device``, each after the one before, on one set of inputs (an update: on sets of variables taken in turn,
-    ``update_timing.chain``; ``cores`` chains at once): the ops, in order."""
+    on ``device``, each after the one before, on one set of inputs (an update: on sets
+    of variables taken in turn, ``update_timing.chain``; ``cores`` chains at once): the
+    ops, in order."""
     with v1.device(device):
         if sig == EXECUTOR:
             x = tf.constant([1.0])
