@@ -8,7 +8,7 @@ the corpus mini-BERT's 766 cheap kernels took 0.84-0.93 ms one after another in 
 order of its step, their chains summed 0.69 ms; twelve different elementwise kernels
 on 24 x 24 floats took 0.55 us each in turn, 0.30-0.35 us each in chains of their own;
 stop 60).  An executor-bound step (the mini-BERT's: 1290 ops of 1-3 us) was priced
-12-17 % fast for it.
+16 % fast for it; 4 % with it, on the same measurements.
 
 The probe is the step's own cheap kernels (``sequence``: those its timings put under
 ``dataflow.INLINE_S``, which run on one thread), each once, in the step's order, each
