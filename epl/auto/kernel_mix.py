@@ -24,7 +24,7 @@ import json
 import numpy as np
 import tensorflow as tf
 
-from epl.auto import dataflow, local, product_timing
+from epl.auto import dataflow, local, product_timing, shapes
 
 v1 = tf.compat.v1
 
@@ -33,16 +33,20 @@ _MOST_BYTES = 64 << 20      # bytes of constant inputs at most (a cheap kernel's
 _BUDGET_S = 0.5             # seconds of runs per fetch
 
 
+def is_cheap(sig, timing):
+    """Whether a kernel of signature ``sig`` timed ``timing`` is one the probe stands
+    for: a kernel (not a product) under ``dataflow.INLINE_S`` alone, on one thread."""
+    return bool(timing) and sig.startswith('["kernel"') \
+        and timing["alone"] < dataflow.INLINE_S
+
+
 def sequence(flow, timings):
-    """The step's cheap kernels in the step's order: the kernel signatures of ``flow``
-    (``step_graph.dataflow``) timed under ``INLINE_S`` alone, the optimizer's updates
-    left out (``update_timing`` times them cold), at most ``_MOST``."""
+    """The step's cheap kernels (``is_cheap``) in the step's order: the kernel
+    signatures of ``flow`` (``step_graph.dataflow``), the optimizer's updates left out
+    (``update_timing`` times them cold), at most ``_MOST``."""
     updates = set(i for i, _ in flow.get("updates") or ())
-    out = []
-    for i, sig in enumerate(flow["sigs"]):
-        x = timings.get(sig) if sig is not None and i not in updates else None
-        if x and sig.startswith('["kernel"') and x["alone"] < dataflow.INLINE_S:
-            out.append(sig)
+    out = [sig for i, sig in enumerate(flow["sigs"])
+           if sig is not None and i not in updates and is_cheap(sig, timings.get(sig))]
     return out[:_MOST]
 
 
@@ -53,7 +57,7 @@ def signature(seq):
 
 
 def _input_bytes(sig):
-    return sum(tf.as_dtype(dtype).size * int(np.prod(dims))
+    return sum(tf.as_dtype(dtype).size * shapes.elements(dims)
                for dtype, dims, value in json.loads(sig)[3] if value is None and dims)
 
 

@@ -142,8 +142,7 @@ def replay(flow, timings, costs, input_seconds, cores, machine_flops, copies, pr
             jobs.append((max(input_seconds, costs["op"]), 1.0, 0.0, (places[i], None)))
         elif x:                     # (a weight read from memory: ``cold_reads``; a
             # cheap kernel after different ones: ``kernel_mix``)
-            extra = reads[i] * cold + (mix if x["alone"] < dataflow.INLINE_S
-                                       and sig.startswith('["kernel"') else 0.0)
+            extra = reads[i] * cold + (mix if kernel_mix.is_cheap(sig, x) else 0.0)
             jobs.append(dataflow.job(x["alone"] + extra, x["shared"] + extra, cores,
                                      x.get("first", 0.0) - x["alone"] - costs["handoff"])
                         + ((places[i], sig),))
