@@ -19,6 +19,7 @@ from epl.capture import patches
 from epl.core.cluster import Cluster
 from epl.core.config import Config
 from epl.core.process_state import Env
+from epl.core import host_heap
 from epl.core import rendezvous
 from epl.ir import Graph
 from epl.tf_adapter import graph as tfg
@@ -56,6 +57,8 @@ def init(config=None):
     rendezvous.establish(config)
     again = Env.initialized()
     env = Env.install(config, Cluster(config))
+    if config.get("cluster.keep_freed_host_memory"):
+        host_heap.keep_freed_memory()
     strategies.reset()
     patches.install()
     integration.install()

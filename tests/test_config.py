@@ -29,6 +29,7 @@ def test_all_26_seed_keys_with_defaults():
         assert cfg.get(key) == default, key
     extensions = {k.name for k in SCHEMA} - set(SEED_KEYS)
     assert extensions == {"cluster.device_type", "cluster.devices_per_worker", "cluster.variable_copies",
+                          "cluster.keep_freed_host_memory",
                           "communication.timeout_seconds", "amp.dtype",
                           "profile.dir", "profile.steps", "profile.runs"}
 

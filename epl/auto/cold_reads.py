@@ -22,6 +22,7 @@ import time
 import tensorflow as tf
 
 from epl.auto import shapes
+from epl.core import host_heap
 
 v1 = tf.compat.v1
 
@@ -105,6 +106,7 @@ def measure(budget=0.4):
     times the cache's bytes of them in all (cold: each run reads every weight from
     memory), against the same chain on one weight (hot), the difference per byte of
     weight; None where the cache's size is not known."""
+    host_heap.keep_freed_memory()
     cache = cache_bytes()
     if not cache:
         return None

@@ -25,6 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from epl.auto import dataflow, local, product_timing, shapes
+from epl.core import host_heap
 
 v1 = tf.compat.v1
 
@@ -66,6 +67,7 @@ def measure(seq, cores):
     own run taken off), "shared": the same, "first": 0, "first_shared": 0, "kernels":
     how many of ``seq``'s first kernels the probe ran (``_MOST_BYTES``)}, or None where
     fewer than two or one cannot be rebuilt."""
+    host_heap.keep_freed_memory()
     kept, nbytes = [], 0
     for sig in seq:
         nbytes += _input_bytes(sig)

@@ -44,6 +44,7 @@ import time
 import uuid
 
 from epl import communicators
+from epl.core import host_heap
 
 CACHE_VERSION = 2          # 2: thin_products
 _SIZES = (256, 512, 1024)
@@ -85,6 +86,7 @@ def _session(tf, graph, devices):
 def measure(repeats=5, quick=False):
     """The calibration run: a dict of the figures above (seconds of work: ~5-15 s on
     2 busy cores; ``quick``: tiny sizes, for tests)."""
+    host_heap.keep_freed_memory()       # as epl.init leaves the heap
     import numpy as np
     import tensorflow as tf
     v1 = tf.compat.v1
@@ -228,6 +230,7 @@ def _xproc_child(argv):
     """One rank of the cross-process calibration (``python -m epl.auto.local --xproc``):
     EPL's C++ all-reduce between processes, timed per size; rank 0 writes the JSON."""
     import argparse
+    host_heap.keep_freed_memory()
     ap = argparse.ArgumentParser(prog="epl.auto.local --xproc")
     ap.add_argument("--xproc", action="store_true")
     ap.add_argument("--rank", type=int, required=True)
