@@ -57,7 +57,7 @@ SCHEMA = [
     Key("cluster.keep_freed_host_memory", _BOOL, True, None,
         "EPL extension: keep the host memory TensorFlow frees in the process (glibc malloc's "
         "trim and mmap thresholds, epl.core.host_heap), so that a step does not fault its "
-        "pages back in: CPU steps 3-18 % faster, RSS a few % higher; False leaves malloc "
+        "pages back in: CPU steps 0-18 % faster, RSS a few % higher; False leaves malloc "
         "as it is."),
     Key("communication.num_communicators", _INT, 2, None, "Number of communicators."),
     Key("communication.sparse_as_dense", _BOOL, False, None,

@@ -32,15 +32,18 @@ def _mallopt():
     """glibc's ``mallopt``, or None (musl, macOS: another allocator, nothing to set)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
-        gnu_get_libc_version = libc.gnu_get_libc_version
-    except (OSError, AttributeError):
+    except OSError:
         return None
-    del gnu_get_libc_version
-    mallopt = getattr(libc, "mallopt", None)
-    if mallopt is not None:
-        mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-        mallopt.restype = ctypes.c_int
-    return mallopt
+    if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
+        return None
+    libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    libc.mallopt.restype = ctypes.c_int
+    return libc.mallopt
+
+
+def available():
+    """Whether this process's C library is glibc, whose thresholds can be set."""
+    return _mallopt() is not None
 
 
 def keep_freed_memory():
