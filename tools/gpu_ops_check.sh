@@ -16,6 +16,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 lines=${1:-"1 2"}
+# No pip cache: the wheels (~1 GB a line) would otherwise be kept twice on disk; stop 61's
+# CI ran out of space here, on a disk that other clones had filled.
+export PIP_NO_CACHE_DIR=1
+
+# Say how much disk there is before ~3 GB a line goes into the venvs, so that a failure
+# for want of space reads as one.
+avail_kb=$(df -Pk . | awk 'NR == 2 {print $4}')
+if [ "${avail_kb:-0}" -lt $((4 * 1024 * 1024)) ]; then
+  echo "gpu-ops-check: only $((avail_kb / 1024)) MiB free on $(df -P . | awk 'NR == 2 {print $6}');" \
+       "each line's venv takes about 3 GB (free some space, or run tools/gpu_ops_check.sh 1|2" \
+       "one line at a time after removing the other's .venv-gpu*)" >&2
+fi
 
 # check_kernels LIBRARY WHAT: every NCCL kernel class's Launch is in the library.
 check_kernels() {
