@@ -10,11 +10,14 @@ own training loop at run time.
 * Only the chief writes checkpoints and summaries; every worker creates its session as
   a chief would (EPL trains between-graph); an Estimator's distribution settings and
   TF_CONFIG are EPL's, not the RunConfig's, and only the chief evaluates.
+* A worker of a multi-worker job retries a restore that reads a cut checkpoint, which
+  the chief may be rewriting at that moment (``RESTORE_RETRY_S``).
 
 Installed by ``epl.init`` through the adapter's patch table, above the capture hooks.
 """
 import logging
 import os
+import time
 
 import tensorflow as tf
 
@@ -36,6 +39,40 @@ def _saver_save(self, sess, save_path, *args, **kwargs):
     if Env.initialized() and not Env.get().cluster.is_chief:
         return None  # only the chief writes checkpoints
     return original("saver.save")(self, sess, save_path, *args, **kwargs)
+
+
+# A worker restoring a checkpoint that the chief rewrites at that moment reads a cut
+# index: TensorFlow's MergeV2Checkpoints writes ``<prefix>.index`` in place, and after a
+# restart the chief's CheckpointSaverHook saves the step it has just restored again, while
+# the other workers restore it.  Their restore is retried for this long (seconds).
+RESTORE_RETRY_S = 20.0
+
+
+def _saver_restore(self, sess, save_path):
+    """Saver.restore, retried on a cut or mismatched checkpoint while another worker of a
+    multi-worker job may be writing it; a checkpoint that stays unreadable is named."""
+    restore = original("saver.restore")
+    if not (Env.initialized() and Env.get().cluster.worker_num > 1):
+        return restore(self, sess, save_path)
+    deadline = time.monotonic() + RESTORE_RETRY_S
+    wait = 0.05
+    while True:
+        try:
+            return restore(self, sess, save_path)
+        except tf.errors.DataLossError as err:
+            if time.monotonic() + wait > deadline:
+                raise tf.errors.DataLossError(
+                    err.node_def, err.op,
+                    "EPL: the checkpoint %s stayed unreadable for %.0f s (%s). Another "
+                    "worker may have been killed while writing it: restore an earlier one "
+                    "(tf.train.get_checkpoint_state(folder).all_model_checkpoint_paths) or "
+                    "remove it and its entry in the folder's `checkpoint` file."
+                    % (save_path, RESTORE_RETRY_S, err.message.splitlines()[0]))
+            log.warning("EPL: checkpoint %s not readable yet (%s): another worker may be "
+                        "writing it; retrying in %.2f s", save_path,
+                        err.message.splitlines()[0], wait)
+            time.sleep(wait)
+            wait = min(wait * 2, 1.0)
 
 
 def _add_event(self, event):
@@ -163,6 +200,7 @@ HOOKS = [
     ("session.make_callable", _make_callable),
     ("session.make_callable_from_options", _make_callable_from_options),
     ("saver.save", _saver_save),
+    ("saver.restore", _saver_restore),
     ("summary.add_event", _add_event),
     ("summary.add_event_at_step", _add_event_at_step),
     ("monitored.worker_session", _worker_session),

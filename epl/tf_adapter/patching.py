@@ -77,6 +77,7 @@ POINTS = {
     # checkpoints, summaries, sessions
     "saver.build": ("tensorflow.python.training.saver", "Saver", "build"),
     "saver.save": ("tensorflow.python.training.saver", "Saver", "save"),
+    "saver.restore": ("tensorflow.python.training.saver", "Saver", "restore"),
     "meta_graph.export": ("tensorflow.python.framework.meta_graph", None,
                           "export_scoped_meta_graph"),
     "summary.add_event": ("tensorflow.python.summary.writer.writer", "FileWriter", "add_event"),
