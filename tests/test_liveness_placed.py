@@ -128,3 +128,48 @@ def test_a_pipelines_memory_is_its_built_step_walked(model_fn, schedule):
     # the same conv net step; TensorFlow's own kernels' scratch dominates and holds)
     tolerance = 0.20 if version.onednn_enabled() else 0.10
     assert max(placed) == pytest.approx(got["peak_bytes"], rel=tolerance), (placed, got)
+
+
+
+def _gpt():
+    from epl.auto.gpt import GPT
+    return GPT(2, 128, 4, seq=128, vocab=500, batch=8)
+
+
+def _gpt_data():
+    return _gpt().dataset_fn()
+
+
+def _gpt_model(features):
+    return _gpt().model_fn(features)
+
+
+FEATURES = {"gc": (["gradient_checkpoint", "auto"], dict(recompute=True)),
+            "amp": (["amp", {"dtype": "bfloat16"}], dict(dtype="bf16"))}
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+def test_gc_and_amp_memory_is_their_built_step_walked(feature, tmp_path, monkeypatch):
+    """A small GPT on DP 2 with gradient checkpointing or AMP, run by EPL (the fullest
+    device, as ``plan_accuracy`` measures) against ``price`` on ``Cluster.local``:
+    within 3 % (stop 62: 0.01 % and 0.01 % on TF 1.15).  The closed form (the
+    activations summed, times GC's kept share; AMP's 16-bit weight copies added) read
+    it 11 % and 7 % over, benchmarks/plan_accuracy.py's conv net 18 % (GC) and 13 %
+    (AMP) under on TF 2.x."""
+    from epl.auto import Cluster
+    from epl.auto import local
+    from epl.auto.predictor import price
+    from tests import auto_models
+    auto_models.install_calibration(dict(
+        version=local.CACHE_VERSION, cores=2, matmul_flops=8e10, matmul_flops_fp16=8e7,
+        matmul_flops_bf16=4e10, memory_bandwidth=1e10, op_overhead_s=1e-6,
+        run_overhead_s=2e-4, allreduce_bandwidth=2e9, allreduce_latency_s=1e-4),
+        tmp_path, monkeypatch)
+    entry, keys = FEATURES[feature]
+    fns = (_gpt_model, _gpt_data, _adam)
+    status, got = search.measure(fns, ["data_parallel", entry], 2, steps=1, timeout=300)
+    assert status == "ok", got
+    predicted = price(graph_profile.profile(*fns), Layout(d=2, **keys), Cluster.local(2))
+    tolerance = 0.10 if version.onednn_enabled() else 0.03
+    assert predicted.memory_bytes[0] == pytest.approx(got["peak_bytes"], rel=tolerance), \
+        (predicted.memory_bytes, got, predicted.breakdown["stages"][0])

@@ -405,6 +405,9 @@ def price(profile, layout, cluster, global_batch=None):
         memory = local_step.placed_memory(flow) or memory     # the built step, walked
         for det, mem in zip(details, memory):
             det.update(liveness=True, placed_bytes=mem)
+    memory = local_step.feature_memory(     # GC or AMP on one stage here: built, walked
+        profile, lay, cluster, head is None, details[0],
+        lambda plain: price(profile, plain, cluster, global_batch).memory_bytes) or memory
     totals = [sum(x) for x in per_stage]
     slowest = max(totals)
     v = lay.chunks if p > 1 else 1
