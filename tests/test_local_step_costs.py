@@ -31,3 +31,50 @@ def test_too_few_one_thread_kernels_fall_back_to_the_probe():
     timings[product_timing.HANDOFF] = {"alone": 1.5e-6, "first": 31.5e-6}
     assert abs(local_step.handoff_seconds(timings) - 30e-6) < 1e-12
     assert local_step.handoff_seconds({}) == 0.0
+
+
+def _sums_graph():
+    """Two micro-batches' gradients summed by EPL's collective on device 0 (one op per
+    rank), and two replicas' gradients summed across devices 0 and 1."""
+    import numpy as np
+    import tensorflow as tf
+    from epl import ir
+    from epl.communicators import native_ops
+    from epl.tf_adapter import graph as tfg
+    v1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 256])
+        w = tf.constant(np.ones((256, 256), np.float32))
+        grads = [v1.matmul(x, w), v1.matmul(v1.matmul(x, w), w)]
+        local = [native_ops.all_reduce_n([g], "micro", r, 2, transport="inprocess")[0]
+                 for r, g in enumerate(grads)]
+        across = [native_ops.all_reduce_n([g], "replicas", r, 2, transport="inprocess")[0]
+                  for r, g in enumerate(grads)]
+        done = tf.group(*(local + across))
+    ops = sorted(ir.upstream([done]), key=tfg.op_id)
+    devices = dict((op.name, "/device:CPU:0") for op in ops)
+    devices[across[1].op.name] = "/device:CPU:1"
+    return ops, devices, local, across
+
+
+def test_a_micro_batch_sum_is_priced_on_its_last_rank_by_its_bytes():
+    """EPL sums a pipeline's micro-batch gradients with its own collective, one op per
+    micro-batch, the last to arrive adding them all (csrc/collectives.cc): the replay
+    priced it as an op without a kernel (stop 62: 8 ranks of 4 MiB took 1.0 ms; the
+    MLP's pipelines read 11-19 % fast).  Ranks on different devices are data
+    parallelism's all-reduce, priced by the cluster's links, not here."""
+    from epl.auto import step_graph
+    ops, devices, local, across = _sums_graph()
+    flow = step_graph.dataflow(ops, 64, devices)
+    one = 64 * 256 * 4
+    last = ops.index(local[1].op)
+    assert flow["sums"] == [(last, 3 * one)]       # two ranks' inputs read, one written
+    jobs_at = dict(flow["sums"])
+    assert ops.index(across[1].op) not in jobs_at
+    timings = {}
+    costs = dict(op=1e-7, handoff=0.0, hop=0.0, cold=None, mix=0.0)
+    plain = local_step.replay(flow, timings, costs, 0.0, 2, 1e12, 1)
+    priced = local_step.replay(flow, timings, costs, 0.0, 2, 1e12, 1, bandwidth=1e9)
+    # (nothing else costs more than op overhead: the sum's bytes at 1 GB/s over 2 cores)
+    assert abs((priced - plain) - 3 * one / 1e9) < 3 * one / 1e9 * 0.05 + 1e-6

@@ -358,7 +358,12 @@ def test_a_pipeline_on_one_machine_replays_the_step_epl_builds(monkeypatch, tmp_
     monkeypatch.setattr(product_timing, "timed", _fixed(1e-3, 2e-3))
     cluster = Cluster.from_local(dict(local.measure(quick=True), cores=2), 2)
     cluster.time_products = True
-    jobs = _jobs(flow)
+    # (the micro-batches' gradient sums: their bytes at the machine's bandwidth)
+    assert flow["sums"] and all(moved > 0 for _, moved in flow["sums"])
+    bandwidth = cluster.device.memory_bandwidth * cluster.devices_per_node
+    sums = dict((i, (moved / bandwidth * 2, 2.0, 0.0, (flow["devices"][i], None)))
+                for i, moved in flow["sums"])
+    jobs = [sums.get(i, job) for i, job in enumerate(_jobs(flow))]
     got = price(prof, lay, cluster).breakdown["pipeline_s"]
     assert got == pytest.approx(dataflow.makespan(jobs, flow["deps"], 2, 1))
     # each op's device: different kernels spread over the cores on the two stages' devices
@@ -367,8 +372,9 @@ def test_a_pipeline_on_one_machine_replays_the_step_epl_builds(monkeypatch, tmp_
     assert len(devices) == 2 and len(flow["devices"]) == len(flow["sigs"])
     monkeypatch.setattr(product_timing, "timed", _fixed(1e-3, 1.5e-3))
     got = price(prof, lay, cluster).breakdown["pipeline_s"]
-    jobs = [(1.5e-3, 1.5, 0.0, (d, s)) if w else (0.0, 1.0)
-            for (w, _), d, s in zip(_jobs(flow), flow["devices"], flow["sigs"])]
+    jobs = [sums.get(i) or ((1.5e-3, 1.5, 0.0, (d, s)) if w else (0.0, 1.0))
+            for i, ((w, _), d, s) in enumerate(zip(_jobs(flow), flow["devices"],
+                                                   flow["sigs"]))]
     assert got == pytest.approx(dataflow.makespan(jobs, flow["deps"], 2, 1))
     unplaced = [job[:2] for job in jobs]
     assert got > dataflow.makespan(unplaced, flow["deps"], 2, 1) * 1.02

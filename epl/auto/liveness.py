@@ -106,7 +106,8 @@ def scratch_bytes(op):
     return images * patches * size
 
 
-def _nbytes(t, rows):
+def tensor_bytes(t, rows):
+    """Bytes of tensor ``t`` at ``rows`` rows (0: references, handles, strings)."""
     if tfg.is_ref_dtype(t.dtype) or t.dtype == tf.resource or t.dtype == tf.variant \
             or t.dtype == tf.string:
         return 0
@@ -124,7 +125,7 @@ def is_update(op):
                                "ScatterAdd", "ScatterSub", "ScatterUpdate"))
 
 
-def _rendezvous(ops):
+def rendezvous(ops):
     """{op: its meeting}: EPL's collectives (ops with ``group``, ``rank`` and ``size``
     attributes) block until every rank of their group has joined, so they run
     together; the k-th op of each rank of a (type, group) is its k-th meeting (ops in
@@ -157,7 +158,7 @@ def dataflow_order(ops, updates_last=False):
     the gradients are all made before their fused all-reduce, then applied)."""
     member = set(ops)
     rank = dict((op, i) for i, op in enumerate(ops))
-    meeting = _rendezvous(ops)
+    meeting = rendezvous(ops)
     members = collections.Counter(meeting.values())
     joined = collections.defaultdict(list)
     waiting = {}
@@ -248,7 +249,7 @@ def _walk(ops, rows, side_by_side, trace, device_of=None):
                 buffer_of[t] = buffer_of[op.inputs[0]]
                 continue
             buffer_of[t] = t        # (a view of a variable or an input holds no bytes)
-            size[t] = 0 if op in views else _nbytes(t, rows)
+            size[t] = 0 if op in views else tensor_bytes(t, rows)
             if size[t] >= _KEPT_OUTPUT and _kept_across_steps(op):
                 size[t] = 0
             readers[t] = set()

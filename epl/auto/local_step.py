@@ -189,11 +189,13 @@ def update_seconds(flow, timings, processes=1, cores=1):
 
 
 def replay(flow, timings, costs, input_seconds, cores, machine_flops, copies, processes=1,
-           wake="wait"):
+           wake="wait", bandwidth=None):
     """Seconds of ``copies`` replicas of ``flow`` in ``processes`` worker processes on
     ``cores`` shared cores (the optimizer's updates as bare ops: ``update_seconds``
     prices them); ``wake``: how a kernel's wake-up is paid (``dataflow.WAKES``,
-    ``Cluster.wake_up``)."""
+    ``Cluster.wake_up``); ``bandwidth``: the machine's memory bytes/s, at which EPL's
+    collectives on one device (a pipeline's micro-batch sums) move their bytes over
+    every core (None: they cost what an op without a kernel does)."""
     jobs = []
     # (a weight read from memory once per process: its replicas share the variables)
     cold = cold_reads.per_byte(costs.get("cold"), flow.get("state", 0)) \
@@ -203,10 +205,14 @@ def replay(flow, timings, costs, input_seconds, cores, machine_flops, copies, pr
     pulls = set(flow.get("inputs", ()))
     updates = set(i for i, _ in flow.get("updates") or ())
     places = flow.get("devices") or [""] * len(flow["sigs"])  # (a built, placed step's)
+    sums = dict(flow.get("sums") or ()) if bandwidth else {}
     for i, (sig, f) in enumerate(zip(flow["sigs"], flow["flops"])):
         x = timings.get(sig) if sig is not None and i not in updates else None
         if i in pulls:              # the input pipeline's batch: its own time
             jobs.append((max(input_seconds, costs["op"]), 1.0, 0.0, (places[i], None)))
+        elif i in sums:             # a micro-batch sum: its bytes over every core
+            jobs.append((max(sums[i] / float(bandwidth), costs["op"]) * cores,
+                         float(cores), 0.0, (places[i], None)))
         elif x:                     # (a weight read from memory: ``cold_reads``; a
             # cheap kernel after different ones: ``kernel_mix``)
             extra = reads[i] * cold + (mix if kernel_mix.is_cheap(sig, x) else 0.0)

@@ -196,7 +196,8 @@ def price(profile, layout, cluster, global_batch=None):
                                      cluster.cores, flops_s * cluster.devices_per_node,
                                      1 if whole_step else d,
                                      1 if whole_step else min(d, cluster.nodes),
-                                     cluster.wake_up)
+                                     cluster.wake_up,
+                                     dev.memory_bandwidth * cluster.devices_per_node)
         update_timed = local_step.update_seconds(
             flow, timings, 1 if whole_step or lay.zero else min(d, cluster.nodes),
             cluster.cores)

@@ -166,7 +166,30 @@ def dataflow(ops, rows, devices=None):
         hops.append(sum(1 for w in waits if here and devices.get(w.name) not in (None, "", here)))
     return dict(sigs=sigs, flops=flops, deps=deps, inputs=inputs, hops=hops,
                 updates=updates, reads=cold_reads.first_reads(ops),
-                state=cold_reads.state_bytes(ops))
+                state=cold_reads.state_bytes(ops), sums=_local_sums(ops, rows, devices))
+
+
+def _local_sums(ops, rows, devices):
+    """[(index of the op that sums, bytes it reads and writes)] for EPL's collectives
+    whose ranks all run on one device (a pipeline's micro-batches' gradients, summed by
+    one op per micro-batch): the last rank to arrive adds every rank's tensors into one
+    (``csrc/collectives.cc``), priced on that rank's op, the last in dataflow order
+    (measured: 8 ranks of 4 MiB took 1.0 ms more than reading them, 4 ranks 0.3 ms).
+    The ranks on different devices (data parallelism) are the cluster's all-reduce."""
+    index = dict((op, i) for i, op in enumerate(ops))
+    groups = collections.defaultdict(list)
+    for op, meeting in liveness.rendezvous(ops).items():
+        groups[meeting].append(op)
+    out = []
+    for members in groups.values():
+        places = set(devices.get(op.name) for op in members)
+        if len(places) != 1 or None in places or "" in places:
+            continue
+        last = max(members, key=index.get)
+        moved = sum(liveness.tensor_bytes(t, rows) for op in members for t in op.inputs) \
+            + sum(liveness.tensor_bytes(t, rows) for t in last.outputs)
+        out.append((index[last], moved))
+    return sorted(out)
 
 
 def step_peak(step_ops, rows):
