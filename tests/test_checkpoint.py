@@ -172,8 +172,8 @@ def _restore_as_worker(monkeypatch, prefix, workers=2):
 
 def test_a_worker_waits_for_a_checkpoint_another_worker_is_rewriting(tmp_path, monkeypatch):
     """After a restart the chief saves the step it has just restored again, and
-    TensorFlow writes the index in place: another worker restoring it at that moment
-    reads a cut file (DataLossError, seen in a CI run of test_restarts.py).  EPL retries
+    TensorFlow writes the index at its final path: another worker restoring it at that
+    moment can read a cut file (DataLossError, seen in a CI run of test_restarts.py).  EPL retries
     the restore until the chief has written the file."""
     prefix, index = _save_arange(tmp_path)
     with open(prefix + ".index", "wb"):

@@ -41,10 +41,11 @@ def _saver_save(self, sess, save_path, *args, **kwargs):
     return original("saver.save")(self, sess, save_path, *args, **kwargs)
 
 
-# A worker restoring a checkpoint that the chief rewrites at that moment reads a cut
-# index: TensorFlow's MergeV2Checkpoints writes ``<prefix>.index`` in place, and after a
-# restart the chief's CheckpointSaverHook saves the step it has just restored again, while
-# the other workers restore it.  Their restore is retried for this long (seconds).
+# A worker restoring a checkpoint that the chief rewrites at that moment can read a cut
+# index: TensorFlow's MergeV2Checkpoints writes ``<prefix>.index`` at its final path (a
+# re-save leaves a new file there, TF 1.15 and 2.x), and after a restart the chief's
+# CheckpointSaverHook saves the step it has just restored again, while the other workers
+# restore it.  Their restore is retried for this long (seconds).
 RESTORE_RETRY_S = 20.0
 
 
