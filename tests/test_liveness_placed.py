@@ -173,3 +173,30 @@ def test_gc_and_amp_memory_is_their_built_step_walked(feature, tmp_path, monkeyp
     tolerance = 0.10 if version.onednn_enabled() else 0.03
     assert predicted.memory_bytes[0] == pytest.approx(got["peak_bytes"], rel=tolerance), \
         (predicted.memory_bytes, got, predicted.breakdown["stages"][0])
+
+
+def test_gc_memory_falls_back_to_the_closed_form_where_the_model_cannot_be_built(
+        tmp_path, monkeypatch, caplog):
+    """EPL's built step comes from another process, which must import the model's
+    functions: where that fails (a lambda, a notebook), the layout is priced by the
+    closed form, with a warning that says so, not refused."""
+    from epl.auto import Cluster
+    from epl.auto import local
+    from epl.auto.predictor import price
+    from tests import auto_models
+    auto_models.install_calibration(dict(
+        version=local.CACHE_VERSION, cores=2, matmul_flops=8e10, matmul_flops_fp16=8e7,
+        matmul_flops_bf16=4e10, memory_bandwidth=1e10, op_overhead_s=1e-6,
+        run_overhead_s=2e-4, allreduce_bandwidth=2e9, allreduce_latency_s=1e-4),
+        tmp_path, monkeypatch)
+    prof = graph_profile.profile(_mlp, _data, _adam)
+
+    def unbuildable(config):
+        raise RuntimeError("epl.auto: building the model with %r failed: PicklingError"
+                           % (config,))
+    prof.built_dataflow = unbuildable
+    with caplog.at_level("WARNING", logger="epl"):
+        got = price(prof, Layout(d=2, recompute=True), Cluster.local(2))
+    assert got.memory_bytes[0] > 0
+    assert "walked_feature_bytes" not in got.breakdown["stages"][0]
+    assert any("closed form" in r.getMessage() for r in caplog.records)

@@ -27,8 +27,11 @@ gradient checkpointing or AMP, beside the layout's figure without them
 (``feature_memory``).
 """
 import copy
+import logging
 
 from epl.auto import cold_reads, dataflow, kernel_mix, product_timing
+
+log = logging.getLogger("epl")
 
 
 def flow_of(profile, lay, cluster, whole_model):
@@ -112,7 +115,13 @@ def feature_memory(profile, lay, cluster, whole_model, details, without):
     if lay.dtype in ("fp16", "bf16"):
         config.update({"amp.level": "O1",
                        "amp.dtype": "bfloat16" if lay.dtype == "bf16" else "float16"})
-    walks = [placed_memory(profile.built_dataflow(c)) for c in (config, plain_config)]
+    try:
+        walks = [placed_memory(profile.built_dataflow(c)) for c in (config, plain_config)]
+    except Exception as e:  # pylint: disable=broad-except
+        # (the functions must be importable from another process: ``epl_built_dataflow``)
+        log.warning("epl.auto: %s priced by the closed form: EPL's built step could not "
+                    "be walked (%s)", lay.describe(), e)
+        return None
     if not all(walks):
         return None
     walked, walked_plain = max(walks[0]), max(walks[1])
