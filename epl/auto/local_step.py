@@ -108,15 +108,11 @@ def feature_memory(profile, lay, cluster, whole_model, details, without):
             and cluster.stage_cut == "epl" and lay.micro_batch_size == profile.rows
             and profile.built_dataflow):
         return None
-    plain_config = {"cluster.devices_per_worker": lay.d}
-    config = dict(plain_config)
-    if lay.recompute:
-        config["gradient_checkpoint.type"] = "auto"
-    if lay.dtype in ("fp16", "bf16"):
-        config.update({"amp.level": "O1",
-                       "amp.dtype": "bfloat16" if lay.dtype == "bf16" else "float16"})
+    plain = copy.copy(lay)
+    plain.recompute, plain.dtype = False, "fp32"
     try:
-        walks = [placed_memory(profile.built_dataflow(c)) for c in (config, plain_config)]
+        walks = [placed_memory(profile.built_dataflow(layout.to_config(lay.d)))
+                 for layout in (lay, plain)]
     except Exception as e:  # pylint: disable=broad-except
         # (the functions must be importable from another process: ``epl_built_dataflow``)
         log.warning("epl.auto: %s priced by the closed form: EPL's built step could not "
@@ -125,8 +121,6 @@ def feature_memory(profile, lay, cluster, whole_model, details, without):
     if not all(walks):
         return None
     walked, walked_plain = max(walks[0]), max(walks[1])
-    plain = copy.copy(lay)
-    plain.recompute, plain.dtype = False, "fp32"
     plain_memory = without(plain)
     memory = [int(max(m + min(0.0, walked - walked_plain), walked)) for m in plain_memory]
     details.update(walked_feature_bytes=walked, walked_plain_bytes=walked_plain,
