@@ -206,3 +206,94 @@ def test_a_single_worker_does_not_wait_for_a_cut_checkpoint(tmp_path, monkeypatc
     with pytest.raises(tf.errors.DataLossError):
         _restore_as_worker(monkeypatch, prefix, workers=1)
     assert time.monotonic() - start < integration.RESTORE_RETRY_S / 2
+
+
+def _save_w(folder, values, step=5, keep=5, sabotage=None, monkeypatch=None):
+    """Saves ``w = values`` at ``step`` under epl.init (one worker: its chief) with a
+    Saver keeping ``keep``; ``sabotage``: the real save is followed by this (path) and
+    an error, as if the chief were killed while TensorFlow wrote the file."""
+    epl.init(epl.Config({}))
+    if sabotage is not None:
+        real = integration.original
+
+        def killed_after_writing(point):
+            fn = real(point)
+            if point != "saver.save":
+                return fn
+
+            def save(saver, sess, save_path, *args, **kwargs):
+                out = fn(saver, sess, save_path, *args, **kwargs)
+                sabotage(out)
+                raise RuntimeError("killed while writing %s" % out)
+            return save
+        monkeypatch.setattr(integration, "original", killed_after_writing)
+    with tf.Graph().as_default():
+        w = tf.get_variable("w", initializer=tf.constant(values, tf.float32))
+        saver = tf.train.Saver([w], max_to_keep=keep)
+        with tf.Session() as sess:
+            sess.run(w.initializer)
+            return saver, saver.save(sess, str(folder / "model.ckpt"), global_step=step)
+
+
+def _read_w(prefix):
+    with tf.Graph().as_default():
+        w = tf.get_variable("w", [6], initializer=tf.zeros_initializer())
+        with tf.Session() as sess:
+            tf.train.Saver([w]).restore(sess, prefix)
+            return sess.run(w)
+
+
+def _cut_index(prefix):
+    with open(prefix + ".index", "wb"):
+        pass
+
+
+def test_a_chief_killed_while_saving_a_step_again_leaves_the_old_checkpoint_whole(
+        tmp_path, monkeypatch):
+    """After a restart the chief saves the step it has just restored again.  TensorFlow
+    writes the index in place, so a chief killed meanwhile left the newest checkpoint
+    cut, and the next restart could not restore it.  EPL writes such a checkpoint beside
+    the old one and renames it into place: the old checkpoint stays whole."""
+    _, prefix = _save_w(tmp_path, np.arange(6.0))
+    with pytest.raises(RuntimeError, match="killed while writing"):
+        _save_w(tmp_path, np.arange(6.0) * 2, sabotage=_cut_index, monkeypatch=monkeypatch)
+    monkeypatch.undo()
+    np.testing.assert_array_equal(_read_w(prefix), np.arange(6.0))
+    assert tf.train.latest_checkpoint(str(tmp_path)) == prefix
+    # the next save of that step clears what the killed one left
+    saver, again = _save_w(tmp_path, np.arange(6.0) * 3)
+    assert again == prefix
+    np.testing.assert_array_equal(_read_w(prefix), np.arange(6.0) * 3)
+    assert not [p for p in os.listdir(str(tmp_path)) if integration.RESAVE_TAG in p]
+
+
+def test_saving_a_step_again_replaces_it_and_keeps_the_savers_bookkeeping(tmp_path):
+    """One Saver saves steps 4 and 5, step 5 again with new values while a reader holds
+    its index open, then step 6: the reader's file stays whole, the new values are
+    restored, and the Saver's list, the ``checkpoint`` file and ``max_to_keep`` are as
+    TensorFlow keeps them."""
+    epl.init(epl.Config({}))
+    path = str(tmp_path / "model.ckpt")
+    with tf.Graph().as_default():
+        w = tf.get_variable("w", initializer=tf.range(6.0))
+        saver = tf.train.Saver([w], max_to_keep=2)
+        with tf.Session() as sess:
+            sess.run(w.initializer)
+            four = saver.save(sess, path, global_step=4)
+            five = saver.save(sess, path, global_step=tf.constant(5))
+            index_inode = os.stat(five + ".index").st_ino
+            sess.run(w.assign(tf.range(6.0) + 10))
+            with open(five + ".index", "rb") as reader:     # a worker restoring it
+                assert saver.save(sess, path, global_step=np.int64(5)) == five
+                assert len(reader.read()) == os.fstat(reader.fileno()).st_size > 0
+            assert os.stat(five + ".index").st_ino != index_inode
+            assert saver.last_checkpoints == [four, five]
+            six = saver.save(sess, path, global_step=6)
+    np.testing.assert_array_equal(_read_w(five), np.arange(6.0) + 10)
+    assert saver.last_checkpoints == [five, six]
+    state = tf.train.get_checkpoint_state(str(tmp_path))
+    assert state.model_checkpoint_path == six
+    assert list(state.all_model_checkpoint_paths) == [five, six]
+    assert not glob.glob(four + ".*")                  # max_to_keep deleted it
+    assert os.path.exists(five + ".meta")
+    assert not [p for p in os.listdir(str(tmp_path)) if integration.RESAVE_TAG in p]

@@ -10,12 +10,14 @@ own training loop at run time.
 * Only the chief writes checkpoints and summaries; every worker creates its session as
   a chief would (EPL trains between-graph); an Estimator's distribution settings and
   TF_CONFIG are EPL's, not the RunConfig's, and only the chief evaluates.
-* A worker of a multi-worker job retries a restore that reads a cut checkpoint, which
-  the chief may be rewriting at that moment (``RESTORE_RETRY_S``).
+* The chief writes a checkpoint that exists already beside it and renames it into place
+  (``_replace_checkpoint``); a worker of a multi-worker job retries a restore that reads
+  a cut checkpoint (``RESTORE_RETRY_S``).
 
 Installed by ``epl.init`` through the adapter's patch table, above the capture hooks.
 """
 import logging
+import numbers
 import os
 import time
 
@@ -35,17 +37,65 @@ log = logging.getLogger("epl")
 original = patching.original
 
 
-def _saver_save(self, sess, save_path, *args, **kwargs):
+def _saver_save(self, sess, save_path, global_step=None, latest_filename=None,
+                meta_graph_suffix="meta", write_meta_graph=True, write_state=True,
+                *args, **kwargs):
+    """Saver.save on the chief only; a checkpoint that exists already is replaced whole
+    (``_replace_checkpoint``)."""
     if Env.initialized() and not Env.get().cluster.is_chief:
         return None  # only the chief writes checkpoints
-    return original("saver.save")(self, sess, save_path, *args, **kwargs)
+    save = original("saver.save")
+    step = global_step
+    if step is not None and not isinstance(step, numbers.Integral):
+        step = int(tf.compat.v1.train.global_step(sess, step))
+    prefix = objects.saver_step_prefix(self, save_path, step)
+    if prefix is None or not tf.io.gfile.exists(prefix + ".index"):
+        return save(self, sess, save_path, step, latest_filename, meta_graph_suffix,
+                    write_meta_graph, write_state, *args, **kwargs)
+    return _replace_checkpoint(self, sess, prefix, latest_filename, meta_graph_suffix,
+                               write_meta_graph, write_state, *args, **kwargs)
+
+
+# The temporary prefix a checkpoint that exists already is written to, in its folder
+# (``_replace_checkpoint``): <folder>/<RESAVE_TAG><pid>-<its name>
+RESAVE_TAG = ".epl-resave-"
+
+
+def _replace_checkpoint(saver, sess, prefix, latest_filename, meta_graph_suffix,
+                        write_meta_graph, write_state, *args, **kwargs):
+    """Writes the checkpoint ``prefix``, which exists already, beside it and renames its
+    files over the old ones, the index last.  Why: TensorFlow writes ``<prefix>.index``
+    in place, so a worker restoring it meanwhile reads a cut file, and a chief killed
+    meanwhile leaves the newest checkpoint cut (the ``checkpoint`` file already names
+    it), which the next restart cannot restore.  After a restart the chief's
+    CheckpointSaverHook saves the step it has just restored again: that is this case.
+    Each rename replaces a whole file, and a reader that has opened the old one keeps
+    reading it."""
+    folder, name = os.path.split(prefix)
+    for stale in tf.io.gfile.glob(os.path.join(folder, RESAVE_TAG + "*-" + name + ".*")):
+        tf.io.gfile.remove(stale)           # left by a chief killed while writing here
+    temp = os.path.join(folder, "%s%d-%s" % (RESAVE_TAG, os.getpid(), name))
+    written = original("saver.save")(saver, sess, temp, None, latest_filename,
+                                     meta_graph_suffix, write_meta_graph, False,
+                                     *args, **kwargs)
+    if written is None:
+        return None
+    files = tf.io.gfile.glob(temp + ".*")
+    for path in sorted(files, key=lambda p: p.endswith(".index")):      # the index last
+        tf.io.gfile.rename(path, prefix + path[len(temp):], overwrite=True)
+    if write_state:
+        objects.saver_record(saver, prefix, latest_filename, meta_graph_suffix)
+    return prefix
 
 
 # A worker restoring a checkpoint that the chief rewrites at that moment can read a cut
 # index: TensorFlow's MergeV2Checkpoints writes ``<prefix>.index`` at its final path (a
 # re-save leaves a new file there, TF 1.15 and 2.x), and after a restart the chief's
 # CheckpointSaverHook saves the step it has just restored again, while the other workers
-# restore it.  Their restore is retried for this long (seconds).
+# restore it.  EPL's chief now replaces such a checkpoint whole (``_replace_checkpoint``);
+# a restore is still retried for this long (seconds), for a checkpoint written by other
+# means (another program, a chief without EPL) and a data file replaced between a
+# reader's index and its data.
 RESTORE_RETRY_S = 20.0
 
 
