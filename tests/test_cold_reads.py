@@ -61,6 +61,47 @@ def test_the_replay_adds_the_first_reads_once_per_process():
         both + cold_s, rel=1e-6)
 
 
+def test_an_activation_read_after_the_cache_has_been_filled_since_is_cold():
+    """``saved`` (4 KiB) is written, then 16 KiB of other outputs (a constant and its
+    sum), then read twice: with a 6 KiB cache its first reader fetches it cold and the
+    second finds it in the cache; with a 64 KiB cache neither does; a variable's value
+    is never an activation."""
+    with tf.Graph().as_default() as graph:
+        w = v1.get_variable("w", [32, 32], use_resource=False)
+        saved = tf.ones([32, 32]) * 2.0                       # 4 KiB
+        other = tf.ones([64, 32]) + 1.0                       # 8 KiB written since
+        late = tf.matmul(saved, w, name="late")               # its first reader: cold
+        later = tf.add(saved, 1.0, name="later")              # right after: hot
+        tf.add_n([late, later, tf.reduce_sum(other) * tf.ones([32, 32])])
+    ops = graph.get_operations()
+    names = [op.name for op in ops]
+    assert names.index(other.op.name) < names.index("late") < names.index("later")
+    cold = dict(zip(names, cold_reads.cold_activations(ops, 6 << 10)))
+    assert cold["late"] == 32 * 32 * 4
+    assert cold["later"] == 0
+    assert sum(cold_reads.cold_activations(ops, 64 << 10)) == 0
+    assert sum(cold_reads.cold_activations(ops, None)) == 0
+
+
+def test_the_replay_adds_each_replicas_cold_activations():
+    """Two kernels of 1 ms; the second reads 4 MiB of activations cold at 1e-10 s a
+    byte: one replica pays it, and each of two replicas pays its own (they share no
+    activations), whether or not the variables outgrow the cache."""
+    flow = dict(sigs=["k", "k"], flops=[0.0, 0.0], deps=[[], [0]], inputs=[], hops=[0, 0],
+                updates=[], reads=[0, 0], state=16 << 20, cold=[0, 4 << 20])
+    timings = {"k": {"alone": 1e-3, "shared": 1e-3}}
+    costs = dict(op=0.0, handoff=0.0, hop=0.0,
+                 cold={"alone": 1e-10, "cache": 32 << 20})
+    cold_s = (4 << 20) * 1e-10
+    assert local_step.replay(flow, timings, costs, 0.0, 2, 1e9, 1) == pytest.approx(
+        2e-3 + cold_s)
+    hot = dict(costs, cold=None)
+    assert local_step.replay(flow, timings, hot, 0.0, 2, 1e9, 1) == pytest.approx(2e-3)
+    one = local_step.replay(flow, timings, hot, 0.0, 2, 1e9, 2)
+    assert local_step.replay(flow, timings, costs, 0.0, 2, 1e9, 2) == pytest.approx(
+        one + cold_s, rel=1e-6)
+
+
 def test_the_last_level_cache_is_read_from_sysfs(tmp_path):
     for index, level, size in ((0, 1, "48K"), (2, 2, "1024K"), (3, 3, "32768K")):
         d = tmp_path / ("index%d" % index)

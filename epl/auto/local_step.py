@@ -15,8 +15,8 @@ Each op costs its kernel's time in a chain (``product_timing``), plus what the e
 spends beside it, each measured: the wake-up of Eigen's threads for a kernel spread
 over the cores (``product_timing.HANDOFF``), a tensor received from another device
 (``HOP``), the input pipeline's batch (``product_timing.input_seconds``), a weight
-read from memory once a step where the variables outgrow the cache (``cold_reads``),
-and for an op without a kernel to time the executor's own work (``EXECUTOR``).  EPL's
+read from memory once a step where the variables outgrow the cache and an activation
+read after it has left the cache (``cold_reads``), and for an op without a kernel to time the executor's own work (``EXECUTOR``).  EPL's
 collectives that sum a pipeline's micro-batch gradients on one device move their bytes
 at the machine's memory bandwidth (``replay``).  The optimizer's updates are timed too
 (``update_timing``), on cold variables, and added after the step (``update_seconds``).
@@ -207,6 +207,9 @@ def replay(flow, timings, costs, input_seconds, cores, machine_flops, copies, pr
     cold = cold_reads.per_byte(costs.get("cold"), flow.get("state", 0)) \
         * processes / float(max(copies, processes))
     reads = flow.get("reads") or [0] * len(flow["sigs"])
+    # (an activation read after it has left the cache: each replica reads its own)
+    acts = flow.get("cold") or [0] * len(flow["sigs"])
+    act_cold = cold_reads.per_activation_byte(costs.get("cold"))
     mix = costs.get("mix", 0.0)
     pulls = set(flow.get("inputs", ()))
     updates = set(i for i, _ in flow.get("updates") or ())
@@ -221,7 +224,8 @@ def replay(flow, timings, costs, input_seconds, cores, machine_flops, copies, pr
                          float(cores), 0.0, (places[i], None)))
         elif x:                     # (a weight read from memory: ``cold_reads``; a
             # cheap kernel after different ones: ``kernel_mix``)
-            extra = reads[i] * cold + (mix if kernel_mix.is_cheap(sig, x) else 0.0)
+            extra = reads[i] * cold + acts[i] * act_cold \
+                + (mix if kernel_mix.is_cheap(sig, x) else 0.0)
             jobs.append(dataflow.job(x["alone"] + extra, x["shared"] + extra, cores,
                                      x.get("first", 0.0) - x["alone"] - costs["handoff"])
                         + ((places[i], sig),))

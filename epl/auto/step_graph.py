@@ -145,7 +145,8 @@ def dataflow(ops, rows, devices=None):
     how many of the ops each op waits for are on another device (``devices``: {op
     name: device} of the placed graph; Grappler's copy has none), "reads": the bytes
     each op is the first to read of a variable, "state": the variables' bytes (a weight
-    read from memory where they outgrow the cache: ``cold_reads``)}."""
+    read from memory where they outgrow the cache: ``cold_reads``), "cold": the bytes
+    each op reads of activations that have left the cache (``cold_reads.cold_activations``)}."""
     index = dict((op, i) for i, op in enumerate(ops))
     sigs, flops, deps, hops, updates = [], [], [], [], []
     inputs = [i for i, op in enumerate(ops) if op.type in _GET_NEXT]
@@ -166,7 +167,8 @@ def dataflow(ops, rows, devices=None):
         hops.append(sum(1 for w in waits if here and devices.get(w.name) not in (None, "", here)))
     return dict(sigs=sigs, flops=flops, deps=deps, inputs=inputs, hops=hops,
                 updates=updates, reads=cold_reads.first_reads(ops),
-                state=cold_reads.state_bytes(ops), sums=_local_sums(ops, rows, devices))
+                state=cold_reads.state_bytes(ops), sums=_local_sums(ops, rows, devices),
+                cold=cold_reads.cold_activations(ops, cold_reads.cache_bytes()))
 
 
 def _local_sums(ops, rows, devices):
