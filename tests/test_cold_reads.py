@@ -38,16 +38,21 @@ def test_the_cold_rate_applies_only_where_the_variables_outgrow_the_cache():
     assert cold_reads.per_byte({"alone": 2e-11, "cache": None}, 60 << 20) == 0.0
 
 
+def _two_kernels(**flow):
+    """A flow of two 1 ms kernels in a chain with ``flow``'s reads, their timings, costs
+    with a cold rate of 1e-10 s a byte and a 32 MiB cache, and 4 MiB's cold seconds."""
+    return (dict(dict(sigs=["k", "k"], flops=[0.0, 0.0], deps=[[], [0]], inputs=[],
+                      hops=[0, 0], updates=[]), **flow),
+            {"k": {"alone": 1e-3, "shared": 1e-3}},
+            dict(op=0.0, handoff=0.0, hop=0.0, cold={"alone": 1e-10, "cache": 32 << 20}),
+            (4 << 20) * 1e-10)
+
+
 def test_the_replay_adds_the_first_reads_once_per_process():
     """A chain of two kernels, 1 ms each; the first reads 4 MiB of weights cold at
     1e-10 s a byte (0.42 ms): one replica pays it; two replicas in one process share
     the variables, so each pays half; two processes each pay it whole."""
-    flow = dict(sigs=["k", "k"], flops=[0.0, 0.0], deps=[[], [0]], inputs=[], hops=[0, 0],
-                updates=[], reads=[4 << 20, 0], state=64 << 20)
-    timings = {"k": {"alone": 1e-3, "shared": 1e-3}}
-    costs = dict(op=0.0, handoff=0.0, hop=0.0,
-                 cold={"alone": 1e-10, "cache": 32 << 20})
-    cold_s = (4 << 20) * 1e-10
+    flow, timings, costs, cold_s = _two_kernels(reads=[4 << 20, 0], state=64 << 20)
     assert local_step.replay(flow, timings, costs, 0.0, 2, 1e9, 1) == pytest.approx(
         2e-3 + cold_s)
     assert local_step.replay(dict(flow, state=16 << 20), timings, costs, 0.0, 2, 1e9,
@@ -87,12 +92,8 @@ def test_the_replay_adds_each_replicas_cold_activations():
     """Two kernels of 1 ms; the second reads 4 MiB of activations cold at 1e-10 s a
     byte: one replica pays it, and each of two replicas pays its own (they share no
     activations), whether or not the variables outgrow the cache."""
-    flow = dict(sigs=["k", "k"], flops=[0.0, 0.0], deps=[[], [0]], inputs=[], hops=[0, 0],
-                updates=[], reads=[0, 0], state=16 << 20, cold=[0, 4 << 20])
-    timings = {"k": {"alone": 1e-3, "shared": 1e-3}}
-    costs = dict(op=0.0, handoff=0.0, hop=0.0,
-                 cold={"alone": 1e-10, "cache": 32 << 20})
-    cold_s = (4 << 20) * 1e-10
+    flow, timings, costs, cold_s = _two_kernels(reads=[0, 0], state=16 << 20,
+                                                cold=[0, 4 << 20])
     assert local_step.replay(flow, timings, costs, 0.0, 2, 1e9, 1) == pytest.approx(
         2e-3 + cold_s)
     hot = dict(costs, cold=None)
