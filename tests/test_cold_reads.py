@@ -81,11 +81,11 @@ def test_an_activation_read_after_the_cache_has_been_filled_since_is_cold():
     ops = graph.get_operations()
     names = [op.name for op in ops]
     assert names.index(other.op.name) < names.index("late") < names.index("later")
-    cold = dict(zip(names, cold_reads.cold_activations(ops, 6 << 10)))
+    cold = dict(zip(names, cold_reads.cold_activations(ops, 6 << 10, 32)))
     assert cold["late"] == 32 * 32 * 4
     assert cold["later"] == 0
-    assert sum(cold_reads.cold_activations(ops, 64 << 10)) == 0
-    assert sum(cold_reads.cold_activations(ops, None)) == 0
+    assert sum(cold_reads.cold_activations(ops, 64 << 10, 32)) == 0
+    assert sum(cold_reads.cold_activations(ops, None, 32)) == 0
 
 
 def test_the_replay_adds_each_replicas_cold_activations():

@@ -25,7 +25,7 @@ import time
 
 import tensorflow as tf
 
-from epl.auto import shapes
+from epl.auto import liveness, shapes
 from epl.core import host_heap
 
 v1 = tf.compat.v1
@@ -77,7 +77,7 @@ def first_reads(ops):
     return out
 
 
-def cold_activations(ops, cache):
+def cold_activations(ops, cache, rows):
     """The bytes each of ``ops`` (a step's, in the order they run) reads of a tensor
     that is not a variable's value and was last touched ``cache`` bytes of traffic or
     more before (the outputs written since, and the cold inputs read): such a tensor
@@ -87,7 +87,7 @@ def cold_activations(ops, cache):
     MiB of its activations so, mostly the backward pass reading what the forward pass
     saved, 15 ms at the probe's rate against a one-device step predicted 19-30 ms fast;
     the MLP, the wide head and the mini-BERT read none.  ``cache`` None (not known):
-    none."""
+    none; a tensor's bytes at ``rows`` rows (``liveness.tensor_bytes``)."""
     if not cache:
         return [0] * len(ops)
     traffic, touched, out = 0, {}, []
@@ -95,16 +95,14 @@ def cold_activations(ops, cache):
         n = 0
         for t in ([] if _not_a_reader(op) else op.inputs):
             source = t.op.inputs[0].op if t.op.type in _READS and t.op.inputs else t.op
-            if source.type in _VARIABLES or not t.shape.is_fully_defined():
+            if source.type in _VARIABLES:
                 continue
             if t in touched and traffic - touched[t] >= cache:
-                nbytes = shapes.elements(t.shape.as_list()) * t.dtype.base_dtype.size
-                n += nbytes
-                traffic += nbytes
+                n += liveness.tensor_bytes(t, rows)
+                traffic += liveness.tensor_bytes(t, rows)
             touched[t] = traffic
         for t in op.outputs:
-            if t.shape.is_fully_defined():
-                traffic += shapes.elements(t.shape.as_list()) * t.dtype.base_dtype.size
+            traffic += liveness.tensor_bytes(t, rows)
             touched[t] = traffic
         out.append(n)
     return out

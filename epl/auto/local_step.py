@@ -16,10 +16,11 @@ spends beside it, each measured: the wake-up of Eigen's threads for a kernel spr
 over the cores (``product_timing.HANDOFF``), a tensor received from another device
 (``HOP``), the input pipeline's batch (``product_timing.input_seconds``), a weight
 read from memory once a step where the variables outgrow the cache and an activation
-read after it has left the cache (``cold_reads``), and for an op without a kernel to time the executor's own work (``EXECUTOR``).  EPL's
-collectives that sum a pipeline's micro-batch gradients on one device move their bytes
-at the machine's memory bandwidth (``replay``).  The optimizer's updates are timed too
-(``update_timing``), on cold variables, and added after the step (``update_seconds``).
+read after it has left the cache (``cold_reads``), and for an op without a kernel to
+time the executor's own work (``EXECUTOR``).  EPL's collectives that sum a pipeline's
+micro-batch gradients on one device move their bytes at the machine's memory bandwidth
+(``replay``).  The optimizer's updates are timed too (``update_timing``), on cold
+variables, and added after the step (``update_seconds``).
 
 A pipeline's memory is that built step's too: each device's variables and the peak of
 its buffers, the step walked in order (``placed_memory``); so is one stage's with

@@ -168,7 +168,7 @@ def dataflow(ops, rows, devices=None):
     return dict(sigs=sigs, flops=flops, deps=deps, inputs=inputs, hops=hops,
                 updates=updates, reads=cold_reads.first_reads(ops),
                 state=cold_reads.state_bytes(ops), sums=_local_sums(ops, rows, devices),
-                cold=cold_reads.cold_activations(ops, cold_reads.cache_bytes()))
+                cold=cold_reads.cold_activations(ops, cold_reads.cache_bytes(), rows))
 
 
 def _local_sums(ops, rows, devices):
