@@ -23,8 +23,8 @@ FAKE = {"version": local.CACHE_VERSION, "cores": 2, "matmul_flops": 9e10,
         "op_overhead_s": 1e-6, "run_overhead_s": 2e-4, "allreduce_bandwidth": 2e9,
         "allreduce_latency_s": 1e-4}
 # the cross-process links slower than the in-process one (so the terms must differ)
-SHM = {"bandwidth": 5e8, "latency_s": 3e-4, "ranks": 2}
-TCP = {"bandwidth": 2.5e8, "latency_s": 5e-4, "ranks": 2}
+SHM = {"bandwidth": 5e8, "latency_s": 3e-4, "ranks": 2, "beside": {"bandwidth": 1e8}}
+TCP = {"bandwidth": 2.5e8, "latency_s": 5e-4, "ranks": 2, "beside": {"bandwidth": None}}
 FIGURES = dict(FAKE, xproc_shm=SHM, xproc_tcp=TCP)
 
 
@@ -113,6 +113,47 @@ def test_dp_across_processes_prices_the_cross_node_all_reduce():
         + 2 * local.LATENCY_TRIPS_PER_RING_STEP * 0.005 * chained)
 
 
+def test_an_all_reduce_beside_compute_on_shared_cores_is_not_hidden():
+    """Worker processes of one host: EPL's transport works on the cores the backward
+    pass uses, so the step pays the all-reduce at its bandwidth beside compute
+    (``beside``), whatever the backward pass it could hide behind; a transport with no
+    such figure (measured hidden), the in-process one and the GPU presets' NICs as
+    before."""
+    from epl.auto import graph_profile
+    from epl.auto.collective_cost import dp_allreduce_s, ring_allreduce_s
+    from epl.auto.predictor import price
+    prof = graph_profile.profile(auto_models.model, auto_models.dataset,
+                                 auto_models.optimizer)
+    two = Cluster.from_local(FIGURES, 1, processes=2)
+    assert two.inter.beside_bandwidth == SHM["beside"]["bandwidth"]
+    got = price(prof, Layout(d=2), two)
+    stage = got.breakdown["stages"][0]
+    variables, grads = stage["variables"], stage["reduced"]
+    chained = -(-min(5, variables) // 2)
+    want = ring_allreduce_s(grads, 2, SHM["beside"]["bandwidth"], SHM["latency_s"] * chained)
+    assert got.breakdown["dp_exposed_s"] == pytest.approx(want)
+    assert got.breakdown["dp_allreduce_s"] == pytest.approx(
+        ring_allreduce_s(grads, 2, SHM["bandwidth"], SHM["latency_s"] * chained))
+    # without the figure (a cache of an earlier stop) the all-reduce costs what it did
+    old = dict(FIGURES, xproc_shm=dict((k, v) for k, v in SHM.items() if k != "beside"))
+    before = price(prof, Layout(d=2), Cluster.from_local(old, 1, processes=2))
+    assert before.breakdown["dp_exposed_s"] < got.breakdown["dp_exposed_s"]
+    assert got.step_time_s - before.step_time_s == pytest.approx(
+        got.breakdown["dp_exposed_s"] - before.breakdown["dp_exposed_s"])
+    # tcp measured hidden: no figure; in one process and on a preset nothing crosses it
+    hosts = Cluster.from_local(FIGURES, 1, processes=2, latency_s=0.005)
+    assert hosts.inter.beside_bandwidth is None
+    assert dp_allreduce_s(grads, hosts, 1, 2, beside=True) is None
+    assert dp_allreduce_s(grads, Cluster.from_local(FIGURES, 2), 1, 2, beside=True) is None
+    assert dp_allreduce_s(grads, Cluster.preset("a100-80gb", nodes=2), 1, 16,
+                          beside=True) is None
+    back = Cluster.from_dict(json.loads(two.to_json()))
+    assert back.inter.beside_bandwidth == SHM["beside"]["bandwidth"]
+    with pytest.raises(ValueError, match="beside_bandwidth must be > 0"):
+        Cluster.from_dict(dict(json.loads(two.to_json()), inter=dict(
+            two.inter.to_dict(), beside_bandwidth=0)))
+
+
 def test_cross_process_figures_are_measured_once_into_an_old_cache(cache, monkeypatch):
     calls = []
 
@@ -130,6 +171,13 @@ def test_cross_process_figures_are_measured_once_into_an_old_cache(cache, monkey
     assert calls == ["shm"]                                       # cached now
     Cluster.local(1, processes=2, latency_s=0.005)
     assert calls == ["shm", "tcp"]
+    # figures of an earlier stop, without the all-reduce beside compute: measured again
+    saved = json.load(open(cache))
+    del saved["xproc_shm"]["beside"]
+    local.save_cache(saved, cache)
+    assert Cluster.local(1, processes=2).inter.beside_bandwidth == SHM["beside"]["bandwidth"]
+    assert calls == ["shm", "tcp", "shm"]
+    assert json.load(open(cache))["xproc_shm"]["beside"] == SHM["beside"]
 
 
 def test_a_tiny_cross_process_calibration_measures_both_transports():
@@ -137,6 +185,12 @@ def test_a_tiny_cross_process_calibration_measures_both_transports():
         got = local.measure_cross_process(transport, repeats=2, quick=True, timeout=120)
         assert got["bandwidth"] > 0 and got["latency_s"] >= 0, (transport, got)
         assert len(got["seconds"]) == 2 and all(s > 0 for s in got["seconds"].values())
+        beside = got["beside"]       # the same all-reduce beside a product chain
+        assert beside["allreduce_s"] > 0 and beside["compute_s"] > 0, (transport, beside)
+        assert beside["products"] >= 4 and beside["bytes"] == 4 * (1 << 16)
+        assert beside["together_s"] == pytest.approx(beside["compute_s"] + beside["added_s"])
+        if beside["bandwidth"] is not None:
+            assert beside["bandwidth"] == pytest.approx(beside["bytes"] / beside["added_s"])
 
 
 def test_measure_multiprocess_runs_dp_on_two_worker_processes():

@@ -31,16 +31,37 @@ def tp_allreduce_s(nbytes, cluster, t):
                             cluster.inter.latency)
 
 
-def dp_allreduce_s(nbytes, cluster, t, d, chained=1):
+def dp_allreduce_s(nbytes, cluster, t, d, chained=1, beside=False):
     """Gradient all-reduce over the d replicas (ranks: t fastest, then d, then p): the
     replicas on one node reduce-scatter over NVSwitch, the nodes all-reduce their shard
     over the NICs, then all-gather within the node.  ``chained``: collectives run one
     after another (EPL's fusion buckets on one communicator): the bytes are sent once,
-    the latency paid per collective."""
+    the latency paid per collective.  ``beside``: the all-reduce run beside compute on
+    the cores it shares with it (``Link.beside_bandwidth`` across the nodes), or None
+    where the inter-node link has no such figure or is not crossed."""
     local = max(1, min(d, cluster.devices_per_node // t)) if t < cluster.devices_per_node \
         else 1
     nodes = d // local
+    bandwidth = cluster.nic_bandwidth_per_device()
+    if beside:
+        if nodes <= 1 or cluster.inter.beside_bandwidth is None:
+            return None
+        bandwidth *= cluster.inter.beside_bandwidth / cluster.inter.bandwidth
     intra = link_allreduce_s(nbytes, local, cluster.intra, chained)
-    inter = ring_allreduce_s(nbytes / float(local), nodes, cluster.nic_bandwidth_per_device(),
+    inter = ring_allreduce_s(nbytes / float(local), nodes, bandwidth,
                              cluster.inter.latency * chained)
     return intra + inter
+
+
+def dp_step_s(nbytes, first_share, cluster, t, d, chained, backward_s):
+    """(the gradient all-reduce alone, what the step pays for it): all but the first
+    bucket (``first_share`` of the bytes) hide behind the ``backward_s`` it runs beside;
+    between worker processes of one host (``Link.beside_bandwidth``, Cluster.local) the
+    transport's work takes the cores from that backward pass, so none of it hides: the
+    step pays it at its bandwidth beside compute."""
+    if d <= 1:
+        return 0.0, 0.0
+    alone = dp_allreduce_s(nbytes, cluster, t, d, chained)
+    exposed = max(alone * first_share, alone - backward_s) if alone else 0.0
+    beside = dp_allreduce_s(nbytes, cluster, t, d, chained, beside=True)
+    return alone, max(exposed, beside or 0.0)

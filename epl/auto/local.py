@@ -29,9 +29,14 @@ cache without them still loads:
 * ``xproc_shm``: EPL's all-reduce between 2 worker processes of this machine, the path a
   multi-worker job's gradients take here (``HierarchicalCommunicator``'s cross-worker
   step: the C++ ``EplAllReduce`` over the ``shm`` transport), bandwidth and latency from
-  64 KiB and 8 MiB tensors, each rank in a process of its own;
+  64 KiB and 8 MiB tensors, each rank in a process of its own; and ``beside``: the
+  bandwidth of the same all-reduce run beside a product chain in every rank (the
+  transport's work takes the cores from the compute:
+  ``epl.auto.cross_process_rank.beside_compute``);
 * ``xproc_tcp``: the same over EPL's TCP ring (``tcp`` transport, between 127.0.0.2 and
   127.0.0.3): the path between hosts (here, network-namespace hosts).
+
+A cache whose cross-process figures lack ``beside`` measures them again when asked.
 """
 import json
 import os
@@ -65,7 +70,7 @@ def cache_path():
                                                         tf.__version__))
 
 
-def _timed(sess, fetch, repeats):
+def fastest_run(sess, fetch, repeats):
     """The fastest of ``repeats`` runs after a warm-up: other work on shared cores only
     ever slows a run down, so the fastest is the machine's own figure (a median moved
     2-3x between calibrations here)."""
@@ -78,7 +83,7 @@ def _timed(sess, fetch, repeats):
     return min(out)
 
 
-def _session(tf, graph, devices):
+def cpu_session(tf, graph, devices):
     cfg = tf.compat.v1.ConfigProto(device_count={"CPU": devices})
     return tf.compat.v1.Session(graph=graph, config=cfg)
 
@@ -140,31 +145,31 @@ def measure(repeats=5, quick=False):
         pooled = tiny
         for _ in range(ops):
             pooled = v1.matmul(pooled, w)
-        with _session(tf, graph, 1) as sess:
+        with cpu_session(tf, graph, 1) as sess:
             sess.run(v1.global_variables_initializer())
             flops = {}
             for n in sizes:
-                sec = _timed(sess, mats[n], repeats)
+                sec = fastest_run(sess, mats[n], repeats)
                 flops[n] = 2.0 * n ** 3 * chain / sec
             out["matmul_flops_by_size"] = {str(k): v for k, v in flops.items()}
             for name, fetch in halves.items():      # AMP's products: CPU kernels differ
-                out["matmul_flops_" + name] = 2.0 * half ** 3 * chain / _timed(
+                out["matmul_flops_" + name] = 2.0 * half ** 3 * chain / fastest_run(
                     sess, fetch, repeats)
             out["matmul_flops"] = max(flops.values())
             shares = {}
             for small, fetches in thin.items():
-                rates = [2.0 * small * big_n * big_n / _timed(sess, f, repeats)
+                rates = [2.0 * small * big_n * big_n / fastest_run(sess, f, repeats)
                          for f in fetches]
                 shares[str(small)] = min(1.0, sum(rates) / len(rates) / out["matmul_flops"])
             out["thin_products"] = shares
             # big * c writes n, + c reads n and writes n, reduce reads n: 5 passes of
             # 4 bytes (reading the variable is a copy-free view)
-            sec = _timed(sess, scaled, repeats)
+            sec = fastest_run(sess, scaled, repeats)
             out["memory_bandwidth"] = 5.0 * elems * 4 / sec
-            base = _timed(sess, tiny, repeats * 4)
-            sec = _timed(sess, z, repeats * 4)
+            base = fastest_run(sess, tiny, repeats * 4)
+            sec = fastest_run(sess, z, repeats * 4)
             out["op_overhead_s"] = max(0.0, (sec - base) / ops)
-            sec = _timed(sess, pooled, repeats * 4)
+            sec = fastest_run(sess, pooled, repeats * 4)
             out["pooled_op_overhead_s"] = max(0.0, (sec - base) / ops)
             out["run_overhead_s"] = base
     out.update(_allreduce(tf, repeats, quick))
@@ -190,10 +195,10 @@ def _allreduce(tf, repeats, quick):
                     ins.append(v1.Variable(np.ones(size // 4, np.float32)) * 1.0)
             outs = comm.all_reduce(ins)
             fetches[size] = [v1.reduce_sum(o) for o in outs]
-        with _session(tf, graph, 2) as sess:
+        with cpu_session(tf, graph, 2) as sess:
             sess.run(v1.global_variables_initializer())
             for size in sizes:
-                times[size] = _timed(sess, fetches[size], repeats)
+                times[size] = fastest_run(sess, fetches[size], repeats)
     bandwidth, latency = _fit(times, 2)
     return {"allreduce_bandwidth": bandwidth, "allreduce_latency_s": latency,
             "allreduce_seconds": {str(k): v for k, v in times.items()}}
@@ -226,44 +231,6 @@ def _fit(times, ranks):
     return bandwidth, latency
 
 
-def _xproc_child(argv):
-    """One rank of the cross-process calibration (``python -m epl.auto.local --xproc``):
-    EPL's C++ all-reduce between processes, timed per size; rank 0 writes the JSON."""
-    import argparse
-    host_heap.keep_freed_memory()
-    ap = argparse.ArgumentParser(prog="epl.auto.local --xproc")
-    ap.add_argument("--xproc", action="store_true")
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--ranks", type=int, required=True)
-    ap.add_argument("--transport", required=True, choices=TRANSPORTS)
-    ap.add_argument("--job", required=True)
-    ap.add_argument("--sizes", required=True)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args(argv)
-    import numpy as np
-    import tensorflow as tf
-    from epl.communicators import native_ops  # (in the child process: loads the op library)
-    v1 = tf.compat.v1
-    v1.disable_eager_execution()
-    v1.logging.set_verbosity(v1.logging.ERROR)
-    times = {}
-    for i, size in enumerate(int(x) for x in a.sizes.split(",")):
-        graph = tf.Graph()
-        with graph.as_default():
-            with v1.device("/device:CPU:0"):
-                x = v1.Variable(np.ones(size // 4, np.float32), name="x%d" % i)
-                y = native_ops.all_reduce(x, "%s/calibrate_%d" % (a.job, i), a.rank, a.ranks,
-                                          "sum", timeout_seconds=120, transport=a.transport)
-            with _session(tf, graph, 1) as sess:
-                sess.run(x.initializer)
-                sess.run(y.op)        # the connection (tcp) and the shared segments (shm)
-                times[size] = _timed(sess, y.op, a.repeats)
-    if a.rank == 0:
-        with open(a.out, "w") as f:
-            json.dump({str(k): v for k, v in times.items()}, f)
-
-
 def measure_cross_process(transport="shm", repeats=5, quick=False, timeout=180):
     """EPL's all-reduce between 2 processes of this machine over ``transport`` ("shm":
     worker processes of one host; "tcp": EPL's TCP ring, as between hosts): {"bandwidth",
@@ -292,10 +259,11 @@ def measure_cross_process(transport="shm", repeats=5, quick=False, timeout=180):
         for r in range(ranks):
             log = open(os.path.join(folder, "rank%d.log" % r), "w+")
             procs.append((subprocess.Popen(
-                [sys.executable, "-m", "epl.auto.local", "--xproc", "--rank", str(r),
+                [sys.executable, "-m", "epl.auto.cross_process_rank", "--rank", str(r),
                  "--ranks", str(ranks), "--transport", transport, "--job", job,
                  "--sizes", ",".join(map(str, sizes)), "--repeats", str(repeats),
-                 "--out", out], stdout=log, stderr=subprocess.STDOUT, env=env), log))
+                 "--out", out] + (["--quick"] if quick else []),
+                stdout=log, stderr=subprocess.STDOUT, env=env), log))
         deadline = time.time() + timeout
         while any(p.poll() is None for p, _ in procs) and time.time() < deadline:
             if any(p.poll() not in (None, 0) for p, _ in procs):
@@ -311,7 +279,8 @@ def measure_cross_process(transport="shm", repeats=5, quick=False, timeout=180):
                                "(exit codes %s, timeout %d s):\n%s"
                                % (transport, codes, timeout, "\n".join(logs)))
         with open(out) as f:
-            times = {int(k): v for k, v in json.load(f).items()}
+            got = json.load(f)
+        times = {int(k): v for k, v in got["times"].items()}
     finally:
         for p, log in procs:
             if p.poll() is None:
@@ -320,7 +289,8 @@ def measure_cross_process(transport="shm", repeats=5, quick=False, timeout=180):
             log.close()
     bandwidth, latency = _fit(times, ranks)
     return {"bandwidth": bandwidth, "latency_s": latency, "ranks": ranks,
-            "seconds": {str(k): v for k, v in times.items()}, "measured_at": time.time()}
+            "seconds": {str(k): v for k, v in times.items()}, "beside": got["beside"],
+            "measured_at": time.time()}
 
 
 def cross_process(figures, transport="shm", quick=False):
@@ -351,8 +321,9 @@ def calibration(recalibrate=False, path=None, quick=False, transports=()):
     if got is None:
         got = measure(quick=quick)
     for transport in transports:
-        if "xproc_" + transport not in got:
-            got = cross_process(got, transport, quick=quick)
+        if "beside" not in got.get("xproc_" + transport, {}):
+            got = cross_process(dict((k, v) for k, v in got.items()
+                                     if k != "xproc_" + transport), transport, quick=quick)
             changed = True
     if changed:
         save_cache(got, path)
@@ -412,6 +383,8 @@ def cluster_dict(figures, devices, memory_bytes=None, processes=1, latency_s=Non
                      latency=xp["latency_s"] + LATENCY_TRIPS_PER_RING_STEP * float(
                          latency_s or 0.0),
                      kind="epl-%s-crossprocess" % transport)
+        if (xp.get("beside") or {}).get("bandwidth"):   # (older caches lack it)
+            inter["beside_bandwidth"] = xp["beside"]["bandwidth"]
     device = dict(name="local-cpu", peak=peak, memory=int(memory_bytes),
                   memory_bandwidth=figures["memory_bandwidth"] / share,
                   host_bandwidth=figures["memory_bandwidth"] / share,
@@ -439,7 +412,4 @@ def _host_memory():
 
 
 if __name__ == "__main__":
-    if "--xproc" in sys.argv[1:]:
-        _xproc_child(sys.argv[1:])
-    else:
-        print(json.dumps(calibration(transports=TRANSPORTS), indent=1, sort_keys=True))
+    print(json.dumps(calibration(transports=TRANSPORTS), indent=1, sort_keys=True))

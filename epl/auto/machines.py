@@ -117,19 +117,28 @@ class Link(object):
     """A network: bandwidth (bytes/s, one direction, per port) and latency per step.
     ``algorithm``: how an all-reduce over it runs: "ring" (NCCL's, the presets': 2 (n-1)
     steps) or "rendezvous" (EPL's in one process, csrc/collectives.cc: the last rank to
-    arrive reduces every rank's tensor in one pass; ``collective_cost.link_allreduce_s``)."""
+    arrive reduces every rank's tensor in one pass; ``collective_cost.link_allreduce_s``).
+    ``beside_bandwidth``: the bandwidth of an all-reduce over it that runs beside compute
+    on the same cores (EPL's CPU transports between the processes of one host: their
+    work is the cores', ``epl.auto.cross_process_rank.beside_compute``); None: its
+    transfers overlap compute for free (a NIC, NVLink)."""
 
     ALGORITHMS = ("ring", "rendezvous")
 
-    def __init__(self, kind, bandwidth, latency, nics_per_node=None, algorithm="ring"):
+    def __init__(self, kind, bandwidth, latency, nics_per_node=None, algorithm="ring",
+                 beside_bandwidth=None):
         if algorithm not in self.ALGORITHMS:
             raise ValueError("epl.auto.Link: algorithm must be one of %s, got %r"
                              % (", ".join(self.ALGORITHMS), algorithm))
+        if beside_bandwidth is not None and not float(beside_bandwidth) > 0:
+            raise ValueError("epl.auto.Link: beside_bandwidth must be > 0 bytes/s or None, "
+                             "got %r" % (beside_bandwidth,))
         self.kind = kind
         self.bandwidth = float(bandwidth)
         self.latency = float(latency)
         self.nics_per_node = nics_per_node
         self.algorithm = algorithm
+        self.beside_bandwidth = None if beside_bandwidth is None else float(beside_bandwidth)
 
     def to_dict(self):
         out = dict(kind=self.kind, bandwidth=self.bandwidth, latency=self.latency)
@@ -137,6 +146,8 @@ class Link(object):
             out["nics_per_node"] = self.nics_per_node
         if self.algorithm != "ring":
             out["algorithm"] = self.algorithm
+        if self.beside_bandwidth is not None:
+            out["beside_bandwidth"] = self.beside_bandwidth
         return out
 
 

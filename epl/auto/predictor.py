@@ -19,7 +19,7 @@ docs/plan.md; in short, per pipeline stage and micro-batch:
 """
 
 from epl.auto import graph_profile, local_step, schedule, shards
-from epl.auto.collective_cost import dp_allreduce_s, link_allreduce_s, tp_allreduce_s
+from epl.auto.collective_cost import dp_step_s, link_allreduce_s, tp_allreduce_s
 from epl.auto.layout import Layout
 
 BUCKET_BYTES = 64 << 20       # gradient fusion bucket (communication.max_splits aside)
@@ -439,9 +439,8 @@ def price(profile, layout, cluster, global_batch=None):
         if cluster.stage_cut == "epl":
             buckets = min(EPL_MAX_SPLITS, max(1, det["variables"]))
             chained = -(-buckets // EPL_COMMUNICATORS)
-        ar_s = dp_allreduce_s(det["reduced"], cluster, t, d, chained) if d > 1 else 0.0
-        bucket_s = ar_s * min(1.0, BUCKET_BYTES / max(det["gradients"], 1.0))
-        exposed = max(bucket_s, ar_s - compute_k * 2.0 / 3) if ar_s else 0.0
+        ar_s, exposed = dp_step_s(det["reduced"], min(1.0, BUCKET_BYTES / max(
+            det["gradients"], 1.0)), cluster, t, d, chained, compute_k * 2.0 / 3)
         dp_total = max(dp_total, ar_s)
         dp_exposed = max(dp_exposed, exposed)
         state_bytes = det["params"] * (4 + 4 * profile.slots_per_param) / (d if lay.zero else 1)
