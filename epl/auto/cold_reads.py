@@ -98,8 +98,9 @@ def cold_activations(ops, cache, rows):
             if source.type in _VARIABLES:
                 continue
             if t in touched and traffic - touched[t] >= cache:
-                n += liveness.tensor_bytes(t, rows)
-                traffic += liveness.tensor_bytes(t, rows)
+                size = liveness.tensor_bytes(t, rows)
+                n += size
+                traffic += size
             touched[t] = traffic
         for t in op.outputs:
             traffic += liveness.tensor_bytes(t, rows)

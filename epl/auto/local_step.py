@@ -48,9 +48,9 @@ def flow_of(profile, lay, cluster, whole_model):
         if lay.dtype == "fp32":
             return profile.dataflow(), False
         if cluster.stage_cut == "epl" and profile.built_dataflow:
-            return profile.built_dataflow({
-                "amp.level": "O1",
-                "amp.dtype": "bfloat16" if lay.dtype == "bf16" else "float16"}), False
+            # (its AMP keys only: GC, ZeRO and offload are priced apart)
+            amp = dict((k, v) for k, v in lay.to_config(1).items() if k.startswith("amp."))
+            return profile.built_dataflow(amp), False
     if p > 1 and cluster.nodes == 1 and cluster.stage_cut == "epl" \
             and lay.schedule in ("1f1b", "gpipe") and profile.built_dataflow:
         return profile.built_dataflow(lay.to_config(p * d)), True
