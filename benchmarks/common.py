@@ -75,3 +75,12 @@ def fresh_kernel_timings(cached=False):
     import tempfile
     os.environ["EPL_CACHE_DIR"] = tempfile.mkdtemp(prefix="epl-plan-cache-")
     return os.environ["EPL_CACHE_DIR"]
+
+
+def tf1_graph_mode():
+    """On TF 2.x, TF1 graph semantics (1.15's defaults, where the call only prints a
+    notice): the dry runs' processes take this process's switches
+    (``epl.auto.search.measure``), and EPL refuses eager execution."""
+    import tensorflow as tf
+    if tf.__version__.startswith("2."):
+        tf.compat.v1.disable_v2_behavior()

@@ -414,17 +414,12 @@ def main(argv=None):
                     help="how the replay pays a kernel's wake-up (Cluster.wake_up; "
                     "default: the Cluster's, wait): work prices as stops 49-56 did")
     args = ap.parse_args(argv)
-    import tensorflow as tf
-    if tf.__version__.startswith("2."):
-        # TF1 graph semantics (1.15's defaults, where the call only prints a notice): the
-        # dry runs' processes take this process's switches (search.measure), and EPL
-        # refuses eager execution
-        tf.compat.v1.disable_v2_behavior()
+    import common
+    common.tf1_graph_mode()
     global WAKE_UP
     WAKE_UP = args.wake_up
     if args.reprice:
         return reprice(args.reprice, args.json)
-    import common
     common.fresh_kernel_timings(args.cached_kernels)
     from epl.auto import Cluster, graph_profile
     from epl.auto import search

@@ -350,6 +350,7 @@ def main(argv=None):
     if args.reprice:
         return reprice(args.reprice, args.json)
     import common
+    common.tf1_graph_mode()         # (the in-process control's dry runs)
     common.fresh_kernel_timings(args.cached_kernels)
     # SIGTERM (a watchdog, a person) ends the run through the Networks' cleanup
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("plan_multiprocess: terminated"))

@@ -172,6 +172,50 @@ def test_cli_prints_and_writes_json(tmp_path, capsys):
     assert json.load(open(out))["candidates"]
 
 
+def test_cli_plans_this_machine(tmp_path, monkeypatch, capsys):
+    """``--cluster local``: this machine's virtual devices (``--devices``) in ``--nodes``
+    worker processes, from its cached calibration, handed to ``plan`` (which is tested
+    on such clusters elsewhere: here it only records them); what applies only to it,
+    or not to it, is refused by name."""
+    from epl.auto import local
+    from epl.plan import __main__ as cli
+    from tests import auto_models
+    figures = dict(version=local.CACHE_VERSION, cores=3, matmul_flops=9e10,
+                   memory_bandwidth=6e9, allreduce_bandwidth=2e9, allreduce_latency_s=1e-4,
+                   xproc_shm=dict(bandwidth=5e8, latency_s=3e-4, ranks=2,
+                                  beside=dict(bandwidth=1e8)))
+    auto_models.install_calibration(figures, tmp_path, monkeypatch)
+    planned = []
+
+    class Planned(Exception):
+        pass
+
+    def record(model_fn, dataset_fn, optimizer_fn, cluster, global_batch, **_):
+        planned.append((cluster, global_batch))
+        raise Planned()
+    monkeypatch.setattr(cli, "plan", record)
+    monkeypatch.setattr(cli.os, "cpu_count", lambda: 3)
+    gpt = ["--gpt", "2,64,4,32,100", "--global-batch", "16", "--cluster", "local"]
+    for extra, devices, nodes, timed in ((["--devices", "2"], 2, 1, True),
+                                         (["--no-kernel-timing"], 3, 1, False),
+                                         (["--devices", "2", "--nodes", "2"], 2, 2, True)):
+        with pytest.raises(Planned):
+            plan_main(gpt + extra)
+        cluster, batch = planned[-1]
+        assert (cluster.devices_per_node, cluster.nodes, cluster.time_products, batch) == \
+            (devices, nodes, timed, 16), extra
+        assert cluster.device.name == "local-cpu" and cluster.shared_cores
+    assert cluster.inter.beside_bandwidth == 1e8     # worker processes: the shm link
+    for argv, flag in ((["--gpt", "2,64,4,32,100", "--global-batch", "16", "--devices", "2"],
+                        "--devices"),
+                       (gpt + ["--png", str(tmp_path / "x.png")], "--png"),
+                       (gpt + ["--devices", "0"], "--devices")):
+        with pytest.raises(SystemExit):
+            plan_main(argv)
+        assert flag in capsys.readouterr().err
+    assert len(planned) == 3
+
+
 def test_rank_puts_the_simplest_of_the_tied_first():
     """Predictions closer than ``tie`` are ties: the simplest of them ranks first (the
     fastest of the equally simple), the rest stay fastest first; no tie: by rate."""

@@ -7,10 +7,18 @@
 ``--model module:attr`` names an object with ``model_fn``, ``dataset_fn`` and
 ``optimizer_fn`` (or ``--model_fn/--dataset_fn/--optimizer_fn module:fn`` each);
 ``--gpt L,H,A[,S,V]`` the built-in GPT decoder (2 blocks built, repeated to L).
-``--cluster``: a preset name (``--nodes``) or a JSON file (``Cluster.to_json``'s form).
+``--cluster``: a preset name (``--nodes``), a JSON file (``Cluster.to_json``'s form), or
+``local``: this machine as EPL runs it (``Cluster.local``: ``--devices`` virtual CPU
+devices in each of ``--nodes`` worker processes), its calibration and the model's
+kernels timed here the first time (cached; ``--no-kernel-timing`` prices the kernels by
+the calibrated FLOP/s and bandwidth instead).
+
+    python -m epl.plan --model mypkg.models:my_model --cluster local --devices 4 \
+        --global-batch 256
 """
 import argparse
 import importlib
+import os
 import sys
 
 from epl.auto import Cluster, plan
@@ -26,6 +34,26 @@ def _load(spec):
     return obj
 
 
+def _cluster(ap, args):
+    """The cluster of ``--cluster``; what does not apply to it is refused by name."""
+    local = args.cluster == "local"
+    if not local and (args.devices is not None or not args.kernel_timing):
+        ap.error("--devices and --no-kernel-timing are for --cluster local (a preset's "
+                 "nodes have 8 GPUs; a JSON file says its own)")
+    if local and args.png:
+        ap.error("--png draws clusters of 8 .. 1024 GPUs; give a preset or a JSON file "
+                 "(--cluster local plans this machine only)")
+    if args.nodes < 1 or (args.devices is not None and args.devices < 1):
+        ap.error("--nodes and --devices must be >= 1, got %s and %s"
+                 % (args.nodes, args.devices))
+    if local:
+        return Cluster.local(args.devices or os.cpu_count() or 1, processes=args.nodes,
+                             products=args.kernel_timing)
+    if args.cluster.endswith(".json"):
+        return Cluster.from_json(args.cluster)
+    return Cluster.preset(args.cluster, nodes=args.nodes)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m epl.plan", description=__doc__.split("\n")[0])
     ap.add_argument("--gpt", help="L,H,A[,S,V]: the built-in GPT decoder")
@@ -34,8 +62,16 @@ def main(argv=None):
     ap.add_argument("--dataset_fn")
     ap.add_argument("--optimizer_fn")
     ap.add_argument("--layers", type=int, help="blocks of the model when fewer are built")
-    ap.add_argument("--cluster", default="a100-80gb", help="preset name or JSON file")
-    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--cluster", default="a100-80gb",
+                    help="preset name, JSON file, or local (this machine)")
+    ap.add_argument("--nodes", type=int, default=1,
+                    help="nodes of the preset; with --cluster local: worker processes")
+    ap.add_argument("--devices", type=int,
+                    help="--cluster local: virtual CPU devices per process (default: the "
+                    "cores)")
+    ap.add_argument("--no-kernel-timing", dest="kernel_timing", action="store_false",
+                    help="--cluster local: price the model's kernels by the calibration's "
+                    "FLOP/s and bandwidth, without timing them here")
     ap.add_argument("--global-batch", type=int, required=True)
     ap.add_argument("--amp", choices=("float16", "bfloat16"))
     ap.add_argument("--offload", action="store_true", help="also try optimizer offload")
@@ -60,10 +96,7 @@ def main(argv=None):
         fns = (_load(args.model_fn), _load(args.dataset_fn), _load(args.optimizer_fn))
     else:
         ap.error("give --gpt, --model, or all of --model_fn --dataset_fn --optimizer_fn")
-    if args.cluster.endswith(".json"):
-        cluster = Cluster.from_json(args.cluster)
-    else:
-        cluster = Cluster.preset(args.cluster, nodes=args.nodes)
+    cluster = _cluster(ap, args)
     options = {}
     if args.offload:
         options["offload"] = (False, True)
