@@ -216,6 +216,25 @@ def test_cli_plans_this_machine(tmp_path, monkeypatch, capsys):
     assert len(planned) == 3
 
 
+def test_plans_for_epls_runtime_keep_the_datasets_batch_as_the_micro_batch(small):
+    """On a cluster that runs EPL's own runtime (``Cluster.local``) each micro-batch is a
+    batch of the dataset (and the kernels are timed at its rows): ``plan`` enumerates
+    that micro-batch size alone unless told others; the presets try several."""
+    from epl.auto.planner import layouts
+    _, prof = small
+    local = Cluster.from_local(dict(matmul_flops=1e10, memory_bandwidth=1e10,
+                                    allreduce_bandwidth=1e9, allreduce_latency_s=1e-4),
+                               2, memory_bytes=1 << 34)
+    assert local.stage_cut == "epl" and prof.rows == 2
+    got = layouts(prof, local, 8 * prof.rows)
+    assert got and set(lay.micro_batch_size for lay in got) == {prof.rows}
+    assert set(lay.d for lay in got) == {1, 2}
+    wanted = layouts(prof, local, 8 * prof.rows, micro_batch_sizes=(1, 2))
+    assert set(lay.micro_batch_size for lay in wanted) == {1, 2}
+    preset = layouts(prof, Cluster.preset("a100-80gb"), 64)
+    assert len(set(lay.micro_batch_size for lay in preset)) > 1
+
+
 def test_rank_puts_the_simplest_of_the_tied_first():
     """Predictions closer than ``tie`` are ties: the simplest of them ranks first (the
     fastest of the equally simple), the rest stay fastest first; no tie: by rate."""

@@ -5,8 +5,8 @@ the simplest of the tied first, ``rank``).
 
 Enumerated: tensor-parallel degree t (divides the heads and the devices per node) x
 pipeline stages p (divides the blocks) x data parallelism d = devices / (t p) (divides
-the global batch) x micro-batch size x recomputation x ZeRO (x offload, x schedules
-when asked).
+the global batch) x micro-batch size (EPL's runtime: the dataset's batch) x
+recomputation x ZeRO (x offload, x schedules when asked).
 """
 import json
 import time
@@ -92,9 +92,16 @@ class PlanReport(object):
 
 def layouts(profile, cluster, global_batch, dtype="fp32", recompute=(False, True),
             zero=(None, "v1"), offload=(False,), schedules=("1f1b",),
-            micro_batch_sizes=MICRO_BATCH_SIZES, chunks=None):
+            micro_batch_sizes=None, chunks=None):
     """The layouts ``plan`` prices (``chunks`` of the interleaved schedule: by default
-    the smallest factor > 1 of the blocks per stage)."""
+    the smallest factor > 1 of the blocks per stage).  ``micro_batch_sizes``: by default
+    ``MICRO_BATCH_SIZES``, and on a cluster that runs EPL's own runtime (its stage cut:
+    ``Cluster.local``) the dataset's batch alone: each of EPL's micro-batches pulls one
+    batch from the dataset, and the model's kernels are timed at its rows (at another
+    size a kernel's fixed costs would be scaled with its rows)."""
+    if micro_batch_sizes is None:
+        micro_batch_sizes = (profile.rows,) if cluster.stage_cut == "epl" and profile.rows \
+            else MICRO_BATCH_SIZES
     n = cluster.num_devices
     heads = profile.heads
     out = []
