@@ -72,6 +72,16 @@ def mlp_model(features):
     return tf.losses.sparse_softmax_cross_entropy(labels=y, logits=logits)
 
 
+def mlp_split2_model(features):
+    """The MLP with its layers under one ``epl.split(2)``: EPL alternates them column-
+    and row-parallel (docs/split.md), the head's 16 classes sharded; no default strategy
+    (``gpt_split2_model``)."""
+    import epl
+    epl.set_default_strategy(None)
+    with epl.split(2):
+        return mlp_model(features)
+
+
 def conv_dataset():
     import tensorflow.compat.v1 as tf
     rng = np.random.RandomState(1)
@@ -208,6 +218,7 @@ MODELS = {
 # with ["tensor_parallel", {"degree": t}] (priced from the model above, built whole)
 SPLIT_VARIANTS = {
     ("gpt", 2): (gpt_split2_model, gpt_dataset, adam),
+    ("mlp", 2): (mlp_split2_model, mlp_dataset, adam),
 }
 NEEDS = {"resnet": "tf_slim"}      # a model's extra package (pip install tf-slim==1.1.0)
 

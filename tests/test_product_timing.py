@@ -104,15 +104,26 @@ def test_tensor_parallelism_prices_the_split_products_by_their_shards_own_times(
     replayed single device).  A split product is timed as its shard (``epl.auto.shards``:
     its own thinner shape; before stop 58 the unsplit product's time x 1/t, which
     priced a shard at the whole one's speed); the other kernels are the unsplit ones'
-    times x the region's split share.  This model's blocks split whole (Megatron pairs,
-    every product and pointwise op): raising the shards' times by 1 ms raises the step
-    by 1 ms per split product run, the unsplit products' times play no part, raising
-    the other kernels' by 1 ms adds 0.5 ms per run, and the FLOP peak plays no part."""
+    times x the region's split share.  Every product of this model is split: its dense
+    layers alternate column- and row-parallel across its one-layer blocks, as EPL runs a
+    split scope (docs/split.md): a column-parallel block's pointwise ops are sharded, a
+    row-parallel one sums its partial products once (an all-reduce of its output) and
+    runs its bias and activation whole.  Raising the shards' times by 1 ms raises the
+    step by 1 ms per split product run, the unsplit products' times play no part,
+    raising the other kernels' by 1 ms adds 0.5 ms per run in a column-parallel block
+    and 1 ms in a row-parallel one, and the FLOP peak plays no part."""
     from epl.auto import shards
     monkeypatch.setenv("EPL_CACHE_DIR", str(tmp_path))
     prof = graph_profile.profile(auto_models.model, auto_models.dataset, auto_models.optimizer)
     regions = [prof.pre, prof.post] + list(prof.blocks)
-    assert all(r.flops_split == r.flops and r.pointwise_split == r.pointwise for r in regions)
+    assert all(r.flops_split == r.flops for r in regions)
+    column = [r.pointwise_split == r.pointwise > 0 and not r.allreduce_bytes
+              for r in prof.blocks]
+    assert column == [True, False, True, False]
+    for r in prof.blocks[1::2]:         # row-parallel: its 32 outputs a row summed once
+        assert r.pointwise_split == 0 and r.allreduce_bytes == [32 * 4]
+    share = dict((r.name, 1.0 - 0.5 * r.pointwise_split / r.pointwise) for r in regions
+                 if r.pointwise)
     shard_sigs = set(shards.shard_signature(k, 2) for r in regions for k in r.shards)
     assert None not in shard_sigs
     products = set(sig for r in regions for sig in r.products)
@@ -142,7 +153,9 @@ def test_tensor_parallelism_prices_the_split_products_by_their_shards_own_times(
     assert kernel_runs >= 10
     assert got[1] - got[0] == pytest.approx(split_runs * 1e-3, rel=1e-6)
     assert got[2] == pytest.approx(got[1], rel=1e-9)
-    assert got[3] - got[2] == pytest.approx(0.5 * kernel_runs * 1e-3, rel=1e-6)
+    kernels = sum((a + b) * share[r.name] for r in regions for a, b in r.kernels.values())
+    assert 0.5 * kernel_runs < kernels < kernel_runs
+    assert got[3] - got[2] == pytest.approx(kernels * 1e-3, rel=1e-6)
     assert got[4] == pytest.approx(got[3], rel=1e-9)
 
 

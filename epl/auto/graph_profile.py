@@ -351,8 +351,9 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
         for var_op, _ in var_inputs:
             if var_op is not None and op.type not in _PASS:
                 var_regions.setdefault(var_op.name, set()).add(region_of[op.name])
-        in_split = any(t.name in split for t in op.inputs
-                       if t.op.name in batch_ops and region_of.get(t.op.name) == region_of[op.name])
+        # (across blocks too: EPL alternates a split scope's dense layers, so a block
+        # that ends column-parallel hands its next one a sharded input, docs/split.md)
+        in_split = any(t.name in split for t in op.inputs if t.op.name in batch_ops)
         weight = any(v is not None for v, _ in var_inputs)
         out_split = in_split
         if op.type in _MATMULS:
