@@ -159,6 +159,18 @@ def test_tensor_parallelism_prices_the_split_products_by_their_shards_own_times(
     assert got[4] == pytest.approx(got[3], rel=1e-9)
 
 
+def test_convolutions_stay_whole_under_tensor_parallelism():
+    """EPL's split runs a convolution unsplit on the split's first device (docs/split.md:
+    "anything else"), so the profile shards neither its FLOPs nor its filter: only the
+    dense head after it is split (column-parallel: its classes)."""
+    prof = graph_profile.profile(_conv_model, auto_models.dataset, auto_models.optimizer)
+    conv = prof.blocks[0]
+    assert conv.flops > 0 and conv.flops_split == 0 and conv.params_split == 0
+    assert not conv.shards and conv.pointwise_split == 0
+    head = prof.post
+    assert head.flops_split == head.flops > 0 and head.params_split == 3 * 4 * 8 * 4
+
+
 def test_a_shard_is_its_products_shape_divided_where_megatron_splits_it():
     """The shards of the corpus GPT-style block (``epl.auto.shards``), t = 2: the
     column-parallel products (QKV, the first MLP layer) keep their inputs' rows and

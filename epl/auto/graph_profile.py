@@ -30,6 +30,7 @@ v1 = tf.compat.v1
 BLOCK_PATTERN = r"(?:^|/)(?:layer|layers|block|blocks|h|transformer_block|decoder_layer|" \
                 r"encoder_layer)_?(\d+)(?:/|$)"
 _MATMULS = shapes.MATMULS
+_UNSPLIT = ("Conv2D",)      # products EPL's split does not shard (docs/split.md)
 _VARIABLES = ("VariableV2", "VarHandleOp", "Variable")
 _PASS = ("Identity", "ReadVariableOp", "Cast", "Enter", "Reshape", "Transpose")
 _VIEWS = ("Reshape", "Identity", "Squeeze", "ExpandDims", "StridedSlice", "Slice",
@@ -338,6 +339,7 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
                                           region_of.get(t.op.name, fallback))
                 consumers.setdefault(t.name, set()).add(where)
     split = set()                 # tensor names sharded under tensor parallelism
+    unsplit_vars = set()          # variables of products EPL's split keeps whole
     split_products = {}           # forward op name -> (op, shards.forward_axes or None)
     heads = None
     var_regions = {}
@@ -366,7 +368,10 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
                 reg.untimed_flops += flops
             else:
                 reg.products.setdefault(sig, [0, 0])[0] += 1
-            if weight:
+            if op.type in _UNSPLIT:     # EPL's split runs it whole, on the first device
+                out_split = weight = in_split = False
+                unsplit_vars.update(v.name for v, _ in var_inputs if v is not None)
+            elif weight:
                 out_split = not in_split
                 if in_split:
                     reg.allreduce_bytes.append(shapes.nbytes(op.outputs[0], rows) / float(rows))
@@ -435,7 +440,7 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
         for w in where:
             regions[w].params += n
             regions[w].variables.append(name)
-            if len(v.shape.as_list()) >= 2:
+            if len(v.shape.as_list()) >= 2 and name not in unsplit_vars:
                 regions[w].params_split += n
     blocks = [regions[k] for k in block_ids]
     prof = Profile(rows, regions["pre"], blocks, regions["post"], 0.0, heads, 0.0)
