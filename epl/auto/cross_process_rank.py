@@ -58,8 +58,8 @@ def beside_compute(tf, np, native_ops, a, bucket):
     the seconds added).  The CPU transports' work is the cores' own (the copies, the
     reduction, the hand-offs between processes that each wait for a peer's thread to be
     scheduled), so unlike a network's it is not hidden by the compute beside it.
-    Measured (AMD EPYC, 2 cores, shm; ``BESIDE_BUCKETS`` chained buckets of 2 MiB): 4.0-4.1
-    ms added, 1.3-2.8 ms alone; the MLP's DP over 2 processes lost 7-10 ms a step to an
+    Measured (AMD EPYC, 2 cores, shm; ``BESIDE_BUCKETS`` chained buckets of 2 MiB): 3.2-4.1
+    ms added, 1.2-2.8 ms alone; the MLP's DP over 2 processes lost 7-10 ms a step to an
     all-reduce of 2.5 ms alone.  Medians: the contention is what is measured."""
     v1 = tf.compat.v1
     graph = tf.Graph()
@@ -72,8 +72,9 @@ def beside_compute(tf, np, native_ops, a, bucket):
         tag = [0]
 
         def sync(tensors):
-            """A 4-byte all-reduce of an element of each of ``tensors`` (data, not control
-            edges: Grappler keeps those): the ranks' runs start and end together."""
+            """A 4-byte all-reduce of an element of each of ``tensors``: the ranks' runs
+            start and end together.  (Data edges: a control edge into a constant did
+            not hold, the chain before it did not run.)"""
             tag[0] += 1
             first = tf.add_n([tf.reshape(tf.slice(tf.reshape(t, [-1]), [0], [1]), [1])
                               for t in tensors])
