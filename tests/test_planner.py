@@ -216,6 +216,23 @@ def test_cli_plans_this_machine(tmp_path, monkeypatch, capsys):
     assert len(planned) == 3
 
 
+def test_each_candidate_says_what_the_program_must_do_that_no_config_key_does(small):
+    """``requires``: tensor parallelism is the model's own ``epl.split`` blocks, and a
+    micro-batch other than the dataset's batch means batching the dataset anew (each of
+    EPL's micro-batches pulls one batch); in the JSON too."""
+    model, prof = small
+    report = plan(None, None, None, Cluster.preset("a100-80gb"), 64, profile=prof)
+    assert {c.layout.t for c in report.candidates} > {1}
+    assert len({c.layout.micro_batch_size for c in report.candidates}) > 1
+    for c in report.candidates:
+        lay = c.prediction.layout
+        assert any("epl.split(%d)" % lay.t in r for r in c.requires) == (lay.t > 1)
+        assert any("batched by %d rows" % lay.micro_batch_size in r for r in c.requires) \
+            == (lay.micro_batch_size != prof.rows)
+    assert json.loads(report.to_json())["candidates"][0]["requires"] == \
+        report.candidates[0].requires
+
+
 def test_plans_for_epls_runtime_keep_the_datasets_batch_as_the_micro_batch(small):
     """On a cluster that runs EPL's own runtime (``Cluster.local``) each micro-batch is a
     batch of the dataset (and the kernels are timed at its rows): ``plan`` enumerates

@@ -31,18 +31,29 @@ def _smallest_factor(n):
 
 class Candidate(object):
     """A ranked layout: ``strategy`` (the list ``accelerate(load_strategy=...)``
-    reads), ``config`` (EPL config keys), ``prediction``."""
+    reads), ``config`` (EPL config keys), ``prediction``, and ``requires``: what the
+    user's program must do that no config key does (``rows``: the dataset's batch)."""
 
-    def __init__(self, layout, prediction, devices_per_node):
+    def __init__(self, layout, prediction, devices_per_node, rows=None):
         self.layout = layout
         self.prediction = prediction
         self.strategy = prediction.layout.to_strategy()
         self.config = prediction.layout.to_config(devices_per_node)
+        lay = prediction.layout
+        self.requires = []
+        if lay.t > 1:
+            self.requires.append("the model's blocks built under epl.split(%d) "
+                                 "(docs/split.md): EPL does not split a model itself" % lay.t)
+        if rows and lay.micro_batch_size and lay.micro_batch_size != rows:
+            self.requires.append("the dataset batched by %d rows, not %d: each of EPL's "
+                                 "micro-batches is one batch of it"
+                                 % (lay.micro_batch_size, rows))
 
     def to_dict(self):
         pred = self.prediction.to_dict()
         pred["breakdown"] = {k: v for k, v in pred["breakdown"].items() if k != "stages"}
-        return dict(strategy=self.strategy, config=self.config, prediction=pred)
+        return dict(strategy=self.strategy, config=self.config, prediction=pred,
+                    requires=self.requires)
 
 
 class PlanReport(object):
@@ -154,7 +165,7 @@ def plan(model_fn, dataset_fn, optimizer_fn, cluster, global_batch, layers=None,
             pred = price(prof, lay, cluster, global_batch)
         except ValueError:          # more stages than EPL's automatic cut can make
             continue
-        cand = Candidate(lay, pred, cluster.devices_per_node)
+        cand = Candidate(lay, pred, cluster.devices_per_node, prof.rows)
         (feasible if pred.peak_memory_bytes <= limit else infeasible).append(cand)
     feasible = rank(feasible, lambda c: c.prediction.samples_per_s,
                     lambda c: (c.layout.p, c.layout.t), cluster.tie,

@@ -109,6 +109,8 @@ def main(argv=None):
     print(report.table(args.top))
     if report.best is not None:
         print("best strategy: %s" % (report.best.strategy,))
+        for need in report.best.requires:
+            print("  it needs %s" % need)
     if args.json:
         report.to_json(args.json)
         print("wrote %s" % args.json)
