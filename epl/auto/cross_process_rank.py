@@ -3,9 +3,8 @@ starts one process per rank: ``python -m epl.auto.cross_process_rank``): EPL's C
 all-reduce between the processes of this machine, timed alone per size and beside
 compute (``beside_compute``)."""
 import json
-import time
 
-from epl.auto.local import TRANSPORTS, cpu_session, fastest_run
+from epl.auto.local import TRANSPORTS, cpu_session, fastest_run, timed_runs
 from epl.core import host_heap
 
 BESIDE_BUCKETS = 4         # the buckets of the all-reduce timed beside compute (chained)
@@ -125,13 +124,8 @@ def beside_compute(tf, np, native_ops, a, bucket):
 
 def _median_timed(sess, fetch, repeats):
     """The median of ``repeats`` runs (at least 9) after a warm-up."""
-    sess.run(fetch)
-    out = []
-    for _ in range(max(9, repeats)):
-        start = time.perf_counter()
-        sess.run(fetch)
-        out.append(time.perf_counter() - start)
-    return sorted(out)[len(out) // 2]
+    runs = timed_runs(sess, fetch, max(9, repeats))
+    return runs[len(runs) // 2]
 
 
 if __name__ == "__main__":

@@ -70,17 +70,22 @@ def cache_path():
                                                         tf.__version__))
 
 
-def fastest_run(sess, fetch, repeats):
-    """The fastest of ``repeats`` runs after a warm-up: other work on shared cores only
-    ever slows a run down, so the fastest is the machine's own figure (a median moved
-    2-3x between calibrations here)."""
+def timed_runs(sess, fetch, repeats):
+    """The seconds of ``repeats`` runs of ``fetch`` after a warm-up, sorted."""
     sess.run(fetch)                      # warm-up
     out = []
     for _ in range(repeats):
         start = time.perf_counter()
         sess.run(fetch)
         out.append(time.perf_counter() - start)
-    return min(out)
+    return sorted(out)
+
+
+def fastest_run(sess, fetch, repeats):
+    """The fastest of ``repeats`` runs after a warm-up: other work on shared cores only
+    ever slows a run down, so the fastest is the machine's own figure (a median moved
+    2-3x between calibrations here)."""
+    return timed_runs(sess, fetch, repeats)[0]
 
 
 def cpu_session(tf, graph, devices):
