@@ -21,7 +21,8 @@ Predicted: ``benchmarks.plan_accuracy.predict_case`` (``price`` of ``data_parall
 P devices, the global batch rows x P) on ``Cluster.from_local(figures, 1, processes=P,
 latency_s=...)``: P nodes of 1 device sharing the cores, the inter-node link EPL's
 cross-process all-reduce as calibrated (``epl.auto.local.measure_cross_process``: shm
-for worker processes, tcp for hosts; the step pays it at its bandwidth beside compute,
+for worker processes, tcp for hosts; with as many ranks as processes where they
+outnumber the cores, ``local.crowded_ranks``; the step pays it at its bandwidth beside compute,
 ``beside``, where the transport's work takes the cores from the backward pass: the
 "in step" column).  A control row first: "DP 2 in-process", plan_accuracy's
 "DP 2" (2 virtual devices of one process, ``epl.auto.search.measure``) measured and
@@ -233,15 +234,22 @@ def cluster_of(figures, processes, latency_ms):
     return out
 
 
-def _calibrate(fresh):
-    """The calibration with both cross-process transports (measured now when ``fresh``:
-    the load of the cores now; else the cache's, measured where it lacks them)."""
+def _calibrate(fresh, cases=CASES):
+    """The calibration with the cross-process figures ``cases`` price (shm for worker
+    processes, tcp for hosts, each at ``local.crowded_ranks`` ranks): measured now when
+    ``fresh`` (the load of the cores now), else the cache's, measured where it lacks
+    them."""
     from epl.auto import local
-    if not fresh:
-        return local.calibration(transports=local.TRANSPORTS)
-    figures = local.measure()
-    for transport in local.TRANSPORTS:
-        figures = local.cross_process(figures, transport)
+    figures = local.measure() if fresh else local.calibration()
+    for _, processes, latency_ms in cases:
+        if processes is None:
+            continue
+        transport = "shm" if latency_ms is None else "tcp"
+        if fresh:
+            figures = local.cross_process(figures, transport, ranks=local.crowded_ranks(
+                processes, figures.get("cores")))
+        else:
+            figures = local.calibration(transports=(transport,), processes=processes)
     return figures
 
 
@@ -364,7 +372,8 @@ def main(argv=None):
         fns = MODELS[name]
         profile = graph_profile.profile(*fns)
         if figures is None or args.calibrate_each_model:
-            figures = _calibrate(args.calibrate_each_model)
+            figures = _calibrate(args.calibrate_each_model,
+                                 [c for c in CASES if c[0] in wanted])
         retime = not args.cached_kernels and args.rounds > 1
         if retime:          # this model's kernels, from none
             os.environ["EPL_CACHE_DIR"] = tempfile.mkdtemp(prefix="epl-plan-round1-")
@@ -400,13 +409,13 @@ def main(argv=None):
                 if args.json:
                     _write(args.json, rows)
     xp = figures or {}
-    for t in ("shm", "tcp"):
-        if "xproc_" + t in xp:
-            beside = (xp["xproc_" + t].get("beside") or {}).get("bandwidth")
-            print("cross-process all-reduce (%s): %.3g GB/s, %.3g ms per ring step; beside "
-                  "compute: %s" % (t, xp["xproc_" + t]["bandwidth"] / 1e9,
-                                   1e3 * xp["xproc_" + t]["latency_s"],
-                                   "%.3g GB/s" % (beside / 1e9) if beside else "hidden"))
+    for key in sorted(k for k in xp if k.startswith("xproc_")):
+        beside = (xp[key].get("beside") or {}).get("bandwidth")
+        print("cross-process all-reduce (%s, %d ranks): %.3g GB/s, %.3g ms per ring step; "
+              "beside compute: %s" % (key[len("xproc_"):].split("_")[0],
+                                      xp[key].get("ranks", 2), xp[key]["bandwidth"] / 1e9,
+                                      1e3 * xp[key]["latency_s"],
+                                      "%.3g GB/s" % (beside / 1e9) if beside else "hidden"))
     if "allreduce_bandwidth" in xp:
         print("in-process all-reduce:            %.3g GB/s, %.3g ms per ring step"
               % (xp["allreduce_bandwidth"] / 1e9, 1e3 * xp["allreduce_latency_s"]))

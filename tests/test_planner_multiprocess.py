@@ -36,7 +36,7 @@ def cache(tmp_path, monkeypatch):
 
 
 def test_processes_are_nodes_linked_by_the_cross_process_all_reduce():
-    three = Cluster.from_local(FIGURES, 1, processes=3)
+    three = Cluster.from_local(dict(FIGURES, cores=4), 1, processes=3)
     assert (three.nodes, three.devices_per_node, three.num_devices) == (3, 1, 3)
     assert three.inter.bandwidth == SHM["bandwidth"] and three.inter.latency == SHM["latency_s"]
     assert three.nic_bandwidth_per_device() == SHM["bandwidth"]
@@ -54,6 +54,24 @@ def test_processes_are_nodes_linked_by_the_cross_process_all_reduce():
     back = Cluster.from_dict(json.loads(three.to_json()))
     assert back.nodes == 3 and back.inter.bandwidth == SHM["bandwidth"]
     assert back.inter.kind == "epl-shm-crossprocess"
+
+
+def test_processes_crowding_the_cores_use_figures_measured_with_as_many_ranks():
+    # 3 processes on 2 cores: a rank waits on peers the OS has not scheduled
+    assert [local.crowded_ranks(p, 2) for p in (1, 2, 3, 5)] == [2, 2, 3, 5]
+    assert [local.crowded_ranks(p, 4) for p in (2, 3, 4, 5)] == [2, 2, 2, 5]
+    assert local.xproc_key("shm") == "xproc_shm"
+    assert local.xproc_key("tcp", 3) == "xproc_tcp_ranks3"
+    crowded = dict(SHM, bandwidth=1e8, latency_s=9e-4, ranks=3, beside={"bandwidth": 5e7})
+    with pytest.raises(ValueError, match=r"xproc_shm_ranks3.*3 processes.*ranks=3"):
+        Cluster.from_local(FIGURES, 1, processes=3)
+    three = Cluster.from_local(dict(FIGURES, xproc_shm_ranks3=crowded), 1, processes=3)
+    assert (three.inter.bandwidth, three.inter.latency) == (1e8, 9e-4)
+    assert three.inter.beside_bandwidth == 5e7
+    # on 4 cores the 3 processes each have one: the 2-rank figures
+    roomy = Cluster.from_local(dict(FIGURES, cores=4), 1, processes=3)
+    assert roomy.inter.bandwidth == SHM["bandwidth"]
+    assert Cluster.from_local(FIGURES, 1, processes=2).inter.bandwidth == SHM["bandwidth"]
 
 
 def test_namespace_hosts_use_the_tcp_figures_and_the_added_latency():
@@ -81,8 +99,9 @@ def test_dp_across_processes_prices_the_cross_node_all_reduce():
     prof = graph_profile.profile(auto_models.model, auto_models.dataset,
                                  auto_models.optimizer)
     lay = Layout(d=3)
-    procs = price(prof, lay, Cluster.from_local(FIGURES, 1, processes=3))
-    inproc = price(prof, lay, Cluster.from_local(FIGURES, 3))
+    figures = dict(FIGURES, xproc_shm_ranks3=SHM)     # (3 processes crowd the 2 cores)
+    procs = price(prof, lay, Cluster.from_local(figures, 1, processes=3))
+    inproc = price(prof, lay, Cluster.from_local(figures, 3))
     grads = procs.breakdown["stages"][0]["gradients"]
     assert grads == inproc.breakdown["stages"][0]["gradients"] > 0
     # across 3 nodes of 1 device: a ring over the cross-process link, nothing within;
@@ -95,7 +114,7 @@ def test_dp_across_processes_prices_the_cross_node_all_reduce():
     assert procs.breakdown["dp_allreduce_s"] == pytest.approx(want)
     assert procs.breakdown["dp_allreduce_s"] > inproc.breakdown["dp_allreduce_s"] > 0
     # (in one process: EPL's rendezvous, one latency per collective)
-    rendezvous = Cluster.from_local(FIGURES, 3).intra
+    rendezvous = Cluster.from_local(figures, 3).intra
     assert rendezvous.algorithm == "rendezvous"
     assert procs.breakdown["dp_allreduce_s"] - inproc.breakdown["dp_allreduce_s"] == \
         pytest.approx(want - link_allreduce_s(grads, 3, rendezvous, chained))
@@ -157,9 +176,9 @@ def test_an_all_reduce_beside_compute_on_shared_cores_is_not_hidden():
 def test_cross_process_figures_are_measured_once_into_an_old_cache(cache, monkeypatch):
     calls = []
 
-    def fake(transport="shm", **_):
-        calls.append(transport)
-        return dict(SHM if transport == "shm" else TCP)
+    def fake(transport="shm", ranks=2, **_):
+        calls.append(transport if ranks == 2 else (transport, ranks))
+        return dict(SHM if transport == "shm" else TCP, ranks=ranks)
     monkeypatch.setattr(local, "measure_cross_process", fake)
     assert Cluster.local(2).nodes == 1 and calls == []            # the old cache loads
     two = Cluster.local(1, processes=2)
@@ -167,16 +186,20 @@ def test_cross_process_figures_are_measured_once_into_an_old_cache(cache, monkey
     saved = json.load(open(cache))
     assert saved["xproc_shm"]["bandwidth"] == SHM["bandwidth"]
     assert saved["matmul_flops"] == FAKE["matmul_flops"]          # the rest kept
-    Cluster.local(1, processes=3)
+    Cluster.local(1, processes=2)
     assert calls == ["shm"]                                       # cached now
+    Cluster.local(1, processes=3)          # more processes than the cache's 2 cores
+    assert calls == ["shm", ("shm", 3)]
+    assert json.load(open(cache))["xproc_shm_ranks3"]["ranks"] == 3
+    Cluster.local(1, processes=3)
     Cluster.local(1, processes=2, latency_s=0.005)
-    assert calls == ["shm", "tcp"]
+    assert calls == ["shm", ("shm", 3), "tcp"]
     # figures of an earlier stop, without the all-reduce beside compute: measured again
     saved = json.load(open(cache))
     del saved["xproc_shm"]["beside"]
     local.save_cache(saved, cache)
     assert Cluster.local(1, processes=2).inter.beside_bandwidth == SHM["beside"]["bandwidth"]
-    assert calls == ["shm", "tcp", "shm"]
+    assert calls == ["shm", ("shm", 3), "tcp", "shm"]
     assert json.load(open(cache))["xproc_shm"]["beside"] == SHM["beside"]
 
 
@@ -191,6 +214,14 @@ def test_a_tiny_cross_process_calibration_measures_both_transports():
         assert beside["together_s"] == pytest.approx(beside["compute_s"] + beside["added_s"])
         if beside["bandwidth"] is not None:
             assert beside["bandwidth"] == pytest.approx(beside["bytes"] / beside["added_s"])
+
+
+def test_a_tiny_three_rank_calibration():
+    with pytest.raises(ValueError, match=">= 2 ranks"):
+        local.measure_cross_process("shm", ranks=1)
+    got = local.measure_cross_process("shm", repeats=2, quick=True, timeout=120, ranks=3)
+    assert got["ranks"] == 3 and got["bandwidth"] > 0 and got["latency_s"] >= 0, got
+    assert got["beside"]["allreduce_s"] > 0 and got["beside"]["compute_s"] > 0
 
 
 def test_measure_multiprocess_runs_dp_on_two_worker_processes():

@@ -236,15 +236,36 @@ def _fit(times, ranks):
     return bandwidth, latency
 
 
-def measure_cross_process(transport="shm", repeats=5, quick=False, timeout=180):
-    """EPL's all-reduce between 2 processes of this machine over ``transport`` ("shm":
-    worker processes of one host; "tcp": EPL's TCP ring, as between hosts): {"bandwidth",
-    "latency_s" (per ring step), "seconds" by bytes, "ranks"}.  Two fresh processes, a
-    few seconds."""
+def crowded_ranks(processes, cores):
+    """How many ranks the cross-process figures of ``processes`` worker processes of
+    this machine are measured with: 2 (a link between two, which a ring of more takes
+    step by step), unless the processes outnumber the ``cores``: then a rank waits on
+    peers the OS has not scheduled, which two ranks on two cores never do (measured on
+    2 cores, shm: 3 ranks 1.5-1.7 GB/s alone and 1.2-1.3 beside compute, 2 ranks 11-17
+    and 2.4; the MLP's DP over 3 worker processes spent 22 ms a step in its all-reduce,
+    priced at 5-9 from the 2-rank figures), so they are measured with that many."""
+    processes = int(processes or 1)
+    return processes if processes > max(1, int(cores or 1)) else 2
+
+
+def xproc_key(transport, ranks=2):
+    """The calibration's key of the cross-process figures of ``transport`` measured
+    with ``ranks`` ranks (``crowded_ranks``): ``xproc_shm``, ``xproc_tcp`` for 2."""
+    return "xproc_%s%s" % (transport, "" if int(ranks) == 2 else "_ranks%d" % int(ranks))
+
+
+def measure_cross_process(transport="shm", repeats=5, quick=False, timeout=180, ranks=2):
+    """EPL's all-reduce between ``ranks`` processes of this machine over ``transport``
+    ("shm": worker processes of one host; "tcp": EPL's TCP ring, as between hosts):
+    {"bandwidth", "latency_s" (per ring step), "seconds" by bytes, "ranks", "beside"}.
+    Fresh processes, a few seconds."""
     if transport not in TRANSPORTS:
         raise ValueError("epl.auto.local: transport %r; use one of %s" % (transport, TRANSPORTS))
+    ranks = int(ranks)
+    if ranks < 2:
+        raise ValueError("epl.auto.local: a cross-process all-reduce needs >= 2 ranks, got %d"
+                         % ranks)
     sizes = (1 << 14, 1 << 20) if quick else (1 << 16, 8 << 20)
-    ranks = 2
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     job = uuid.uuid4().hex[:12]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", EPL_RUN_ID=job,
@@ -298,20 +319,22 @@ def measure_cross_process(transport="shm", repeats=5, quick=False, timeout=180):
             "measured_at": time.time()}
 
 
-def cross_process(figures, transport="shm", quick=False):
-    """``figures`` with ``xproc_<transport>`` (measured now if it lacks it): a new dict."""
-    key = "xproc_" + transport
+def cross_process(figures, transport="shm", quick=False, ranks=2):
+    """``figures`` with the cross-process figures of ``transport`` at ``ranks`` ranks
+    (``xproc_key``; measured now if it lacks them): a new dict."""
+    key = xproc_key(transport, ranks)
     out = dict(figures)
     if key not in out:
-        out[key] = measure_cross_process(transport, quick=quick)
+        out[key] = measure_cross_process(transport, quick=quick, ranks=ranks)
     return out
 
 
-def calibration(recalibrate=False, path=None, quick=False, transports=()):
+def calibration(recalibrate=False, path=None, quick=False, transports=(), processes=2):
     """The cached figures of this machine (measured on the first call, or when asked
     again: ``recalibrate`` / ``EPL_RECALIBRATE=1``).  ``transports``: also the
-    cross-process figures of these (``xproc_shm``, ``xproc_tcp``), measured when the
-    cache lacks them and added to it."""
+    cross-process figures of these for ``processes`` worker processes (``xproc_shm``,
+    ``xproc_tcp``; ``xproc_key`` at ``crowded_ranks``), measured when the cache lacks
+    them and added to it."""
     path = path or cache_path()
     got = None
     if not recalibrate and os.environ.get("EPL_RECALIBRATE", "") not in ("1", "true"):
@@ -325,10 +348,12 @@ def calibration(recalibrate=False, path=None, quick=False, transports=()):
     changed = got is None
     if got is None:
         got = measure(quick=quick)
+    ranks = crowded_ranks(processes, got.get("cores"))
     for transport in transports:
-        if "beside" not in got.get("xproc_" + transport, {}):
-            got = cross_process(dict((k, v) for k, v in got.items()
-                                     if k != "xproc_" + transport), transport, quick=quick)
+        key = xproc_key(transport, ranks)
+        if "beside" not in got.get(key, {}):
+            got = cross_process(dict((k, v) for k, v in got.items() if k != key), transport,
+                                quick=quick, ranks=ranks)
             changed = True
     if changed:
         save_cache(got, path)
@@ -357,8 +382,9 @@ def cluster_dict(figures, devices, memory_bytes=None, processes=1, latency_s=Non
     ``processes`` P > 1: P worker processes of this machine with ``devices`` each (a
     multi-worker job here, or P network-namespace hosts): P nodes of ``devices``, all
     P x devices sharing the cores (N = P x devices above); the ``inter`` link is EPL's
-    cross-process all-reduce as calibrated (``figures["xproc_<transport>"]``, see
-    ``cross_process``): ``transport`` "shm" (default; worker processes of one host) or
+    cross-process all-reduce as calibrated (``figures[xproc_key(transport, ranks)]``,
+    ranks: ``crowded_ranks``; see ``cross_process``): ``transport`` "shm" (default;
+    worker processes of one host) or
     "tcp" (default when ``latency_s`` is given: hosts).  ``latency_s``: a one-way latency
     added between the processes (namespace hosts with a delay), priced as
     ``LATENCY_TRIPS_PER_RING_STEP`` trips per ring step."""
@@ -376,13 +402,14 @@ def cluster_dict(figures, devices, memory_bytes=None, processes=1, latency_s=Non
     inter = dict(link, kind="tcp-loopback", nics_per_node=1)
     if processes > 1 or latency_s:
         transport = transport or ("tcp" if latency_s else "shm")
-        key = "xproc_" + transport
+        ranks = crowded_ranks(processes, figures.get("cores"))
+        key = xproc_key(transport, ranks)
         if key not in figures:
             raise ValueError(
                 "epl.auto.local: the calibration figures lack %r (EPL's all-reduce between "
-                "processes over %s): get them with epl.auto.local.cross_process(figures, %r) "
-                "or Cluster.local(devices, processes=%d)" % (key, transport, transport,
-                                                            processes))
+                "%s processes over %s): get them with epl.auto.local.cross_process(figures, "
+                "%r, ranks=%d) or Cluster.local(devices, processes=%d)"
+                % (key, ranks, transport, transport, ranks, processes))
         xp = figures[key]
         inter = dict(bandwidth=xp["bandwidth"], nics_per_node=1,
                      latency=xp["latency_s"] + LATENCY_TRIPS_PER_RING_STEP * float(

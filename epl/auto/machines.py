@@ -231,7 +231,8 @@ class Cluster(object):
         transports = ()
         if int(processes or 1) > 1 or latency_s:
             transports = (transport or ("tcp" if latency_s else "shm"),)
-        out = cls.from_local(local.calibration(recalibrate, path, transports=transports),
+        out = cls.from_local(local.calibration(recalibrate, path, transports=transports,
+                                               processes=processes),
                              devices, memory_bytes, processes, latency_s, transport)
         out.time_products = bool(products)
         return out
