@@ -9,7 +9,9 @@ during a traced step (the variables it holds + the step's peak there,
 cached calibration of ``Cluster.local`` (measured first if there is none).  The planner's
 pick: for each model and device count N, the layout ``predict`` ranks first among the
 model's layouts on N devices (as ``plan`` ranks a cluster of N), against the measured
-fastest of them (a hit when within 5% of it); also over all of a model's layouts.
+fastest of them (a hit when within 5% of it); a miss is measured again as a pair, the
+two layouts alternating (``--side-by-side``, ``side_by_side``), and judged by that run,
+both verdicts printed; also over all of a model's layouts.
 
 The machine has 2 cores shared with other users: timings are noisy; a case's step is
 the median of its steps, measured ``--rounds`` times round-robin over a model's cases
@@ -33,7 +35,7 @@ cannot run (no head, no split variant) is skipped with a line.
 
     python benchmarks/plan_accuracy.py [--quick] [--models mlp,gpt,convnet,widehead,resnet]
         [--layouts "DP 2,PP 4 x m8 gpipe"]  (default: DEFAULT_MODELS x DEFAULT; all: LAYOUTS)
-        [--rounds 2] [--steps 5] [--json benchmarks/results/plan_accuracy.json]
+        [--rounds 2] [--steps 5] [--side-by-side 3] [--json benchmarks/results/plan_accuracy.json]
         [--recalibrate] [--reprice old.json]
 """
 import argparse
@@ -420,6 +422,10 @@ def main(argv=None):
                     "(default: time each model's kernels in this run, under the load "
                     "of its runs, once per round: common.fresh_kernel_timings, "
                     "fastest_kernels)")
+    ap.add_argument("--side-by-side", type=int, default=3, metavar="ROUNDS",
+                    help="measure each pick that missed again, the plan's first and the "
+                    "measured fastest alternating this many rounds each, and judge the "
+                    "pick by that pair (0: by the rows alone)")
     from epl.auto import dataflow
     ap.add_argument("--wake-up", choices=dataflow.WAKES, default=None,
                     help="how the replay pays a kernel's wake-up (Cluster.wake_up; "
@@ -447,7 +453,7 @@ def main(argv=None):
             ", ".join(unknown), ", ".join(MODELS), ", ".join(labels)))
     from epl.auto import local
     calib = Cluster.local(1, recalibrate=args.recalibrate).calibration
-    rows_out = []
+    rows_out, pairs = [], {}
     print(HEAD, flush=True)
     for name in names:
         need = missing_package(name)
@@ -497,7 +503,12 @@ def main(argv=None):
                 print(_line(row), flush=True)
                 if args.json:
                     _write(args.json, calib, rows_out, None)
-    summary = summarize(rows_out)
+        if args.side_by_side > 0:
+            runs = dict((id(row), run_fns) for row, run_fns in cases)
+            pairs.update(side_by_side([row for row, _ in cases], lambda row: search.measure(
+                runs[id(row)], row["run_strategy"], row["devices"], args.steps, 600),
+                args.side_by_side))
+    summary = summarize(rows_out, pairs)
     print()
     print(table(rows_out))
     print()
@@ -544,7 +555,7 @@ def reprice(path, out):
             r.setdefault("step_s_rounds", [r["step_s"]])
             r.setdefault("rows_per_step", r.get("pred_global_batch"))
             _settle(r)
-    summary = summarize(old["rows"])
+    summary = summarize(old["rows"], (old.get("summary") or {}).get("picks_side_by_side"))
     print(table(old["rows"]))
     print()
     for line in summary["lines"]:
@@ -613,23 +624,75 @@ def pick(rows):
                 by_rate_alone_gap_pct=gap_alone)
 
 
-def _pick_line(label, got):
-    return "%-16s plan's first: %-20s measured fastest: %-20s (%.1f%% slower: %s)%s" % (
+def _picks_of(rows):
+    """{"<model> on <N> devices": (its rows, ``pick``)} for each model and N with two or
+    more rows measured and priced."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    out = {}
+    for model in sorted(set(r["model"] for r in ok)):
+        for n in sorted(set(r["devices"] for r in ok if r["model"] == model)):
+            same = [r for r in ok if r["model"] == model and r["devices"] == n]
+            if len(same) > 1:
+                out["%s on %d devices" % (model, n)] = (same, pick(same))
+    return out
+
+
+def side_by_side(rows, measure, rounds):
+    """Each pick that missed (``summarize``: the plan's first more than 5 % slower than
+    the measured fastest) measured again as a pair, alternating the two layouts
+    ``rounds`` times (A B A B ...), each keeping its fastest; {key: the pair's verdict}.
+
+    The rows' steps are each the fastest of rounds measured minutes apart, and the
+    hour's load moves a step by up to 25 % on these shared cores (stop 64: the same
+    predictions picked 12 of 12 in one run and 8 of 12 in the next); two layouts
+    measured in turn see the same load.  ``measure(row)`` -> (status, figures).  The
+    rows' own steps (and so the error table) are left as measured."""
+    out = {}
+    for key, (same, got) in _picks_of(rows).items():
+        if got["hit"]:
+            continue
+        pair = [next(r for r in same if r["layout"] == got[k])
+                for k in ("predicted_best", "measured_best")]
+        steps = [[], []]
+        for _ in range(rounds):
+            for r, mine in zip(pair, steps):
+                status, figures = measure(r)
+                if status == "ok":
+                    mine.append(figures["step_s"])
+        if not all(steps):
+            continue
+        rates = [r["samples_per_s"] * r["step_s"] / min(mine) for r, mine in zip(pair, steps)]
+        gap = 100.0 * (1 - rates[0] / max(rates))
+        out[key] = dict(layouts=[r["layout"] for r in pair], step_s_rounds=steps,
+                        gap_pct=gap, hit=gap <= 5.0)
+        print("  side by side, %d rounds each: %s %s %.2f ms, %s %.2f ms (%.1f%% slower: %s)"
+              % (rounds, key, pair[0]["layout"], 1e3 * min(steps[0]), pair[1]["layout"],
+                 1e3 * min(steps[1]), gap, "hit" if gap <= 5.0 else "miss"), flush=True)
+    return out
+
+
+def _pick_line(label, got, pair=None):
+    return "%-16s plan's first: %-20s measured fastest: %-20s (%.1f%% slower: %s)%s%s" % (
         label, got["predicted_best"], got["measured_best"], got["gap_pct"],
         "hit" if got["hit"] else "miss",
         "" if got["by_rate_alone"] == got["predicted_best"] else
         "; by samples/s alone: %s (%.1f%%)" % (got["by_rate_alone"],
-                                                got["by_rate_alone_gap_pct"]))
+                                                got["by_rate_alone_gap_pct"]),
+        "" if pair is None else "; side by side, %d rounds each: %.1f%% slower: %s" % (
+            len(pair["step_s_rounds"][0]), pair["gap_pct"], "hit" if pair["hit"] else "miss"))
 
 
-def summarize(rows):
+def summarize(rows, pairs=None):
     """Errors and picks over the rows measured and priced (``ok``; unpriced rows and
     failures are left out).  The picks the target reads (``picks``) are ``plan``'s
     question: for a model on a cluster of N devices, which of the layouts on N devices
     is fastest (``plan`` ranks only layouts that use the cluster's devices), one pick
-    per model and N with two or more rows.  ``picks_across_sizes`` ranks all of a
-    model's rows together (1, 2 and 4 devices; a question ``plan`` does not answer: the
-    rows' samples/s on different clusters), as stops 45-57 reported it."""
+    per model and N with two or more rows; a miss that ``side_by_side`` measured again
+    (``pairs``) is judged by that pair's run, both printed.  ``picks_across_sizes``
+    ranks all of a model's rows together (1, 2 and 4 devices; a question ``plan`` does
+    not answer: the rows' samples/s on different clusters), as stops 45-57 reported
+    it."""
+    pairs = pairs or {}
     ok = [r for r in rows if r["status"] == "ok"]
     out = {"lines": []}
     if not ok:
@@ -645,22 +708,23 @@ def summarize(rows):
     out["lines"].append("memory:    median |error| %.1f%%, worst %.1f%%; under-predicted by "
                         "> 10%%: %d of %d" % (out["memory_median_abs"],
                                                out["memory_worst_abs"], len(under), len(ok)))
-    picks, across = {}, {}
-    for model in sorted(set(r["model"] for r in ok)):
-        mine = [r for r in ok if r["model"] == model]
-        for n in sorted(set(r["devices"] for r in mine)):
-            same = [r for r in mine if r["devices"] == n]
-            if len(same) > 1:
-                picks["%s on %d devices" % (model, n)] = pick(same)
-        across[model] = pick(mine)
-    hits = sum(1 for got in picks.values() if got["hit"])
-    out["lines"].append("picks (plan on a cluster of N devices, its layouts on N): %d of %d"
-                        % (hits, len(picks)))
-    out["lines"].extend(_pick_line(key, got) for key, got in sorted(picks.items()))
+    picks = dict((key, got) for key, (_, got) in _picks_of(ok).items())
+    across = dict((model, pick([r for r in ok if r["model"] == model]))
+                  for model in sorted(set(r["model"] for r in ok)))
+    verdicts = [pairs[key]["hit"] if key in pairs else got["hit"]
+                for key, got in picks.items()]
+    out["lines"].append("picks (plan on a cluster of N devices, its layouts on N): %d of %d%s"
+                        % (sum(verdicts), len(picks), "" if not pairs else
+                           " (%d of them judged side by side; by the rows alone: %d)"
+                           % (len(pairs), sum(got["hit"] for got in picks.values()))))
+    out["lines"].extend(_pick_line(key, got, pairs.get(key))
+                        for key, got in sorted(picks.items()))
     out["lines"].append("across cluster sizes (all of a model's rows ranked together):")
     out["lines"].extend(_pick_line(key, got) for key, got in sorted(across.items()))
     out["picks_across_sizes"] = across
     out["picks"] = picks
+    out["picks_side_by_side"] = pairs
+    out["picks_hit"] = sum(verdicts)
     unpriced = [r for r in rows if r["status"] == "unpriced"]
     if unpriced:
         out["lines"].append("measured, not priced (left out above): %s" % ", ".join(

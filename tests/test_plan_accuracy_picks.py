@@ -60,3 +60,39 @@ def test_a_pick_within_5_percent_of_the_measured_fastest_is_a_hit():
     assert picks["gpt on 2 devices"]["hit"] and not picks["gpt on 4 devices"]["hit"]
     assert picks["gpt on 4 devices"]["gap_pct"] == pytest.approx(10.0, rel=1e-9)
 
+
+
+def test_a_missed_pick_is_measured_again_side_by_side_and_judged_by_that_pair():
+    """Stop 64: the ResNet's DP 2 + offload measured 5.2 % faster than DP 2 (the plan's
+    first), minutes apart.  The miss is measured again as a pair, alternating; the
+    pair's verdict decides, both are printed; a hit is not measured again, and the rows'
+    own steps (the error table) are left as they were."""
+    rows = [_row("DP 2", 2, ["data_parallel"], 90.0, 110.0),
+            _row("DP 2 + offload", 2, ["data_parallel", "offload"], 100.0, 90.0),
+            _row("DP 4", 4, ["data_parallel"], 100.0, 110.0),
+            _row("PP 4", 4, PP2, 99.0, 90.0)]
+    for r in rows:      # 10 rows a step
+        r["step_s"] = 10.0 / r["samples_per_s"]
+    calls = []
+    times = {"DP 2": [0.104, 0.1], "DP 2 + offload": [0.103, 0.102]}
+
+    def measure(row):
+        calls.append(row["layout"])
+        return "ok", {"step_s": times[row["layout"]].pop(0)}
+    pairs = plan_accuracy.side_by_side(rows, measure, 2)
+    assert calls == ["DP 2", "DP 2 + offload"] * 2          # alternating; DP 4: a hit
+    assert list(pairs) == ["gpt on 2 devices"]
+    got = pairs["gpt on 2 devices"]
+    assert got["layouts"] == ["DP 2", "DP 2 + offload"] and got["hit"]
+    assert got["step_s_rounds"] == [[0.104, 0.1], [0.103, 0.102]]
+    assert got["gap_pct"] == pytest.approx(0.0, abs=1e-9)     # DP 2's 0.100 is the faster
+    assert rows[0]["step_s"] == pytest.approx(10.0 / 90.0)   # the row as measured
+    summary = plan_accuracy.summarize(rows, pairs)
+    assert summary["picks_hit"] == 2 and not summary["picks"]["gpt on 2 devices"]["hit"]
+    assert ("picks (plan on a cluster of N devices, its layouts on N): 2 of 2 (1 of them "
+            "judged side by side; by the rows alone: 1)") in summary["lines"]
+    line = [x for x in summary["lines"] if x.startswith("gpt on 2 devices")][0]
+    assert "(10.0% slower: miss)" in line and "side by side, 2 rounds each: 0.0% slower: hit" \
+        in line
+    # a pair that failed to run leaves the pick to the rows
+    assert plan_accuracy.side_by_side(rows, lambda row: ("error", "boom"), 2) == {}
