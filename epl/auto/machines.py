@@ -224,7 +224,8 @@ class Cluster(object):
         short calibration run cached under ~/.cache/epl (``epl.auto.local``).
         ``processes`` P > 1: P worker processes (or namespace hosts) of ``devices``
         each, P nodes whose link is EPL's cross-process all-reduce as calibrated here
-        (measured the first time it is asked for); ``latency_s``: a one-way latency
+        (measured the first time it is asked for; with P ranks where the processes
+        outnumber the cores, ``local.crowded_ranks``); ``latency_s``: a one-way latency
         added between them (``local.cluster_dict``).  ``products``: price a model's
         products by timing each on this machine (``epl.auto.product_timing``, cached;
         seconds the first time a model is priced)."""
