@@ -378,6 +378,11 @@ def record_round(row, status, got, label, r, rounds):
     return True
 
 
+def _rows_per_step(row):
+    """The rows a step of the row's layout trains: as priced, else as its run said."""
+    return row.get("pred_global_batch") or row["rows_per_step"]
+
+
 def _settle(row):
     """status and errors of a row from its rounds: ``ok`` (measured and priced),
     ``unpriced`` (measured, not priced) or the measurement's failure."""
@@ -385,8 +390,7 @@ def _settle(row):
         row.pop(k, None)
     if row.get("step_s_rounds"):
         row["step_s"] = min(row["step_s_rounds"])      # noise only adds time
-        rows = row["pred_global_batch"] or row["rows_per_step"]
-        row["samples_per_s"] = rows / row["step_s"]
+        row["samples_per_s"] = _rows_per_step(row) / row["step_s"]
         if row["pred_step_s"] is None:
             row["status"], row["message"] = "unpriced", row["pricing"]
         else:
@@ -607,6 +611,9 @@ def _simplicity(row):
     return (stages[0] if stages else 1, tp_degree(row["strategy"]), row["devices"])
 
 
+HIT_PCT = 5.0       # a pick within this many % of the measured fastest is a hit
+
+
 def pick(rows):
     """The planner's pick among ``rows`` (measured and priced): the first as ``plan``
     ranks them on Cluster.local (predicted samples/s; ties within ``LOCAL_TIE``: the
@@ -620,7 +627,7 @@ def pick(rows):
     gap, gap_alone = [100.0 * (1 - r["samples_per_s"] / fastest["samples_per_s"])
                       for r in (chosen, alone)]
     return dict(predicted_best=chosen["layout"], measured_best=fastest["layout"],
-                gap_pct=gap, hit=gap <= 5.0, by_rate_alone=alone["layout"],
+                gap_pct=gap, hit=gap <= HIT_PCT, by_rate_alone=alone["layout"],
                 by_rate_alone_gap_pct=gap_alone)
 
 
@@ -661,13 +668,13 @@ def side_by_side(rows, measure, rounds):
                     mine.append(figures["step_s"])
         if not all(steps):
             continue
-        rates = [r["samples_per_s"] * r["step_s"] / min(mine) for r, mine in zip(pair, steps)]
+        rates = [_rows_per_step(r) / min(mine) for r, mine in zip(pair, steps)]
         gap = 100.0 * (1 - rates[0] / max(rates))
         out[key] = dict(layouts=[r["layout"] for r in pair], step_s_rounds=steps,
-                        gap_pct=gap, hit=gap <= 5.0)
+                        gap_pct=gap, hit=gap <= HIT_PCT)
         print("  side by side, %d rounds each: %s %s %.2f ms, %s %.2f ms (%.1f%% slower: %s)"
               % (rounds, key, pair[0]["layout"], 1e3 * min(steps[0]), pair[1]["layout"],
-                 1e3 * min(steps[1]), gap, "hit" if gap <= 5.0 else "miss"), flush=True)
+                 1e3 * min(steps[1]), gap, "hit" if out[key]["hit"] else "miss"), flush=True)
     return out
 
 

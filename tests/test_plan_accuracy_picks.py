@@ -72,7 +72,7 @@ def test_a_missed_pick_is_measured_again_side_by_side_and_judged_by_that_pair():
             _row("DP 4", 4, ["data_parallel"], 100.0, 110.0),
             _row("PP 4", 4, PP2, 99.0, 90.0)]
     for r in rows:      # 10 rows a step
-        r["step_s"] = 10.0 / r["samples_per_s"]
+        r.update(rows_per_step=10, pred_global_batch=None, step_s=10.0 / r["samples_per_s"])
     calls = []
     times = {"DP 2": [0.104, 0.1], "DP 2 + offload": [0.103, 0.102]}
 
