@@ -111,7 +111,7 @@ def worker_main(model_key, steps, out_dir):
             times.append(time.perf_counter() - began)
     state = ir.Graph.get(graph).rewrite_result.state
     pulls = state.num_clones if state is not None else 1
-    rows = search._rows(fns[1])
+    rows = search.batch_rows(fns[1])
     rec = dict(worker=cluster.worker_index, workers=cluster.worker_num,
                devices=cluster.gpu_num_per_worker, step_s=_median(times), times=times,
                peak_bytes=int(peak), held_bytes=int(max(held.values())),

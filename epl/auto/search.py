@@ -42,13 +42,10 @@ import time
 
 import epl
 from epl import ir
-from epl.auto import graph_profile
+from epl.auto import graph_profile, head_split
 from epl.auto.layout import Layout, read_strategy
 from epl.auto.machines import Cluster
 from epl.auto.predictor import price
-from epl.ir import capture_context
-from epl.ir import strategies
-from epl.capture import patches
 from epl.core.process_state import Env
 from epl.ir.memory_trace import peak_bytes, traced_run
 from epl.tf_adapter import behavior
@@ -183,9 +180,9 @@ def build(model_fn, dataset_fn, optimizer_fn, strategy, devices):
     default graph: (loss, train_op, global_step, config)."""
     import tensorflow as tf
     strategy = normalize(strategy)
-    cfg, default = config_of(strategy, devices, _rows(dataset_fn))
+    cfg, default = config_of(strategy, devices, batch_rows(dataset_fn))
     split = [arg for name, arg in strategy if name == "split"]
-    observer = None
+    layer = None
     if split:
         layer = (split[0] or {}).get("layer")
         if layer is None:
@@ -194,88 +191,23 @@ def build(model_fn, dataset_fn, optimizer_fn, strategy, devices):
                 raise ValueError("epl.auto: 'split' needs the index of the Dense layer to "
                                  "split (['split', {'layer': k}]): the model's largest Dense "
                                  "layer is not its last one.")
-        observer = _SplitFrom(int(layer), devices)
     epl.init(epl.Config(cfg))
     features = tf.compat.v1.data.make_one_shot_iterator(dataset_fn()).get_next()
     if default:
         epl.set_default_strategy(epl.replicate(1))
-    if observer is None:
+    if layer is None:
         loss = model_fn(features)
     else:
-        with capture_context.observing_dense(observer):
-            loss = model_fn(features)
-        observer.check()
+        loss = head_split.build_loss(model_fn, features, layer, devices)
     step = tf.compat.v1.train.get_or_create_global_step()
     train_op = optimizer_fn().minimize(loss, global_step=step)
     return loss, train_op, step, cfg
 
 
-class _DenseLayers(object):
-    """Records every Dense layer model_fn builds: (name, weights) in build order."""
-
-    def __init__(self):
-        self.layers = []
-
-    def building(self, layer, input_shape):
-        import tensorflow as tf
-        inputs = tf.compat.dimension_value(tf.TensorShape(input_shape)[-1]) or 0
-        self.layers.append((layer.name, inputs * layer.units + layer.units))
-
-    def called(self, layer):
-        pass
-
-
-class _SplitFrom(object):
-    """Opens ``epl.split(devices)`` when the ``index``-th Dense layer builds; after its
-    call the rest of the model (the loss) is left unannotated, as in the hybrid of
-    docs/split.md."""
-
-    def __init__(self, index, devices):
-        self.index, self.devices = index, devices
-        self.seen = 0
-        self.scope = None
-        self.layer = None
-
-    def building(self, layer, input_shape):
-        if self.seen == self.index:
-            epl.set_default_strategy(None)
-            self.scope = epl.split(self.devices)
-            self.scope.__enter__()
-            self.layer = layer
-        self.seen += 1
-
-    def called(self, layer):
-        if layer is self.layer and self.scope is not None:
-            self.scope.__exit__(None, None, None)
-            self.scope = None
-
-    def check(self):
-        if self.layer is None:
-            raise ValueError("epl.auto: the strategy splits Dense layer %d, but the model "
-                             "builds %d Dense layers." % (self.index, self.seen))
-
-
 def split_head(model_fn, dataset_fn):
-    """The build-order index of the model's largest Dense layer when it is the last
-    one built (a head worth splitting), else None.  Probed in a scratch graph."""
-    import tensorflow as tf
-    patches.install()    # (idempotent; the probe needs the Dense observers)
-    probe = _DenseLayers()
-    saved = strategies.current_strategy()
-    strategies.reset()
-    try:
-        with tf.Graph().as_default():
-            features = tf.compat.v1.data.make_one_shot_iterator(dataset_fn()).get_next()
-            with capture_context.observing_dense(probe):
-                model_fn(features)
-    finally:
-        strategies.reset()
-        if saved is not None:
-            strategies._stack().default = saved  # pylint: disable=protected-access
-    if len(probe.layers) < 2:
-        return None
-    sizes = [size for _, size in probe.layers]
-    return len(sizes) - 1 if sizes[-1] > max(sizes[:-1]) else None
+    """The build-order index of the model's head worth splitting, else None
+    (``head_split.find``)."""
+    return head_split.find(model_fn, dataset_fn)
 
 
 def dry_run(model_fn, dataset_fn, optimizer_fn, strategy, devices, steps):
@@ -304,7 +236,7 @@ def dry_run(model_fn, dataset_fn, optimizer_fn, strategy, devices, steps):
         seconds = sorted(times)[len(times) // 2]       # the median step: noise is one-sided
     state = ir.Graph.get(graph).rewrite_result.state
     pulls = state.num_clones if state is not None else 1
-    rows = _rows(dataset_fn)
+    rows = batch_rows(dataset_fn)
     return {"samples_per_s": pulls * rows / seconds, "step_s": seconds, "peak_bytes": peak,
             "rows_per_step": pulls * rows}
 
@@ -318,7 +250,8 @@ def _variable_bytes(graph, devices):
     return out
 
 
-def _rows(dataset_fn):
+def batch_rows(dataset_fn):
+    """The rows of a batch of ``dataset_fn()``: its static batch dimension."""
     import tensorflow as tf
     shapes = tf.compat.v1.data.get_output_shapes(dataset_fn())
     first = tf.nest.flatten(shapes)[0]
