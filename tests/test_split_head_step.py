@@ -66,6 +66,23 @@ def test_the_split_head_with_a_feature_is_priced_by_region(profile, feature):
     assert not built
 
 
+def test_a_split_head_that_cannot_be_built_is_priced_by_region(profile, caplog):
+    """EPL's built step comes from another process, which must import the model's
+    functions: where that fails (a lambda, a notebook), the split head is priced by
+    region, as before, with a warning that says so, not refused."""
+    prof = profile.__class__.__new__(profile.__class__)
+    prof.__dict__.update(profile.__dict__)
+
+    def unbuildable(config):
+        raise RuntimeError("epl.auto: building the model with %r failed: PicklingError"
+                           % (config,))
+    prof.built_dataflow = unbuildable
+    lay = Layout(d=2, split_head=True, micro_batch_size=profile.rows)
+    with caplog.at_level("WARNING", logger="epl"):
+        assert local_step.flow_of(prof, lay, LOCAL, False) == (None, False)
+    assert "priced by region" in caplog.text and "PicklingError" in caplog.text
+
+
 def test_the_split_head_step_takes_no_other_keys():
     with pytest.raises(ValueError, match="zero.level"):
         step_graph._split_head_step(None, {"cluster.devices_per_worker": 2, "zero.level": "v1",

@@ -72,7 +72,13 @@ def split_head(profile, lay, cluster):
             and not (lay.recompute or lay.zero or lay.offload)
             and profile.built_dataflow):
         return None, False
-    return profile.built_dataflow(lay.to_config(lay.d)), True
+    try:
+        return profile.built_dataflow(lay.to_config(lay.d)), True
+    except Exception as e:  # pylint: disable=broad-except
+        # (the functions must be importable from another process: ``epl_built_dataflow``)
+        log.warning("epl.auto: %s priced by region: EPL's built step of the split head "
+                    "could not be made (%s)", lay.describe(), e)
+        return None, False
 
 
 def state_flows(profile, lay, cluster, whole_model):
