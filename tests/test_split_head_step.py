@@ -28,9 +28,7 @@ def _shapes(sig):
     body = json.loads(sig)
     if body[0] == "kernel":
         return [entry[1] for entry in body[3]]
-    if body[0] in ("update",):
-        return []
-    return body[1] if isinstance(body[1], list) else []
+    return body[1] if body[0] != "update" and isinstance(body[1], list) else []
 
 
 def test_the_split_heads_step_is_epls_built_step(profile):
@@ -47,7 +45,7 @@ def test_the_split_heads_step_is_epls_built_step(profile):
         heads = [s for s, d in zip(flow["sigs"], flow["devices"]) if d == device and s
                  and [rows, 64] in _shapes(s) and [64, half] in _shapes(s)]
         assert heads, "no head shard of %d classes over %d rows on %s" % (half, rows, device)
-        # (and no whole head anywhere)
+    # (and no whole head anywhere)
     assert not [s for s in flow["sigs"] if s and [64, auto_models.HEAD_CLASSES] in _shapes(s)]
 
 
@@ -85,8 +83,8 @@ def test_a_split_head_that_cannot_be_built_is_priced_by_region(profile, caplog):
 
 def test_the_split_head_step_takes_no_other_keys():
     with pytest.raises(ValueError, match="zero.level"):
-        step_graph._split_head_step(None, {"cluster.devices_per_worker": 2, "zero.level": "v1",
-                                           "cluster.colocate_split_and_replicate": True})
+        step_graph._split_head(None, {"cluster.devices_per_worker": 2, "zero.level": "v1",
+                                      "cluster.colocate_split_and_replicate": True})
 
 
 def test_the_split_heads_price_stands_on_its_built_step(profile, tmp_path, monkeypatch):

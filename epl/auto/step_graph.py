@@ -59,17 +59,16 @@ def _built_dataflow_child(conn, fns, config, switches):
         behavior.restore(switches)
         graph = tf.Graph()
         with graph.as_default():
-            if config.get("cluster.colocate_split_and_replicate"):
-                train_op, rows = _split_head_step(fns, config)
-            else:
-                epl.init(epl.Config(dict({"cluster.devices_per_worker": 1}, **config)))
-                features = v1.data.make_one_shot_iterator(fns[1]()).get_next()
-                rows = tf.nest.flatten(features)[0].shape.as_list()[0]
-                if not config.get("auto.auto_parallel"):
-                    epl.set_default_strategy(epl.replicate(1))
-                loss = fns[0](features)
-                train_op = fns[2]().minimize(
-                    loss, global_step=v1.train.get_or_create_global_step())
+            config = dict({"cluster.devices_per_worker": 1}, **config)
+            head = _split_head(fns, config)
+            epl.init(epl.Config(config))
+            features = v1.data.make_one_shot_iterator(fns[1]()).get_next()
+            rows = tf.nest.flatten(features)[0].shape.as_list()[0]
+            if not config.get("auto.auto_parallel"):
+                epl.set_default_strategy(epl.replicate(1))
+            loss = fns[0](features) if head is None else head_split.build_loss(
+                fns[0], features, head, config["cluster.devices_per_worker"])
+            train_op = fns[2]().minimize(loss, global_step=v1.train.get_or_create_global_step())
             rewrite.rewrite_if_needed(graph)
         placed = dict((op.name, op.device) for op in graph.get_operations())
         ops = optimized_step(graph, train_op)()
@@ -85,11 +84,13 @@ def _built_dataflow_child(conn, fns, config, switches):
         conn.close()
 
 
-def _split_head_step(fns, config):
-    """(train op, rows) of the model built as ``accelerate``'s split head runs it (the
-    data-parallel backbone, the head's Dense layer under ``epl.split`` over every
-    device: ``head_split``), in the default graph.  Only the plain split head: its
-    config has the device count and the split's key alone."""
+def _split_head(fns, config):
+    """The build-order index of the Dense layer ``accelerate``'s split head puts under
+    ``epl.split`` over every device (``head_split``) where ``config`` asks for the split
+    head, else None.  Only the plain split head: its config has the device count and
+    the split's key alone."""
+    if not config.get("cluster.colocate_split_and_replicate"):
+        return None
     extra = set(config) - set(["cluster.devices_per_worker",
                                 "cluster.colocate_split_and_replicate"])
     if extra:
@@ -99,13 +100,7 @@ def _split_head_step(fns, config):
     if layer is None:
         raise ValueError("epl.auto: the model has no head to split (its largest Dense "
                          "layer is not its last)")
-    epl.init(epl.Config(config))
-    features = v1.data.make_one_shot_iterator(fns[1]()).get_next()
-    rows = tf.nest.flatten(features)[0].shape.as_list()[0]
-    epl.set_default_strategy(epl.replicate(1))
-    loss = head_split.build_loss(fns[0], features, layer,
-                                 config.get("cluster.devices_per_worker", 1))
-    return fns[2]().minimize(loss, global_step=v1.train.get_or_create_global_step()), rows
+    return layer
 
 
 def resolved_devices(ops, placed):
