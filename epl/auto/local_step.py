@@ -44,7 +44,7 @@ def flow_of(profile, lay, cluster, whole_model):
     if not whole_model:
         return split_head(profile, lay, cluster)
     if not (cluster.time_products and t == 1 and lay.micro_batch_size == profile.rows
-            and whole_model and profile.dataflow):
+            and profile.dataflow):
         return None, False
     if p == 1 and (cluster.nodes == 1 or cluster.shared_cores):
         if lay.dtype == "fp32":
@@ -66,19 +66,32 @@ def split_head(profile, lay, cluster):
     region (its kernels summed, no overlap) it read +17 ... +28 % (the wide head, stops
     62-65); standing it on the model's replayed data-parallel step worse (+28 / +57 %):
     the split head's step does much less than a replica's."""
-    if not (cluster.time_products and lay.split_head and lay.t == 1 and lay.p == 1
-            and lay.d > 1 and lay.dtype == "fp32" and cluster.nodes == 1
-            and cluster.stage_cut == "epl" and lay.micro_batch_size == profile.rows
-            and not (lay.recompute or lay.zero or lay.offload)
-            and profile.built_dataflow):
+    if not (lay.split_head and _replicas_here(profile, lay, cluster)
+            and not (lay.recompute or lay.zero or lay.offload)):
         return None, False
+    flow = _built(profile, lay.to_config(lay.d), lay, "region")
+    return flow, flow is not None
+
+
+def _replicas_here(profile, lay, cluster):
+    """Whether the layout is one stage of d > 1 fp32 replicas at the dataset's batch on
+    this machine's devices with timed kernels, and EPL's built step can be had: where
+    a built step of it (the split head's; ZeRO's or offload's) is replayed."""
+    return bool(cluster.time_products and lay.t == 1 and lay.p == 1 and lay.d > 1
+                and lay.dtype == "fp32" and cluster.nodes == 1 and cluster.stage_cut == "epl"
+                and lay.micro_batch_size == profile.rows and profile.built_dataflow)
+
+
+def _built(profile, config, lay, fallback):
+    """``profile.built_dataflow(config)``, or None with a warning that ``lay`` is priced
+    by ``fallback`` instead: the functions must be importable from another process
+    (``epl_built_dataflow``; not a lambda, not a notebook's)."""
     try:
-        return profile.built_dataflow(lay.to_config(lay.d)), True
+        return profile.built_dataflow(config)
     except Exception as e:  # pylint: disable=broad-except
-        # (the functions must be importable from another process: ``epl_built_dataflow``)
-        log.warning("epl.auto: %s priced by region: EPL's built step of the split head "
-                    "could not be made (%s)", lay.describe(), e)
-        return None, False
+        log.warning("epl.auto: %s priced by %s: EPL's built step could not be made (%s)",
+                    lay.describe(), fallback, e)
+        return None
 
 
 def state_flows(profile, lay, cluster, whole_model):
@@ -89,10 +102,8 @@ def state_flows(profile, lay, cluster, whole_model):
     one or more per variable and replica (measured: the corpus mini-BERT's DP 2 step,
     3.6-3.8 ms, took 0.3-0.4 ms more with ZeRO and 0.7 ms more with offload; the
     model's own step replayed said neither)."""
-    if not (cluster.time_products and (lay.zero or lay.offload) and lay.t == 1
-            and lay.p == 1 and lay.d > 1 and lay.dtype == "fp32" and whole_model
-            and cluster.nodes == 1 and cluster.stage_cut == "epl"
-            and lay.micro_batch_size == profile.rows and profile.built_dataflow):
+    if not ((lay.zero or lay.offload) and whole_model
+            and _replicas_here(profile, lay, cluster)):
         return None
     config = lay.to_config(lay.d)
     plain = dict((k, v) for k, v in config.items() if k not in ("zero.level", "offload.level"))
@@ -135,14 +146,11 @@ def feature_memory(profile, lay, cluster, whole_model, details, without):
         return None
     plain = copy.copy(lay)
     plain.recompute, plain.dtype = False, "fp32"
-    try:
-        walks = [placed_memory(profile.built_dataflow(layout.to_config(lay.d)))
-                 for layout in (lay, plain)]
-    except Exception as e:  # pylint: disable=broad-except
-        # (the functions must be importable from another process: ``epl_built_dataflow``)
-        log.warning("epl.auto: %s priced by the closed form: EPL's built step could not "
-                    "be walked (%s)", lay.describe(), e)
+    flow = _built(profile, lay.to_config(lay.d), lay, "the closed form")
+    plain_flow = flow and _built(profile, plain.to_config(lay.d), lay, "the closed form")
+    if not plain_flow:
         return None
+    walks = [placed_memory(f) for f in (flow, plain_flow)]
     if not all(walks):
         return None
     walked, walked_plain = max(walks[0]), max(walks[1])
