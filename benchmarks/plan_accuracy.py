@@ -433,7 +433,8 @@ def main(argv=None):
     from epl.auto import dataflow
     ap.add_argument("--wake-up", choices=dataflow.WAKES, default=None,
                     help="how the replay pays a kernel's wake-up (Cluster.wake_up; "
-                    "default: the Cluster's, wait): work prices as stops 49-56 did")
+                    "default: the Cluster's, by the machine's last-level cache: "
+                    "machines.wake_up_for): work prices as stops 49-56 did")
     args = ap.parse_args(argv)
     import common
     common.tf1_graph_mode()

@@ -350,7 +350,8 @@ def main(argv=None):
                     "(default: timed in this run: common.fresh_kernel_timings)")
     ap.add_argument("--wake-up", choices=("wait", "work"), default=None,
                     help="how the replay pays a kernel's wake-up (Cluster.wake_up; "
-                    "default: the Cluster's, wait)")
+                    "default: the Cluster's, by the machine's last-level cache: "
+                    "machines.wake_up_for)")
     args = ap.parse_args(argv)
     plan_accuracy.WAKE_UP = args.wake_up
     if args.worker:

@@ -79,6 +79,27 @@ def test_a_tiny_calibration_run_measures_every_figure(tmp_path):
         assert got[key] > 0, key
     assert got["op_overhead_s"] >= 0 and got["run_overhead_s"] > 0
     assert json.load(open(str(tmp_path / "c.json")))["cores"] == got["cores"]
+    from epl.auto import cold_reads
+    assert got["cache_bytes"] == cold_reads.cache_bytes()      # the kind of machine
+
+
+def test_the_local_replay_pays_wake_ups_by_the_machines_last_level_cache(monkeypatch):
+    """Cluster.local's ``wake_up``: "work" on a machine with a large last-level cache (the
+    Xeon with 480-504 MiB), "wait" on one with a small one (32-33 MiB) or none shown;
+    from the calibration's ``cache_bytes``, else (a cache written before it was
+    recorded) this machine's."""
+    from epl.auto import cold_reads, machines
+    figures = dict(matmul_flops=1e10, memory_bandwidth=1e10, allreduce_bandwidth=1e9,
+                   allreduce_latency_s=1e-4)
+    for nbytes, rule in ((504 << 20, "work"), (480 << 20, "work"), (32 << 20, "wait"),
+                         (None, "wait")):
+        assert Cluster.from_local(dict(figures, cache_bytes=nbytes), 2).wake_up == rule
+    monkeypatch.setattr(cold_reads, "cache_bytes", lambda: 480 << 20)
+    assert Cluster.from_local(figures, 2).wake_up == "work"
+    monkeypatch.setattr(cold_reads, "cache_bytes", lambda: 33 << 20)
+    assert Cluster.from_local(figures, 2).wake_up == "wait"
+    assert machines.wake_up_for(machines.LARGE_CACHE_BYTES) == "work"
+    assert Cluster.preset("a100-80gb").wake_up == "wait"       # (not replayed)
 
 
 def test_overheads_are_priced_on_the_local_cluster(cache):

@@ -239,8 +239,9 @@ def test_the_replicas_wake_ups_are_priced_as_the_cluster_says(monkeypatch, tmp_p
 
 def test_a_cluster_says_how_wake_ups_are_paid_and_a_mistyped_rule_is_named():
     local = Cluster.from_local(dict(matmul_flops=1e10, memory_bandwidth=1e10,
-                                    allreduce_bandwidth=1e9, allreduce_latency_s=1e-4), 2)
-    assert local.wake_up == "wait"
+                                    allreduce_bandwidth=1e9, allreduce_latency_s=1e-4,
+                                    cache_bytes=32 << 20), 2)
+    assert local.wake_up == "wait"      # (a small last-level cache: machines.wake_up_for)
     d = local.to_dict()
     d.pop("wake_up")                      # a cluster JSON of before: the default
     assert Cluster.from_dict(d).wake_up == "wait"

@@ -39,6 +39,7 @@ INLINE_S = 20e-6         # seconds alone below which a kernel runs on one thread
 # (stop 57, the small-cache kinds of machine: the GPT's DP 2 +17.6 % -> +0.5 %, DP 4
 # +36.3 % -> +13.8 %); "work": core-seconds at the kernel's width, which another
 # replica's kernels share the cores with (stop 49, the Xeon with 504 MiB of L3).
+# Cluster.local chooses by the machine's last-level cache (``machines.wake_up_for``).
 WAKES = ("wait", "work")
 
 

@@ -17,6 +17,9 @@ measures again):
 * ``op_overhead_s``: seconds TensorFlow's executor spends per op (a chain of tiny ops),
   and ``run_overhead_s``: a ``Session.run`` of one op: the floor of a CPU step that
   FLOPs and bytes do not see;
+* ``cache_bytes``: the last-level cache's bytes (``cold_reads.cache_bytes``; None where
+  Linux does not show it): the kind of machine, which decides how the replay prices a
+  kernel's wake-up (``Cluster.from_local``, ``machines.wake_up_for``);
 * ``allreduce``: bandwidth and latency of EPL's all-reduce between 2 virtual devices
   (``epl.communicators.create``: the in-process shared-memory kernel), from 64 KiB and
   8 MiB tensors, each a timed ``Session.run`` (``Cluster.from_local`` takes the run's
@@ -49,6 +52,7 @@ import time
 import uuid
 
 from epl import communicators
+from epl.auto import cold_reads
 from epl.core import host_heap
 
 CACHE_VERSION = 2          # 2: thin_products
@@ -103,7 +107,8 @@ def measure(repeats=5, quick=False):
     sizes = (64, 128) if quick else _SIZES
     out = {"cores": os.cpu_count() or 1, "tf": tf.__version__,
            "host": socket.gethostname(), "python": platform.python_version(),
-           "version": CACHE_VERSION, "measured_at": time.time()}
+           "version": CACHE_VERSION, "measured_at": time.time(),
+           "cache_bytes": cold_reads.cache_bytes()}
     graph = tf.Graph()
     with graph.as_default():
         chain = 10

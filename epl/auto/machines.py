@@ -16,7 +16,7 @@ import copy
 import json
 import math
 
-from epl.auto import dataflow, local
+from epl.auto import cold_reads, dataflow, local
 
 DTYPES = ("fp32", "tf32", "fp16", "bf16")
 GB = 1e9
@@ -29,6 +29,23 @@ TFLOPS = 1e12
 FITTED_EFFICIENCY = 0.6405
 # ``Cluster.tie`` of Cluster.local (below): predictions this close are ties there
 LOCAL_TIE = 0.03
+# Cluster.local's ``wake_up`` by the kind of machine (``wake_up_for``): a last-level
+# cache at least this large prices a kernel's wake-up as "work", a smaller one as "wait"
+LARGE_CACHE_BYTES = 128 << 20
+
+
+def wake_up_for(cache_bytes):
+    """How the replay on this machine's shared cores pays a kernel's wake-up
+    (``dataflow.WAKES``), by the kind of machine, told apart by its last-level cache
+    (``local.measure``'s ``cache_bytes``; None: "wait").  Measured on three kinds, each
+    rule on the same runs repriced: on the Xeon with AMX and 480-504 MiB of L3 "work"
+    fits (stop 49: 4.3-7.0 % time median against 6.8-12.7 %; stop 67's run, 71 rows:
+    7.1 % / worst 25.4 % against 9.4 % / 30.9 %), on the AMD EPYC and the Xeon with 32-33
+    MiB "wait" (stop 57: the GPT's DP 4 +36 % -> +14 %).  Why the kinds differ is not
+    known (docs/plan.md, limits)."""
+    if cache_bytes and cache_bytes >= LARGE_CACHE_BYTES:
+        return "work"
+    return "wait"
 
 _PRESETS = {
     "v100-32gb": dict(
@@ -192,7 +209,8 @@ class Cluster(object):
         # How a kernel's wake-up is priced in the replay of a step on shared cores
         # (time_products): "wait" (a latency its replica waits out; others' kernels use
         # the cores) or "work" (core-seconds beside theirs): ``dataflow.WAKES``, which
-        # says where each fits (docs/plan.md, stop 57)
+        # says where each fits (docs/plan.md, stop 57); Cluster.local's by the kind of
+        # machine (``wake_up_for``)
         self.wake_up = "wait"
 
     @property
@@ -248,6 +266,7 @@ class Cluster(object):
         out.calibration = figures
         out.cores = int(figures.get("cores", 1))
         out.tie = LOCAL_TIE
+        out.wake_up = wake_up_for(figures.get("cache_bytes", cold_reads.cache_bytes()))
         return out
 
     def with_nodes(self, nodes):
