@@ -40,7 +40,7 @@ def wake_up_for(cache_bytes):
     (``local.measure``'s ``cache_bytes``; None: "wait").  Measured on three kinds, each
     rule on the same runs repriced: on the Xeon with AMX and 480-504 MiB of L3 "work"
     fits (stop 49: 4.3-7.0 % time median against 6.8-12.7 %; stop 67's run, 71 rows:
-    7.1 % / worst 25.4 % against 9.4 % / 30.9 %), on the AMD EPYC and the Xeon with 32-33
+    7.2 % / worst 25.4 % against 9.4 % / 30.9 %), on the AMD EPYC and the Xeon with 32-33
     MiB "wait" (stop 57: the GPT's DP 4 +36 % -> +14 %).  Why the kinds differ is not
     known (docs/plan.md, limits)."""
     if cache_bytes and cache_bytes >= LARGE_CACHE_BYTES:
