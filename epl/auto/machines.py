@@ -266,7 +266,8 @@ class Cluster(object):
         out.calibration = figures
         out.cores = int(figures.get("cores", 1))
         out.tie = LOCAL_TIE
-        out.wake_up = wake_up_for(figures.get("cache_bytes", cold_reads.cache_bytes()))
+        out.wake_up = wake_up_for(figures["cache_bytes"] if "cache_bytes" in figures
+                                  else cold_reads.cache_bytes())
         return out
 
     def with_nodes(self, nodes):
