@@ -348,7 +348,8 @@ def main(argv=None):
     ap.add_argument("--cached-kernels", action="store_true",
                     help="price with the kernels' timings cached under ~/.cache/epl "
                     "(default: timed in this run: common.fresh_kernel_timings)")
-    ap.add_argument("--wake-up", choices=("wait", "work"), default=None,
+    from epl.auto import dataflow
+    ap.add_argument("--wake-up", choices=dataflow.WAKES, default=None,
                     help="how the replay pays a kernel's wake-up (Cluster.wake_up; "
                     "default: the Cluster's, by the machine's last-level cache: "
                     "machines.wake_up_for)")
