@@ -1,6 +1,6 @@
-"""benchmarks/plan_accuracy.py prices a row with each kernel's fastest round, as it keeps a
-row's fastest measured round (``fastest_kernels``): both sides the machine's fastest
-moments."""
+"""benchmarks/plan_accuracy.py prices a row with each heavy kernel's fastest round, as it
+keeps a row's fastest measured round, and with each light kernel's mean over the rounds
+(``fastest_kernels``)."""
 import json
 import os
 import sys
@@ -44,6 +44,31 @@ def test_each_kernel_keeps_its_least_figures_over_the_rounds(monkeypatch, tmp_pa
     with open(product_timing.cache_path()) as f:    # what the rows are priced with
         assert json.load(f) == want
     assert product_timing.timed(["a", "d"], 2) == {"a": want["a"], "d": want["d"]}
+
+
+def test_a_light_kernel_keeps_its_mean_over_the_rounds(monkeypatch, tmp_path):
+    """Microsecond kernels' least over the rounds priced the mini-BERT's step below
+    every round's own pricing (stop 68); a heavy one (``HEAVY_S`` alone or first) still
+    keeps its least, whichever round had it."""
+    best, rounds = {}, {}
+    light = lambda a, f: {"alone": a * 1e-6, "shared": a * 1e-6, "first": f * 1e-6}  # noqa
+    heavy = lambda a: {"alone": a * 1e-3, "shared": a * 1e-3, "first": a * 1e-3}  # noqa
+    _round(monkeypatch, tmp_path / "r1", {"l": light(2.0, 12.0), "h": heavy(3.0)})
+    plan_accuracy.fastest_kernels(best, None, 0, rounds)
+    _round(monkeypatch, tmp_path / "r2", {"l": light(4.0, 8.0), "h": heavy(2.0),
+                                           "n": None})
+    plan_accuracy.fastest_kernels(best, None, 0, rounds)
+    _round(monkeypatch, tmp_path / "r3", {"l": None, "h": heavy(5.0)})
+    plan_accuracy.fastest_kernels(best, None, 0, rounds)
+    for key, want in (("alone", 3e-6), ("shared", 3e-6), ("first", 10e-6)):
+        assert abs(best["l"][key] - want) < 1e-12, (key, best["l"])
+    assert best["h"] == heavy(2.0) and best["n"] is None
+    with open(product_timing.cache_path()) as f:    # what the rows are priced with
+        assert json.load(f)["l"]["alone"] == best["l"]["alone"]
+    # without ``rounds`` the merged figure stands for the rounds before
+    _round(monkeypatch, tmp_path / "r4", {"l": light(5.0, 10.0)})
+    plan_accuracy.fastest_kernels(best, None, 0)
+    assert abs(best["l"]["alone"] - 4e-6) < 1e-12
 
 
 def test_a_later_round_times_its_kernels_in_a_folder_of_its_own(monkeypatch, tmp_path):
