@@ -187,6 +187,70 @@ def test_rendezvous_builds_the_launcher_environment(tmp_path):
         assert len({e[key] for e in envs}) == 1
 
 
+def _bindable(port):
+    import socket
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind(("", port))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def test_a_tasks_ports_stay_its_own_until_the_meeting_is_over(tmp_path):
+    """A task's two ports stay bound while it waits for the others, so that no other
+    task on the node draws them (CI: one task's server port was another's collectives
+    port), and are free for its servers once every task has met."""
+    import os
+    import time
+    jobs = [discover(slurm(r, size=2, SLURM_STEP_NUM_NODES="1", SLURM_NODEID="0"))
+            for r in range(2)]
+    folder = str(tmp_path / "meet")
+    out, errors = {}, []
+
+    def run(job):
+        try:
+            out[job.rank] = rendezvous.exchange(job, folder, "127.0.0.1", 20, poll=0.01)
+        except Exception as e:   # noqa: BLE001 (reported below)
+            errors.append(e)
+    first = threading.Thread(target=run, args=(jobs[0],))
+    first.start()
+    mine = os.path.join(folder, "rank_0.json")
+    deadline = time.time() + 20
+    while not os.path.exists(mine) and time.time() < deadline:
+        time.sleep(0.01)
+    record = json.loads(open(mine).read())
+    ports = [record["tf_port"], record["comm_port"]]
+    assert ports[0] != ports[1]
+    assert not any(_bindable(p) for p in ports), "rank 0's ports were free mid-meeting"
+    run(jobs[1])
+    first.join(20)
+    assert not errors and sorted(out) == [0, 1], errors
+    assert all(_bindable(p) for p in ports)
+
+
+def test_a_tcp_meeting_holds_each_tasks_ports_while_it_meets(monkeypatch):
+    held = []
+    for name in ("serve", "join"):
+        real = getattr(rendezvous_tcp, name)
+
+        def check(*args, real=real, **kw):
+            record = [a for a in args if isinstance(a, dict) and "tf_port" in a][0]
+            held.append(not _bindable(record["tf_port"])
+                        and not _bindable(record["comm_port"]))
+            return real(*args, **kw)
+        monkeypatch.setattr(rendezvous_tcp, name, check)
+    envs = _tcp_envs(2, _free_tcp_port(), EPL_JOB_SECRET="s3cret")
+    jobs, errors = _meet_tcp(envs)
+    assert not errors and sorted(jobs) == [0, 1], errors
+    assert held == [True, True]
+    for e in envs:
+        assert all(_bindable(int(a.rsplit(":", 1)[1]))
+                   for a in e["EPL_COMM_ADDRESSES"].split(","))
+
+
 def test_two_steps_on_one_node_never_meet(tmp_path):
     """Two steps of one job (and a second job) rendezvous at once on one node: each
     sees only its own tasks."""

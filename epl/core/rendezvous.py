@@ -79,13 +79,30 @@ def folder_for(job, environ, uid=None):
     return os.path.join("/tmp", "epl-rendezvous-%d" % uid, job.key)
 
 
-def free_port(host=""):
+def free_port(host="", held=None):
+    """A port free now.  ``held``: a list the bound socket is kept in (the caller closes
+    it), so that no other bind on this host, another task's of the same job included,
+    is given the port until then; without it the port is free again at once, and tasks
+    meeting on one node drew the same port (seen in CI: a task's server and another's
+    collectives on one port)."""
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         s.bind((host, 0))
-        return s.getsockname()[1]
-    finally:
+        port = s.getsockname()[1]
+    except BaseException:
         s.close()
+        raise
+    if held is None:
+        s.close()
+    else:
+        held.append(s)
+    return port
+
+
+def _release(held):
+    for s in held:
+        s.close()
+    del held[:]
 
 
 def _write(path, record):
@@ -114,11 +131,13 @@ def _alive(pid):
         return True   # (another user's process: alive)
 
 
-def own_record(job, host, extra=None):
+def own_record(job, host, extra=None, held=None):
     """What this task tells the others: where it listens (two free ports: TensorFlow's
-    server, EPL's collectives), its pid and node (a stale record is told by them) and, from
+    server, EPL's collectives; ``held``: their sockets, kept bound until the meeting is
+    over, ``free_port``), its pid and node (a stale record is told by them) and, from
     rank 0, a fresh job secret for the job's TCP collectives."""
-    record = {"host": host, "tf_port": free_port(), "comm_port": free_port(),
+    record = {"host": host, "tf_port": free_port(held=held),
+              "comm_port": free_port(held=held),
               "pid": os.getpid(), "node": socket.gethostname()}
     if job.rank == 0:
         record["secret"] = secrets.token_hex(16)
@@ -134,13 +153,18 @@ def exchange_tcp(job, environ, host, timeout):
         log.warning("EPL: the tasks meet over TCP without %s: the meeting is not "
                     "authenticated and the job's secret travels in the clear; export the "
                     "same random %s on every task.", wf.JOB_SECRET_ENV, wf.JOB_SECRET_ENV)
-    record = own_record(job, host)
-    what = job_env.describe(job)
-    timeout_env = "%s seconds, default %d" % (TIMEOUT_ENV, DEFAULT_TIMEOUT)
-    if rendezvous_tcp.serves(job):
-        return rendezvous_tcp.serve(job, port, record, timeout, secret, what, timeout_env,
-                                    host=where)
-    return rendezvous_tcp.join(job, where, port, record, timeout, secret, what, timeout_env)
+    held = []       # (every task's ports stay bound until all have drawn theirs)
+    try:
+        record = own_record(job, host, held=held)
+        what = job_env.describe(job)
+        timeout_env = "%s seconds, default %d" % (TIMEOUT_ENV, DEFAULT_TIMEOUT)
+        if rendezvous_tcp.serves(job):
+            return rendezvous_tcp.serve(job, port, record, timeout, secret, what,
+                                        timeout_env, host=where)
+        return rendezvous_tcp.join(job, where, port, record, timeout, secret, what,
+                                   timeout_env)
+    finally:
+        _release(held)
 
 
 def exchange(job, folder, host, timeout, poll=0.05, record_extra=None):
@@ -148,7 +172,14 @@ def exchange(job, folder, host, timeout, poll=0.05, record_extra=None):
     records in rank order.  A record of this node whose process is gone (a stale file of
     an earlier job with the same key) counts as missing."""
     os.makedirs(folder, mode=0o700, exist_ok=True)
-    record = own_record(job, host, record_extra)
+    held = []       # (every task's ports stay bound until all have drawn theirs)
+    try:
+        return _exchange(job, folder, own_record(job, host, record_extra, held), timeout, poll)
+    finally:
+        _release(held)
+
+
+def _exchange(job, folder, record, timeout, poll):
     mine = os.path.join(folder, "rank_%d.json" % job.rank)
     _write(mine, record)
     atexit.register(_remove, mine, folder)
