@@ -14,9 +14,9 @@ step of the slowest worker, the memory the fullest device's bytes (the variables
 holds + the traced step's peak there, as ``dry_run`` computes it), the rows the sum of
 every worker's pull (each worker pulls the dataset's batch per step: rows x P).  Every
 case of a model is measured ``--rounds`` times round-robin and keeps its fastest round;
-the model's kernels are timed anew before each round and the rows priced at each
-kernel's fastest (``plan_accuracy.fastest_kernels``): both sides the machine's fastest
-moments.
+the model's kernels are timed anew before each round and the rows priced at each heavy
+kernel's fastest and each light kernel's mean over the rounds
+(``plan_accuracy.fastest_kernels``).
 Predicted: ``benchmarks.plan_accuracy.predict_case`` (``price`` of ``data_parallel`` on
 P devices, the global batch rows x P) on ``Cluster.from_local(figures, 1, processes=P,
 latency_s=...)``: P nodes of 1 device sharing the cores, the inter-node link EPL's
@@ -335,8 +335,9 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=2,
                     help="measure every case of a model this many times, round-robin; a "
                     "case's step: its fastest round's, its peak: the largest; the "
-                    "model's kernels are timed anew in each round and priced at each "
-                    "one's fastest (plan_accuracy.fastest_kernels)")
+                    "model's kernels are timed anew in each round and priced at a heavy "
+                    "one's fastest and a light one's mean "
+                    "(plan_accuracy.fastest_kernels)")
     ap.add_argument("--timeout", type=int, default=600, help="bound of one case")
     ap.add_argument("--json", default=os.path.join(HERE, "results", "plan_multiprocess.json"))
     ap.add_argument("--no-calibrate-each-model", dest="calibrate_each_model",
@@ -387,10 +388,11 @@ def main(argv=None):
                        calibration=figures, step_s_rounds=[], failures=[])
             _price(row, profile)                # (round 1's kernels timed here)
             cases.append(row)
-        best = {}
+        best, kernel_rounds = {}, {}
         for r in range(args.rounds):
             if retime:      # this round's kernels, timed beside its runs (plan_accuracy)
-                fastest_kernels(best, lambda: [_price(row, profile) for row in cases], r)
+                fastest_kernels(best, lambda: [_price(row, profile) for row in cases], r,
+                                kernel_rounds)
             for row in cases:
                 if row["processes"] is None:
                     status, got = search.measure(fns, STRATEGY, CONTROL_DEVICES,

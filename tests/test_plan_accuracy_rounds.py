@@ -21,7 +21,7 @@ def _round(monkeypatch, folder, timings):
         json.dump(timings, f)
 
 
-def test_each_kernel_keeps_its_least_figures_over_the_rounds(monkeypatch, tmp_path):
+def test_each_heavy_kernel_keeps_its_least_figures_over_the_rounds(monkeypatch, tmp_path):
     best = {}
     _round(monkeypatch, tmp_path / "r1", {
         "a": {"alone": 2.0, "shared": 3.0, "first": 5.0},
