@@ -73,13 +73,16 @@ def measure_one(model, label, inter, intra, steps):
     return {"median_s": common.median(times), "cpu_per_wall": cpu / max(w1 - w0, 1e-9)}
 
 
-def predicted(model, label):
-    """The planner's step for the layout on ``Cluster.local`` (the default threads)."""
+def predicted(model, label, profiles):
+    """The planner's step for the layout on ``Cluster.local`` (the default threads);
+    ``profiles``: {model: its profile}, filled here once a model."""
     import plan_accuracy as pa
     from epl.auto import Cluster, graph_profile, search
     from epl.auto.predictor import price
     strategy, devices = [(s, d) for l, d, s in pa.LAYOUTS if l == label][0]
-    profile = graph_profile.profile(*pa.MODELS[model])
+    if model not in profiles:
+        profiles[model] = graph_profile.profile(*pa.MODELS[model])
+    profile = profiles[model]
     calib = Cluster.local(1).calibration
     return price(profile, search.layout_of(strategy, devices),
                  pa.local_cluster(calib, devices)).step_time_s
@@ -116,7 +119,7 @@ def main(argv=None):
         print(json.dumps(measure_one(model, label, int(inter), int(intra), int(steps))))
         return
     cores = os.cpu_count() or 1
-    rows = []
+    rows, profiles = [], {}
     for model in args.models.split(","):
         for label in args.layouts.split(","):
             row = {"model": model, "layout": label}
@@ -124,7 +127,7 @@ def main(argv=None):
                 got = run_one(model, label, inter, intra, args.steps)
                 row[name] = got.get("median_s", got.get("error"))
                 row[name + " cpu/wall"] = got.get("cpu_per_wall")
-            row["predicted"] = predicted(model, label)
+            row["predicted"] = predicted(model, label, profiles)
             rows.append(row)
             print(json.dumps(row), flush=True)
     columns = ["model", "layout"] + [n for n, _, _ in settings(cores)] + ["predicted"]

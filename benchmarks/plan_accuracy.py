@@ -340,13 +340,13 @@ def _price(row, profile, cluster):
                breakdown={k: v for k, v in pred.breakdown.items() if k != "stages"})
 
 
-def fastest_kernels(best, price_all, round_index, rounds=None):
+def fastest_kernels(best, price_all, round_index, rounds):
     """Times the kernels of the rows anew (a cache folder of this round's, filled by
     ``price_all()``, which prices every row), merges them into ``best`` and points the
     kernel cache at ``best``.  ``round_index``: 0 for the first round, whose kernels were
     timed in the current cache folder as the rows were first priced (``price_all`` is not
     called); ``rounds``: {kernel: its timing in each round so far}, kept by the caller
-    across rounds (None: ``best``'s figure stands for the rounds before).
+    across rounds.
 
     A heavy kernel (``product_timing.HEAVY_S``) keeps each figure's least over the
     rounds, as ``product_timing.measure`` keeps the lesser of its own two timings: other
@@ -362,9 +362,8 @@ def fastest_kernels(best, price_all, round_index, rounds=None):
         os.environ["EPL_CACHE_DIR"] = tempfile.mkdtemp(
             prefix="epl-plan-round%d-" % (round_index + 1))
         price_all()
-    rounds = {} if rounds is None else rounds
     for sig, x in product_timing.cached_timings().items():
-        seen = rounds.setdefault(sig, [best[sig]] if best.get(sig) else [])
+        seen = rounds.setdefault(sig, [])
         if x is not None:
             seen.append(x)
         best[sig] = _merged(seen) if seen else None
