@@ -39,6 +39,7 @@ cannot run (no head, no split variant) is skipped with a line.
         [--recalibrate] [--reprice old.json]
 """
 import argparse
+import functools
 import json
 import os
 import sys
@@ -376,12 +377,13 @@ def _merged(timings):
     """One kernel's timings over the rounds as one (``fastest_kernels``): each figure's
     least for a heavy kernel, its mean for a light one."""
     from epl.auto import product_timing
-    heavy = any(max(x.get("alone", 0.0), x.get("first", 0.0)) >= product_timing.HEAVY_S
-                for x in timings)
+    if any(max(x.get("alone", 0.0), x.get("first", 0.0)) >= product_timing.HEAVY_S
+           for x in timings):
+        return functools.reduce(product_timing.least, timings)
     out = {}
     for key in set(k for x in timings for k in x):
         values = [x[key] for x in timings if key in x]
-        out[key] = min(values) if heavy else sum(values) / float(len(values))
+        out[key] = sum(values) / float(len(values))
     return out
 
 
