@@ -79,7 +79,7 @@ def measure(p, m, strategy, seconds):
             sess.run(op, options=tf.RunOptions(trace_level=tf.RunOptions.FULL_TRACE),
                      run_metadata=meta)
             wall = time.perf_counter() - t0
-    spans = {}   # (stage, kind, micro) -> (start, end) of the sleep op
+    spans = {}   # (stage, kind, micro) -> (start, end) of the sleep op, as TF recorded it
     for dev in meta.step_stats.dev_stats:
         for node in dev.node_stats:
             name = node.node_name.split(":")[0]
@@ -89,21 +89,31 @@ def measure(p, m, strategy, seconds):
             stage = int(name.split("sleep_%s_" % kind.lower())[1].split("/")[0].split("_")[0])
             micro = int(name.split("EPL_REPLICA_")[1].split("/")[0]) if name.startswith(
                 "EPL_REPLICA_") else 0
-            # A PyFunc's recorded start can precede its inputs; its end is exact and
-            # its duration is the sleep.
-            end = node.all_start_micros + node.all_end_rel_micros
-            start = end - seconds * 1e6
+            start = node.all_start_micros
+            end = start + node.all_end_rel_micros
             old = spans.get((stage, kind, micro), (start, end))
             spans[(stage, kind, micro)] = (min(old[0], start), max(old[1], end))
     if os.environ.get("EPL_BUBBLE_DEBUG"):
+        first = min(a for a, _ in spans.values())
         for k, (a, b) in sorted(spans.items(), key=lambda kv: kv[1]):
-            print("  %s %.1f-%.1f ms" % (k, (a - min(x for x, _ in spans.values())) / 1e3,
-                                         (b - min(x for x, _ in spans.values())) / 1e3))
+            print("  %s %.1f-%.1f ms" % (k, (a - first) / 1e3, (b - first) / 1e3))
+        print("  slept %.1f ms, the ops ran %.1f ms" % (
+            sum(SLEPT) * 1e3, sum(b - a for a, b in spans.values()) / 1e3))
     t_begin = min(s for s, _ in spans.values())
     t_end = max(e for _, e in spans.values())
     makespan = (t_end - t_begin) / 1e6
-    busy = sum(SLEPT) / p         # per stage: m forwards + m backwards, as long as they slept
-    bubble = 1 - busy / makespan
+    # Per stage: its m forwards and m backwards, as long as the ops ran (a loaded
+    # machine oversleeps, and wakes the op's thread late: the stage is busy meanwhile).
+    busy = []
+    for s in range(p):
+        ran = sorted(v for k, v in spans.items() if k[0] == s)
+        total, reach = 0, None
+        for a, b in ran:
+            a = a if reach is None else max(a, reach)
+            total += max(b - a, 0)
+            reach = b if reach is None else max(reach, b)
+        busy.append(total / 1e6)
+    bubble = 1 - (sum(busy) / p) / makespan
     theory = (p - 1.0) / (m + p - 1.0)
     peak = []
     for s in range(p):

@@ -228,6 +228,68 @@ def test_pipeline_bubble_matches_the_benchmark(pipeline_run):
         assert 0.4e6 <= busy <= 0.5e6, bubble
 
 
+def test_pipeline_ops_name_their_task(pipeline_run):
+    """Every sleep op of the traced step says which stage, micro-batch and phase it ran."""
+    folder, _ = pipeline_run
+    (trace,) = analysis.load(folder)[(1, 2)]
+    sleeps = [e["args"] for lane in trace.lanes.values() for e in lane["ops"]
+              if "sleep_" in e["args"]["name"]]
+    assert sorted((a["stage"], a["phase"], a["micro_batch"]) for a in sleeps) == sorted(
+        (s, p, m) for s in range(2) for p in ("forward", "backward") for m in range(4))
+
+
+def _two_stage_trace(folder, tagged):
+    """Step 1 of a 2-stage, 1-micro-batch pipeline: stage 0's forward is a 10 us shape op,
+    then 4 ms idle (a late wake-up), then its 50 ms op; stage 1 runs a collective that
+    waits 30 ms for its peer, then moves for 20 ms.  The stage lane closes the 4 ms gap
+    as the recorder does (1% of the run).  ``tagged``: the ops name their task."""
+    events = []
+    for pid in (1, 2):
+        events.append(dict(ph="M", name="process_name", pid=pid,
+                           args=dict(name="worker 0 device:CPU:%d" % (pid - 1))))
+
+    def op(pid, name, ts, dur, stage):
+        args = dict(name=name, op=name)
+        if tagged:
+            args.update(replica=0, stage=stage, micro_batch=0, phase="forward")
+        events.append(dict(ph="X", cat="op", name=name, pid=pid, tid=1, ts=ts, dur=dur,
+                           args=args))
+
+    def task(pid, ts, dur, stage):
+        events.append(dict(ph="X", cat="epl.stage", name="S%d F0" % stage, pid=pid, tid=3,
+                           ts=ts, dur=dur, args=dict(replica=0, stage=stage, micro_batch=0,
+                                                     phase="forward")))
+    op(1, "shape", 0, 10, 0)
+    op(1, "work", 4010, 50000, 0)
+    task(1, 0, 54010, 0)
+    op(2, "gather", 54010, 50000, 1)
+    task(2, 54010, 50000, 1)
+    events.append(dict(ph="X", cat="epl.collective", name="all_gather", pid=2, tid=2,
+                       ts=54010, dur=50000, args=dict(
+                           node="gather", op="all_gather(float)", group="g", transport="local",
+                           rank=0, peers=2, bytes=64, wait_us=30000, move_us=20000)))
+    doc = dict(traceEvents=events, otherData=dict(worker=0, step=1, num_stages=2,
+                                                  num_micro_batch=1))
+    with open(os.path.join(folder, "worker0_step1.trace.json"), "w") as f:
+        json.dump(doc, f)
+
+
+def test_bubble_counts_the_ops_own_time_not_the_stage_lane(tmp_path):
+    """A stage is busy while its ops run: not in a gap the stage lane closes for the eye,
+    not while a collective waits for its peer."""
+    _two_stage_trace(str(tmp_path), tagged=True)
+    (bubble,) = analysis.bubbles(analysis.load(str(tmp_path))[(1, 1)])
+    assert bubble.busy_us == [50010, 20000]
+    assert bubble.makespan_us == 104010
+    assert bubble.bubble == pytest.approx(1 - 35005.0 / 104010)
+
+
+def test_bubble_of_a_trace_whose_ops_name_no_task_reads_the_stage_lane(tmp_path):
+    _two_stage_trace(str(tmp_path), tagged=False)
+    (bubble,) = analysis.bubbles(analysis.load(str(tmp_path))[(1, 1)])
+    assert bubble.busy_us == [54010, 50000]
+
+
 def test_report_and_png(pipeline_run, tmp_path):
     folder, _ = pipeline_run
     text = analysis.report(folder)

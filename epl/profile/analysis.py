@@ -244,6 +244,33 @@ Bubble = collections.namedtuple("Bubble", "worker replica stages micro_batches m
                                           "busy_us bubble theory")
 
 
+def _stage_work(trace):
+    """{replica: {stage: [(start, end)]}}: when each pipeline stage's ops ran.  The ops
+    themselves, not the stage lane's spans: those close gaps of up to 1% of the run
+    between a task's ops for the eye, and a loaded machine's late wake-ups would count
+    as work.  An EPL collective counts from when its peers were ready (its wait is the
+    stage idle).  Traces written before ops named their task fall back to the spans."""
+    per = collections.defaultdict(lambda: collections.defaultdict(list))
+    for lane in trace.lanes.values():
+        moved = {}
+        for e in lane["collectives"]:
+            a = e["args"]
+            moved[a["node"]] = (e["ts"] + a.get("wait_us", 0), e["ts"] + e["dur"])
+        for e in lane["ops"]:
+            a = e["args"]
+            if "stage" not in a or e["dur"] <= 0:
+                continue
+            span = moved.get(a.get("name"), (e["ts"], e["ts"] + e["dur"]))
+            per[a["replica"]][a["stage"]].append(span)
+    if per:
+        return per
+    for lane in trace.lanes.values():
+        for e in lane["stages"]:
+            a = e["args"]
+            per[a["replica"]][a["stage"]].append((e["ts"], e["ts"] + e["dur"]))
+    return per
+
+
 def bubbles(traces):
     """[Bubble] per pipeline replica of one step (none without a pipeline)."""
     out = []
@@ -252,11 +279,7 @@ def bubbles(traces):
         m = int(t.meta.get("num_micro_batch", 1))
         if p < 2:
             continue
-        per = collections.defaultdict(lambda: collections.defaultdict(list))
-        for lane in t.lanes.values():
-            for e in lane["stages"]:
-                a = e["args"]
-                per[a["replica"]][a["stage"]].append((e["ts"], e["ts"] + e["dur"]))
+        per = _stage_work(t)
         for replica, stages in sorted(per.items()):
             every = [s for spans in stages.values() for s in spans]
             makespan = max(b for _, b in every) - min(a for a, _ in every)

@@ -421,11 +421,15 @@ def trace_document(traced, records, worker):
             events.append(dict(ph="M", name="thread_name", pid=pid[d], tid=tid,
                                args=dict(name=lane)))
     where = {}
+    tasks = task_map(traced.graph)
     for n in nodes:
         where.setdefault(n.name, n.device)
+        args = dict(name=n.name, op=n.op)
+        task = tasks.get(n.name)
+        if task is not None:   # the op's pipeline task: what a stage's busy time is made of
+            args.update(zip(("replica", "stage", "micro_batch", "phase"), task))
         events.append(dict(ph="X", cat="op", name=n.op, pid=pid[n.device], tid=1,
-                           ts=n.start_us, dur=max(n.end_us - n.start_us, 0),
-                           args=dict(name=n.name, op=n.op)))
+                           ts=n.start_us, dur=max(n.end_us - n.start_us, 0), args=args))
     for r in records:
         device = where.get(r.node)
         if device is None:
