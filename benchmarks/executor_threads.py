@@ -53,6 +53,7 @@ def measure_one(model, label, inter, intra, steps):
     import plan_accuracy as pa
     from epl.auto import search
     v1 = tf.compat.v1
+    common.tf1_graph_mode()   # TF 2.x: EPL rewrites TF1 graphs (refuses eager)
     strategy, devices = [(s, d) for l, d, s in pa.LAYOUTS if l == label][0]
     fns = pa.MODELS[model]
     _, train_op, _, _ = search.build(fns[0], fns[1], fns[2], strategy, devices)
@@ -131,7 +132,8 @@ def main(argv=None):
             rows.append(row)
             print(json.dumps(row), flush=True)
     columns = ["model", "layout"] + [n for n, _, _ in settings(cores)] + ["predicted"]
-    shown = [dict((k, ("%.2f ms" % (v * 1e3)) if isinstance(v, float) and k in columns else v)
+    shown = [dict((k, ("%.2f ms" % (v * 1e3)) if isinstance(v, float) and k in columns
+                   else ("failed" if isinstance(v, str) and k in columns[2:] else v))
                   for k, v in r.items()) for r in rows]
     common.print_table(shown, columns, "step median per thread setting (fresh process each)")
     common.write_json("executor_threads", {"cores": cores, "rows": rows}, args.json)
