@@ -287,6 +287,11 @@ class AllReduceOp : public ReducingKernel {
     return StrCat("all_reduce(", op_name_, ", ", tensorflow::DataTypeString(dtype_), ")");
   }
   void Complete(std::vector<Arrival>* all) override {
+    if (all->size() == 1) {   // one rank: its tensor is the reduction (no copy)
+      (*all)[0].ctx->set_output(0, (*all)[0].inputs[0]);
+      FinishAll(all, OkStatus());
+      return;
+    }
     Status s = SameShape(*all, "all_reduce");
     Tensor out;
     OpKernelContext* ctx = all->back().ctx;
@@ -321,6 +326,11 @@ class AllReduceNOp : public ReducingKernel {
                   ")");
   }
   void Complete(std::vector<Arrival>* all) override {
+    if (all->size() == 1) {   // one rank (a replica alone): its tensors are the reduction
+      for (int i = 0; i < n_; ++i) (*all)[0].ctx->set_output(i, (*all)[0].inputs[i]);
+      FinishAll(all, OkStatus());
+      return;
+    }
     Status s;
     for (size_t r = 1; s.ok() && r < all->size(); ++r)
       for (int i = 0; s.ok() && i < n_; ++i)

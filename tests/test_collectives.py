@@ -37,7 +37,7 @@ def _tol(dtype):
             np.float32: dict(rtol=1e-5, atol=1e-4)}.get(dtype, dict(rtol=1e-12, atol=1e-9))
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [1, 2, 4])   # 1: a replica alone (its tensor, no copy)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(7, 3), (0,), (1,), (1001,)])
 @pytest.mark.parametrize("how", ["sum", "mean", "max", "min"])
@@ -177,7 +177,7 @@ def _onehot(shape, idx):
     return z
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [1, 2, 4])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_all_reduce_n_fused(n, dtype):
     shapes = [(3,), (0,), (2, 5), (1,), (1001,)]
