@@ -57,6 +57,44 @@ def test_a_tensor_is_freed_after_its_last_reader():
     assert _walk(sequence) == 2 * ONE      # never more than two alive
 
 
+def _one_rank_all_reduce_step(reduce_n):
+    """a, b = x @ w, x @ w2; ra, rb = EPL's all-reduce of them over one rank; then c =
+    ra @ w while rb waits: (graph, fetch, feed)."""
+    from epl.communicators import native_ops
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, WIDTH])
+        twice = tf.constant(np.full((WIDTH, WIDTH), 2.0, np.float32))
+        a, b = v1.matmul(x, _w()), v1.matmul(x, twice)
+        if reduce_n:
+            ra, rb = native_ops.all_reduce_n([a, b], "liveness/one_n", 0, 1, "sum")
+        else:
+            ra = native_ops.all_reduce(a, "liveness/one_a", 0, 1, "sum")
+            rb = native_ops.all_reduce(b, "liveness/one_b", 0, 1, "sum")
+        c = v1.matmul(ra, _w())
+        with tf.control_dependencies([c]):
+            out = tf.reduce_sum(c) + tf.reduce_sum(rb)
+    return graph, out, x
+
+
+@pytest.mark.parametrize("reduce_n", [True, False])
+def test_an_all_reduce_of_one_rank_passes_its_inputs_through(reduce_n):
+    """EPL's all-reduce over one rank (a replica alone) outputs its inputs: a and b stay
+    alive while c is made (3 buffers), as the traced step holds them; with a copy into
+    the group's kept buffer they were freed at the all-reduce (1 buffer)."""
+    from epl.communicators import native_library
+    if not native_library.available():
+        pytest.skip("EPL's C++ op library is not built")
+    graph, out, x = _one_rank_all_reduce_step(reduce_n)
+    walked = liveness.peak_bytes(sorted(ir.upstream([out.op]), key=tfg.op_id), ROWS)
+    assert walked >= 3 * ONE and walked <= 3 * ONE + 64, walked
+    with graph.as_default(), v1.Session() as sess:
+        feed = {x: np.ones((ROWS, WIDTH), np.float32)}
+        sess.run(out, feed)
+        _, md = traced_run(sess, out, feed)
+    assert abs(traced_peak(md) - walked) <= 0.05 * walked, (traced_peak(md), walked)
+
+
 def test_the_gpt_step_matches_the_traced_peak():
     """The model the summed estimate missed by 15 %: within 8 % of the traced peak
     (measured 2.5 %), and the summed figure is further off than the walk."""

@@ -58,7 +58,24 @@ _KEPT_OUTPUT = 1 << 16
 def _kept_across_steps(op):
     try:
         return op.get_attr("transport") in (b"inprocess", "inprocess") \
-            and op.get_attr("group") is not None
+            and op.get_attr("group") is not None and op.get_attr("size") > 1
+    except ValueError:
+        return False
+
+
+_REDUCTIONS = ("EplAllReduce", "EplAllReduceN")
+
+
+def _passes_through(op):
+    """An EPL all-reduce of a group of one rank in this process (a replica alone: data
+    parallelism on one device): its outputs are its inputs (csrc/ops.cc), so each
+    input lives until the output's last reader (under data parallelism every update
+    waits for every reduced gradient: the step holds them all)."""
+    if op.type not in _REDUCTIONS:
+        return False
+    try:
+        return op.get_attr("size") == 1 \
+            and op.get_attr("transport") in (b"inprocess", "inprocess")
     except ValueError:
         return False
 
@@ -241,12 +258,14 @@ def _walk(ops, rows, side_by_side, trace, device_of=None):
     ``trace``: a dict that gets {device: (op at its peak, [(bytes, buffer) alive there])}."""
     where = device_of or (lambda op: None)
     ops = [op for op in ops if op.type not in _NO_ALLOCATION]
-    views = set(op for op in ops if _is_view(op))
+    views = set(op for op in ops if _is_view(op) or _passes_through(op))
     buffer_of, size, readers, owner = {}, {}, {}, {}  # tensor -> buffer; buffer -> ...
     for op in ops:
         for t in op.outputs:
-            if op in views and t.value_index == 0 and op.inputs[0] in buffer_of:
-                buffer_of[t] = buffer_of[op.inputs[0]]
+            # (a view's first output is its first input; a pass-through's each its own)
+            k = t.value_index if op.type in _REDUCTIONS else 0
+            if op in views and t.value_index == k and op.inputs[k] in buffer_of:
+                buffer_of[t] = buffer_of[op.inputs[k]]
                 continue
             buffer_of[t] = t        # (a view of a variable or an input holds no bytes)
             size[t] = 0 if op in views else tensor_bytes(t, rows)
