@@ -24,7 +24,7 @@ its integer inputs their static values (shapes, axes, paddings) or zeros (labels
 indices).  What cannot be rebuilt (unknown shapes, state, control flow, functions) is
 left to the roofline.
 
-Results are cached beside the calibration (``<cache>-kernels-v2.json``), keyed by the
+Results are cached beside the calibration (``<cache>-kernels-v3.json``), keyed by the
 kernel's signature, so a model is timed once per machine.  A product that cannot be
 built alone (an einsum, explicit padding) is left to the FLOP model; a kernel that
 fails to run alone is cached as untimed (None).
@@ -150,12 +150,42 @@ def kernel_inputs(sig, rng, device, constants=False):
             elif dtype.is_floating:     # (read once: a chain's copies share the read)
                 x = tf.identity(tf.cast(v1.Variable(
                     rng.uniform(0.5, 1.5, dims).astype(np.float32), trainable=False), dtype))
+                v1.add_to_collection(PRELUDE, x.op)     # (read, or cast, each run)
             elif constants:     # labels, indices: zeros are in range
                 x = tf.constant(np.zeros(dims, dtype.as_numpy_dtype))
             else:
                 x = tf.zeros(dims, dtype)
             feeds["in_%d:0" % i] = x
+        if json.loads(sig)[1] == "MaxPoolGrad" and not constants:
+            feeds["in_1:0"] = _pooled(sig, feeds["in_0:0"])
     return feeds
+
+
+# The ops that make a kernel's inputs in each run of its chain (not its copies'): a
+# timing's empty run runs them too (``_time_one``), so that a lone run's cost beyond
+# its chain (``first``: the wake-up) holds none of them.  Measured (TF 2.21, the Xeon
+# with AMX): the conv net's bf16 kernels' inputs, cast from float32 each run, read as
+# 0.5-0.9 ms wake-ups a kernel, 15 ms a replica's step, and priced its DP 2 + AMP step
+# at 34.8 ms against 22.9 measured (its kernels' work alone: 21.9).
+PRELUDE = "epl_kernel_prelude"
+# A max pool's gradient runs oneDNN's kernel (TensorFlow 2.x on Intel CPUs) only where
+# its second input is the forward max pool's output, whose workspace it reads
+# (mkl_layout_pass: MaxPoolGrad is rewritten only then); fed any other tensor it runs
+# Eigen's.  Measured (the conv net, TF 2.21, the Xeon with AMX): its two MaxPoolGrads
+# took 4.6 + 2.2 ms in chains on fed inputs, 1.2 ms together in the step (the conv net's
+# rows read +9 ... +26 % for it).  So a chain's copies read a max pool of the first
+# input, made once a run (``PRELUDE``).
+
+
+def _pooled(sig, x):
+    """The forward max pool of ``x`` by the attributes of MaxPoolGrad ``sig``."""
+    node = v1.NodeDef.FromString(base64.b64decode(json.loads(sig)[2]))
+    attr = node.attr
+    fmt = attr["data_format"].s.decode() if "data_format" in attr else "NHWC"
+    y = v1.nn.max_pool(x, list(attr["ksize"].list.i), list(attr["strides"].list.i),
+                       attr["padding"].s.decode(), data_format=fmt)
+    v1.add_to_collection(PRELUDE, y.op)
+    return y
 
 
 def import_kernel(sig, feeds, device):
@@ -187,7 +217,9 @@ def _product_inputs(sig, rng):
 
     def var(shape):     # (read once: a chain's copies share the read)
         x = v1.Variable(rng.rand(*shape).astype(np.float32), trainable=False)
-        return tf.identity(tf.cast(x, attrs["T"]) if "T" in attrs else x)
+        x = tf.identity(tf.cast(x, attrs["T"]) if "T" in attrs else x)
+        v1.add_to_collection(PRELUDE, x.op)     # (read, or cast, each run)
+        return x
     if kind == "Conv2DBackpropInput":
         return [None, var(shapes[1]), var(shapes[2])]
     if kind == "Conv2DBackpropFilter":
@@ -419,18 +451,24 @@ def _time_one(sig, rng, cores):
     graph = tf.Graph()
     with graph.as_default():
         try:
-            chains = [_chain(sig, rng, "/device:CPU:%d" % i, cores)
-                      for i in range(cores)]
+            chains, mine = [], 0
+            for i in range(cores):
+                chains.append(_chain(sig, rng, "/device:CPU:%d" % i, cores))
+                if i == 0:
+                    mine = len(v1.get_collection(PRELUDE))
         except (ValueError, TypeError, tf.errors.OpError):
             if not kernel:
                 raise
             return None
+        # Session.run's own, and the inputs the first chain's runs make (``PRELUDE``)
+        floor = tf.group(*v1.get_collection(PRELUDE)[:mine])
         with v1.Session(graph=graph, config=session_config(cores)) as sess:
             try:
                 sess.run(v1.global_variables_initializer())
                 sess.run(v1.get_collection(update_timing.INITS))
-                floor = tf.no_op()                  # Session.run's own
                 alone, first, empty = _per_copy(sess, chains[:1], budget, floor)
+                # (``first_shared`` is recorded, not priced: the other chains' inputs
+                # are in it)
                 shared, first_shared, _ = _per_copy(sess, chains, budget)
                 return {"alone": alone, "shared": shared, "first": max(0.0, first),
                         "first_shared": max(0.0, first_shared - empty)}
@@ -459,8 +497,8 @@ def input_seconds(dataset_fn, budget=0.3):
 
 def cache_path():
     # (``-products.json`` held the times of single runs, ``-kernels.json`` the chains
-    # without ``first``: not read)
-    return os.path.splitext(local.cache_path())[0] + "-kernels-v2.json"
+    # without ``first``, ``-kernels-v2.json`` max pool gradients on fed inputs: not read)
+    return os.path.splitext(local.cache_path())[0] + "-kernels-v3.json"
 
 
 def timed(sigs, cores, path=None):
