@@ -59,7 +59,7 @@ def test_a_tensor_is_freed_after_its_last_reader():
 
 def _one_rank_all_reduce_step(reduce_n):
     """a, b = x @ w, x @ w2; ra, rb = EPL's all-reduce of them over one rank; then c =
-    ra @ w while rb waits: (graph, fetch, feed)."""
+    ra @ w (after rb) while rb waits: (graph, fetch, feed)."""
     from epl.communicators import native_ops
     graph = tf.Graph()
     with graph.as_default():
@@ -71,7 +71,8 @@ def _one_rank_all_reduce_step(reduce_n):
         else:
             ra = native_ops.all_reduce(a, "liveness/one_a", 0, 1, "sum")
             rb = native_ops.all_reduce(b, "liveness/one_b", 0, 1, "sum")
-        c = v1.matmul(ra, _w())
+        with tf.control_dependencies([rb]):     # (b before c, whatever the executor picks)
+            c = v1.matmul(ra, _w())
         with tf.control_dependencies([c]):
             out = tf.reduce_sum(c) + tf.reduce_sum(rb)
     return graph, out, x
