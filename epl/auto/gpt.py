@@ -12,8 +12,9 @@ embeddings, every block and the head (final LayerNorm, LM head, loss) each under
 ``epl.split(t)`` (docs/split.md: column/row-parallel dense layers, head-parallel
 attention: with ``split`` Q, K and V are three products, the heads EPL splits; the
 fused Q/K/V product's slices would run whole on the split's first device; the LM head
-tied to the embedding and its loss do: EPL says so when it rewrites).  On ``d * t`` devices with no ``replicate`` scope EPL runs it as ``d``
-data-parallel groups of ``t`` devices (Megatron-LM's t x d).  Build it after
+tied to the embedding and its loss do: EPL says so when it rewrites).  On ``d * t``
+devices with no ``replicate`` scope EPL runs it as ``d`` data-parallel groups of ``t``
+devices (Megatron-LM's t x d).  Build it after
 ``epl.init``; the planner prices the model built without ``split`` (``t`` comes from the
 strategy's ``["tensor_parallel", {"degree": t}]``).
 """

@@ -92,6 +92,7 @@ class Profile(object):
         self.gc_fraction = None     # activations EPL's automatic GC holds (a share)
         self.gc_recomputed = None   # {kernel signature: count} that GC runs again
         self.step_peak = None       # updates_last -> a step's transient peak at rows
+        self.split = None           # the tensors EPL's split shards (step_graph.split_share)
         self.dataflow = None        # () -> the step's ops at rows (step_graph.dataflow)
         self.built_dataflow = None  # EPL config -> the same, as EPL builds the model
         self.input_seconds = lambda: 0.0    # () -> seconds the input takes for a batch
@@ -221,7 +222,7 @@ def profile(model_fn, dataset_fn, optimizer_fn, block_pattern=BLOCK_PATTERN):
     prof.restaged = lambda stage_of: _read(graph, features, forward, backward, trainable,
                                            rows, block_pattern, stage_of)
     step_ops = step_graph.optimized_step(graph, train_op)
-    prof.step_peak = step_graph.step_peak(step_ops, rows)
+    prof.step_peak = step_graph.step_peak(step_ops, rows, prof.split)
     run_ops = step_graph.optimized_step(graph, train_op, grappler.ON_CPU)
     flows = {}
 
@@ -341,9 +342,14 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
     split = set()                 # tensor names sharded under tensor parallelism
     unsplit_vars = set()          # variables of products EPL's split keeps whole
     split_products = {}           # forward op name -> (op, shards.forward_axes or None)
+    epl_split = set()             # ... under EPL's own split (the tied head whole)
+    split_shapes = {}             # forward op name -> shapes of its sharded tensors
+    weighted = []                 # (forward product, [(variable, shape)])
     heads = None
     var_regions = {}
     entered = set()
+    gathered = set(v.name for v in (_variable_of(op.inputs[0]) for op in forward
+                                    if op.type in _GATHERS) if v is not None)
     for op in forward:
         reg = regions[region_of[op.name]]
         if op.name not in batch_ops:
@@ -357,6 +363,13 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
         # that ends column-parallel hands its next one a sharded input, docs/split.md)
         in_split = any(t.name in split for t in op.inputs if t.op.name in batch_ops)
         weight = any(v is not None for v, _ in var_inputs)
+        # EPL's own split runs a product of a weight an embedding gathers from whole, on
+        # the first device (a tied LM head reads the shards' concatenation,
+        # docs/split.md; traced: the GPT's logits whole on one device), and what reads
+        # it; Megatron-LM's shards it over the vocabulary (the figures below)
+        tied = op.type in _MATMULS and any(v is not None and v.name in gathered
+                                           for v, _ in var_inputs)
+        whole_input = in_split and not any(t.name in epl_split for t in op.inputs)
         out_split = in_split
         if op.type in _MATMULS:
             flops = shapes.op_flops(op, rows) / rows
@@ -378,6 +391,9 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
                 reg.flops_split += flops
             elif in_split:
                 reg.flops_split += flops
+            if weight and not tied:
+                weighted.append((op.name, [(v.name, tuple(shapes.dims(x, rows) or ()))
+                                           for v, x in var_inputs if v is not None]))
             if (weight or in_split) and sig is not None:
                 held = [i for i, (v, _) in enumerate(var_inputs) if v is not None]
                 axes = shards.forward_axes(op, held[-1] if held else None, in_split)
@@ -393,9 +409,17 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
         kernel = None if op.type in _MATMULS else product_timing.kernel_signature(op, rows)
         if kernel is not None:
             reg.kernels.setdefault(kernel, [0, 0])[0] += 1
+        epl_out = out_split and not (tied or whole_input)
+        sharded = [t for t in op.inputs if t.name in epl_split] + \
+            (list(op.outputs) if epl_out else [])
+        if sharded:
+            split_shapes.setdefault(op.name, set()).update(
+                tuple(shapes.dims(t, rows) or ()) for t in sharded)
         for t in op.outputs:
             if out_split:
                 split.add(t.name)
+            if epl_out:
+                epl_split.add(t.name)
             if op.type not in _MATMULS and op.type not in _VIEWS and t.dtype.is_floating:
                 b = shapes.nbytes(t, rows) / float(rows)
                 reg.pointwise += b
@@ -445,4 +469,8 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
     blocks = [regions[k] for k in block_ids]
     prof = Profile(rows, regions["pre"], blocks, regions["post"], 0.0, heads, 0.0)
     prof.shared = shared
+    for name, held in weighted:     # (a sharded weight's gradient is sharded)
+        split_shapes.setdefault(name, set()).update(
+            shape for var, shape in held if len(shape) >= 2 and var not in unsplit_vars)
+    prof.split = (frozenset(epl_split), split_shapes)
     return prof

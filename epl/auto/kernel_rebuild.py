@@ -17,8 +17,9 @@ def kernel_inputs(sig, rng, device, constants=False):
     float inputs random variables (``constants``: random constants, read in place with
     no op of their own to run: ``kernel_mix``), integer ones their values or zeros."""
     feeds = {}
+    _, kind, blob, inputs = json.loads(sig)
     with v1.device(device):
-        for i, (dtype, dims, value) in enumerate(json.loads(sig)[3]):
+        for i, (dtype, dims, value) in enumerate(inputs):
             dtype = tf.as_dtype(dtype)
             if value is not None:
                 x = tf.constant(value, dtype)
@@ -35,17 +36,17 @@ def kernel_inputs(sig, rng, device, constants=False):
             else:
                 x = tf.zeros(dims, dtype)
             feeds["in_%d:0" % i] = x
-        if json.loads(sig)[1] == "MaxPoolGrad" and not constants:
-            feeds["in_1:0"] = _pooled(sig, feeds["in_0:0"])
+        if kind == "MaxPoolGrad" and not constants:
+            feeds["in_1:0"] = _pooled(blob, feeds["in_0:0"])
     return feeds
 
 
 # The ops that make a kernel's inputs in each run of its chain (not its copies'): a
-# timing's empty run runs them too (``product_timing._time_one``), so that a lone run's cost beyond
-# its chain (``first``: the wake-up) holds none of them.  Measured (TF 2.21, the Xeon
-# with AMX): the conv net's bf16 kernels' inputs, cast from float32 each run, read as
-# 0.5-0.9 ms wake-ups a kernel, 15 ms a replica's step, and priced its DP 2 + AMP step
-# at 34.8 ms against 22.9 measured (its kernels' work alone: 21.9).
+# timing's empty run runs them too (``product_timing._time_one``), so that a lone run's
+# cost beyond its chain (``first``: the wake-up) holds none of them.  Measured (TF 2.21,
+# the Xeon with AMX): the conv net's bf16 kernels' inputs, cast from float32 each run,
+# read as 0.5-0.9 ms wake-ups a kernel, 15 ms a replica's step, and priced its DP 2 +
+# AMP step at 34.8 ms against 22.9 measured (its kernels' work alone: 21.9).
 PRELUDE = "epl_kernel_prelude"
 # A max pool's gradient runs oneDNN's kernel (TensorFlow 2.x on Intel CPUs) only where
 # its second input is the forward max pool's output, whose workspace it reads
@@ -56,9 +57,10 @@ PRELUDE = "epl_kernel_prelude"
 # input, made once a run (``PRELUDE``).
 
 
-def _pooled(sig, x):
-    """The forward max pool of ``x`` by the attributes of MaxPoolGrad ``sig``."""
-    node = v1.NodeDef.FromString(base64.b64decode(json.loads(sig)[2]))
+def _pooled(blob, x):
+    """The forward max pool of ``x`` by the attributes of a MaxPoolGrad's NodeDef
+    (``blob``: base64, as a kernel signature holds it)."""
+    node = v1.NodeDef.FromString(base64.b64decode(blob))
     attr = node.attr
     fmt = attr["data_format"].s.decode() if "data_format" in attr else "NHWC"
     y = v1.nn.max_pool(x, list(attr["ksize"].list.i), list(attr["strides"].list.i),

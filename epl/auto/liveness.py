@@ -211,17 +211,18 @@ def dataflow_order(ops, updates_last=False):
     return out
 
 
-def peak_bytes(ops, rows, updates_last=False, side_by_side=True, trace=None):
+def peak_bytes(ops, rows, updates_last=False, side_by_side=True, trace=None, share=None):
     """The peak of the live bytes while ``ops`` run (a list of ``tf.Operation`` in
     creation order; tensors of ops outside it are inputs already there: not counted)
     in ``dataflow_order``.  ``rows``: the size of an unknown dimension.
     ``side_by_side``: an op's scratch overlaps the previous op's (a device with the
     cores to itself runs ready kernels together; traced: one device held both
     gradient kernels' buffers of a convolution, each of 2 devices on 2 cores one at a
-    time).  ``trace``: a
-    list that gets [(op at the peak, [(bytes, buffer) alive])]."""
+    time).  ``trace``: a list that gets [(op at the peak, [(bytes, buffer) alive])].
+    ``share``: tensor -> the part of its bytes one device holds (the whole model's step
+    walked as its tensor-parallel split: ``step_graph.split_share``)."""
     at = {} if trace is not None else None
-    peak = _walk(dataflow_order(ops, updates_last), rows, side_by_side, at)
+    peak = _walk(dataflow_order(ops, updates_last), rows, side_by_side, at, share=share)
     if trace is not None:
         trace[:] = list(at.values())
     return peak
@@ -251,11 +252,12 @@ def device_peaks(ops, rows, device_of, trace=None):
                  device_of)
 
 
-def _walk(ops, rows, side_by_side, trace, device_of=None):
+def _walk(ops, rows, side_by_side, trace, device_of=None, share=None):
     """The peak of the live bytes while ``ops`` run in this order ({device: peak} with
     ``device_of``: op -> device; a buffer counts on its maker's device); ``side_by_side``:
     a bool, or op -> whether its scratch may overlap the previous op's on its device;
-    ``trace``: a dict that gets {device: (op at its peak, [(bytes, buffer) alive there])}."""
+    ``trace``: a dict that gets {device: (op at its peak, [(bytes, buffer) alive there])};
+    ``share``: tensor -> the part of its bytes counted (``peak_bytes``)."""
     where = device_of or (lambda op: None)
     ops = [op for op in ops if op.type not in _NO_ALLOCATION]
     views = set(op for op in ops if _is_view(op) or _passes_through(op))
@@ -271,6 +273,8 @@ def _walk(ops, rows, side_by_side, trace, device_of=None):
             size[t] = 0 if op in views else tensor_bytes(t, rows)
             if size[t] >= _KEPT_OUTPUT and _kept_across_steps(op):
                 size[t] = 0
+            if share is not None:
+                size[t] = int(size[t] * share(t))
             readers[t] = set()
     for op in ops:
         if op in views:             # views read on behalf of their outputs' readers

@@ -378,12 +378,12 @@ def price(profile, layout, cluster, global_batch=None):
         # the liveness walk of the graph the session runs (gradients and activations
         # together, as TF frees them; the gradients all wait for EPL's all-reduce, on
         # one device too, where it passes them through: every update waits for them
-        # all): ``epl.auto.liveness``
-        walked = p == 1 and t == 1 and not lay.recompute and mb == profile.rows \
-            and cluster.stage_cut == "epl" and profile.step_peak
+        # all): ``epl.auto.liveness``; a split model (float32): walked as its split
+        walked = p == 1 and (t == 1 or not amp) and not lay.recompute \
+            and mb == profile.rows and cluster.stage_cut == "epl" and profile.step_peak
         split_off = head.params_split * (1.0 - 1.0 / d) * 4 if head is not None else 0.0
         if walked:      # (the walk holds the whole head's gradient, and the scratch)
-            acts = profile.step_peak(updates_last=True, side_by_side=t * p * d == 1) \
+            acts = profile.step_peak(updates_last=True, side_by_side=t * p * d == 1, t=t) \
                 - grads - split_off
             scratch = 0.0
         held = weights * held_share
