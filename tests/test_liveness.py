@@ -185,3 +185,42 @@ def test_the_split_gpt_step_walks_as_its_split():
     measured = max(traced_peak(md, cluster.local_device(i)) for i in range(2))
     assert abs(walked - measured) <= 0.10 * measured, (walked, measured)
     assert walked < 0.8 * prof.step_peak(updates_last=True), walked
+
+
+def _square_mlp():
+    """512 -> 1024 -> 1024 -> 1024: EPL's split runs layer_0 and layer_2 column-
+    parallel (their outputs sharded), layer_1 row-parallel (its output summed)."""
+    def dataset_fn():
+        x = np.zeros((ROWS, 512), np.float32)
+        return v1.data.Dataset.from_tensors(x).repeat()
+
+    def model_fn(x):
+        h = x
+        for i in range(3):
+            h = v1.layers.dense(h, 1024, activation=tf.nn.relu, name="layer_%d" % i)
+        return tf.reduce_sum(h)
+    return model_fn, dataset_fn, lambda: v1.train.GradientDescentOptimizer(0.1)
+
+
+def test_a_square_column_parallel_layers_input_gradient_is_whole():
+    """The gradient of a column-parallel layer's input is whole under EPL's split (it
+    sums it); a square layer's has the shape of its sharded output, and the shape rule
+    counted it at half (stop 70).  A row-parallel layer's input gradient and every
+    sharded kernel's gradient stay at half."""
+    from epl.auto import step_graph
+    model_fn, dataset_fn, optimizer_fn = _square_mlp()
+    prof = graph_profile.profile(model_fn, dataset_fn, optimizer_fn)
+    share = step_graph.split_share(prof.split, 2, ROWS)
+    graph = tf.Graph()
+    with graph.as_default():        # the same names as the profile's graph
+        x = v1.data.make_one_shot_iterator(dataset_fn()).get_next()
+        optimizer_fn().minimize(model_fn(x))
+        t = graph.get_tensor_by_name
+        assert share(t("layer_0/Relu:0")) == 0.5            # column-parallel output
+        assert share(t("layer_1/MatMul:0")) == 1.0          # row-parallel: summed
+        assert share(t("layer_2/Relu:0")) == 0.5
+        grad = "gradients/layer_%d/MatMul_grad/MatMul%s:0"
+        assert share(t(grad % (1, ""))) == 0.5     # the row-parallel layer's input
+        assert share(t(grad % (2, ""))) == 1.0     # the square column-parallel's input
+        for i in range(3):                         # every kernel's gradient
+            assert share(t(grad % (i, "_1"))) == 0.5, i

@@ -36,7 +36,7 @@ _PASS = ("Identity", "ReadVariableOp", "Cast", "Enter", "Reshape", "Transpose")
 _VIEWS = ("Reshape", "Identity", "Squeeze", "ExpandDims", "StridedSlice", "Slice",
           "StopGradient", "Unpack", "Split")
 _SHAPE_OPS = ("Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs")
-_GRAD_OF = re.compile(r"gradients(?:_\d+)?/(.*?)_grad/")
+_GRAD_OF = step_graph.GRAD_OF      # a gradient op's name -> its forward op's
 _GATHERS = ("GatherV2", "Gather", "ResourceGather")
 
 
@@ -344,6 +344,7 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
     split_products = {}           # forward op name -> (op, shards.forward_axes or None)
     epl_split = set()             # ... under EPL's own split (the tied head whole)
     split_shapes = {}             # forward op name -> shapes of its sharded tensors
+    whole_in = {}                 # ... -> shapes of its whole activation inputs
     weighted = []                 # (forward product, [(variable, shape)])
     heads = None
     var_regions = {}
@@ -415,6 +416,10 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
         if sharded:
             split_shapes.setdefault(op.name, set()).update(
                 tuple(shapes.dims(t, rows) or ()) for t in sharded)
+            # (a gradient with the shape of a whole input is that input's: whole)
+            whole_in.setdefault(op.name, set()).update(
+                tuple(shapes.dims(t, rows) or ()) for (v, t) in var_inputs
+                if v is None and t.name not in epl_split and t.dtype.is_floating)
         for t in op.outputs:
             if out_split:
                 split.add(t.name)
@@ -472,5 +477,7 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
     for name, held in weighted:     # (a sharded weight's gradient is sharded)
         split_shapes.setdefault(name, set()).update(
             shape for var, shape in held if len(shape) >= 2 and var not in unsplit_vars)
+    for name, whole in whole_in.items():
+        split_shapes[name] -= whole
     prof.split = (frozenset(epl_split), split_shapes)
     return prof

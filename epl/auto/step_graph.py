@@ -236,7 +236,7 @@ def step_peak(step_ops, rows, split=None):
     return step_peak
 
 
-_GRAD_OF = re.compile(r"gradients(?:_\d+)?/(.*?)_grad/")
+GRAD_OF = re.compile(r"gradients(?:_\d+)?/(.*?)_grad/")     # its forward op's name
 
 
 def split_share(split, t, rows):
@@ -244,8 +244,9 @@ def split_share(split, t, rows):
     (docs/split.md), for a step of the whole model: ``split`` = (the forward tensors
     the split shards, {forward op: the shapes of its sharded tensors and weights}).
     A gradient op's output with the shape of a sharded tensor or weight of its forward
-    op is sharded too (the gradient of a column-parallel layer's input is whole: EPL
-    all-reduces it).  Measured (TF 1.15, the MLP under epl.split(2)): its step's peak
+    op is sharded too, unless a whole input of that op has that shape (the gradient of
+    a column-parallel layer's input is whole: EPL all-reduces it; a square layer's is
+    counted whole).  Measured (TF 1.15, the MLP under epl.split(2)): its step's peak
     held its gradients' halves (6.5 MiB on a device), the whole model's walk 14.5;
     the GPT's held the LM head's logits whole beside the blocks' halves."""
     tensors, shapes_of = split
@@ -253,7 +254,7 @@ def split_share(split, t, rows):
     def share(tensor):
         if tensor.name in tensors:
             return 1.0 / t
-        m = _GRAD_OF.match(tensor.op.name)
+        m = GRAD_OF.match(tensor.op.name)
         if m and m.group(1) in shapes_of:
             dims = shapes.dims(tensor, rows)
             if dims is not None and tuple(dims) in shapes_of[m.group(1)]:
