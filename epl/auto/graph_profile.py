@@ -68,6 +68,10 @@ class Region(object):
         self.allreduce_bytes = []   # per row, each all-reduce of the forward pass
         self.pointwise = 0.0        # bytes per row written by the other ops (roofline)
         self.pointwise_split = 0.0  # ... of those sharded
+        # what Megatron-LM shards and EPL's own split runs whole on the first device (a
+        # tied LM head and what reads it): forward flops and pointwise bytes per row,
+        # and its products' ``shards`` entries
+        self.epl_whole = {"flops": 0.0, "pointwise": 0.0, "shards": {}}
         self.params = 0             # parameters (elements)
         self.params_split = 0       # ... of 2-D or larger variables (sharded by t)
         self.variables = []         # names
@@ -395,12 +399,16 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
             if weight and not tied:
                 weighted.append((op.name, [(v.name, tuple(shapes.dims(x, rows) or ()))
                                            for v, x in var_inputs if v is not None]))
+            if (weight or in_split) and (tied or whole_input):
+                reg.epl_whole["flops"] += flops
             if (weight or in_split) and sig is not None:
                 held = [i for i, (v, _) in enumerate(var_inputs) if v is not None]
                 axes = shards.forward_axes(op, held[-1] if held else None, in_split)
-                split_products[op.name] = (op, axes)
+                split_products[op.name] = (op, axes, tied or whole_input)
                 recipe = shards.forward_recipe(op, axes) if axes else None
-                reg.shards.setdefault(shards.key(sig, recipe), [0, 0])[0] += 1
+                for kept in [reg.shards] + ([reg.epl_whole["shards"]]
+                                            if tied or whole_input else []):
+                    kept.setdefault(shards.key(sig, recipe), [0, 0])[0] += 1
             dims = shapes.dims(op.outputs[0], rows)
             if op.type.startswith("BatchMatMul") and dims and len(dims) == 4 and heads is None:
                 heads = dims[1]
@@ -432,6 +440,7 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
                     reg.kernel_pointwise[kernel] = reg.kernel_pointwise.get(kernel, 0.0) + b
                 if out_split:
                     reg.pointwise_split += b
+                    reg.epl_whole["pointwise"] += 0.0 if epl_out else b
             if t.name not in consumers or not t.dtype.is_floating or t.op.name not in fwd_names:
                 continue
             b = shapes.nbytes(t, rows) / float(rows)
@@ -450,9 +459,11 @@ def _read(graph, features, forward, backward, trainable, rows, block_pattern, st
 
     for op, where, sig, forward_name in gradient_products:
         if forward_name in split_products:
-            fop, axes = split_products[forward_name]
+            fop, axes, whole = split_products[forward_name]
             recipe = shards.gradient_recipe(op, fop, axes) if axes else None
-            regions[where].shards.setdefault(shards.key(sig, recipe), [0, 0])[1] += 1
+            reg = regions[where]
+            for kept in [reg.shards] + ([reg.epl_whole["shards"]] if whole else []):
+                kept.setdefault(shards.key(sig, recipe), [0, 0])[1] += 1
 
     shared = {}
     for v in trainable:

@@ -127,9 +127,11 @@ def price(profile, layout, cluster, global_batch=None):
     amp = lay.dtype in ("fp16", "bf16")
     width = _WIDTH[lay.dtype]
     act_scale = 0.5 if amp else 1.0            # float32 tensors become 16-bit under AMP
-    # ... in time and on Megatron's GPUs; EPL's AMP on its CPU devices keeps the float32
-    # activations beside the 16-bit copies (measured, below)
+    # (in time and on Megatron's GPUs; EPL's AMP on CPU devices keeps float32's: below)
     kept_scale = 1.0 if amp and cluster.stage_cut == "epl" else act_scale
+
+    def split_of(r, what):  # what the split divides: on EPL's runtime or Megatron's
+        return shards.split_part(r, what, cluster.stage_cut == "epl")
 
     def saved(r):
         """Activation bytes per row the backward pass reads, on one device."""
@@ -140,10 +142,10 @@ def price(profile, layout, cluster, global_batch=None):
 
     def pw(r):
         """Bytes per row the non-product ops write, on one device (AMP: 16-bit)."""
-        return ((r.pointwise - r.pointwise_split) + r.pointwise_split / float(t)) * act_scale
+        return (r.pointwise - split_of(r, "pointwise") * (1.0 - 1.0 / t)) * act_scale
 
     def flops(r):
-        return (r.flops - r.flops_split) + r.flops_split / float(t)
+        return r.flops - split_of(r, "flops") * (1.0 - 1.0 / t)
 
     if lay.split_head and (p > 1 or t > 1):
         raise ValueError("epl.auto: the split head is priced with data parallelism only "
@@ -172,12 +174,10 @@ def price(profile, layout, cluster, global_batch=None):
         if p > 1 and cluster.stage_cut == "epl":
             regions_all += list(profile.epl_stages(p) or [])
         sigs = region_sigs()
-    # One stage, or a whole pipeline, on one machine: the step's dataflow graph
-    # replayed on the shared cores (epl.auto.local_step); GC adds the forward kernels
-    # it runs again
+    # One stage, or a whole pipeline, on one machine: the step's dataflow graph replayed
+    # on the shared cores (epl.auto.local_step); GC adds the forward kernels it reruns
     flow, whole_step = local_step.flow_of(profile, lay, cluster, head is None)
-    # ZeRO and offload on this machine's devices: their own ops, EPL's built step with
-    # them replayed against the same step without
+    # ZeRO and offload here: their own ops, EPL's built step with them replayed less without
     moved = local_step.state_flows(profile, lay, cluster, head is None)
     for f in [flow] + list(moved or []):
         if f is not None:
@@ -234,17 +234,18 @@ def price(profile, layout, cluster, global_batch=None):
         def timed_s(counts, split, whole):      # {sig: [forward, backward] runs}
             return sum(n[1 if backward else 0] * kernel_s(sig) for sig, n in
                        counts.items()) * split_share(split, whole)
-        if t > 1 and r.shards:
+        sharded = split_of(r, "shards") if t > 1 else {}
+        if sharded:
             # the split products at their shards' own times (1/t of the whole one's
             # where the shard could not be timed or read), the others whole
             b = 1 if backward else 0
             kernels = timed_s(r.products, 0.0, 0.0) + sum(
                 n[b] * (shard_s(key) - kernel_s(shards.unkey(key)[0]))
-                for key, n in r.shards.items())
+                for key, n in sharded.items())
         else:
-            kernels = timed_s(r.products, r.flops_split, r.flops)
-        kernels += timed_s(timed_kernels(r), r.pointwise_split, r.pointwise)
-        untimed = r.untimed_flops * split_share(r.flops_split, r.flops)
+            kernels = timed_s(r.products, split_of(r, "flops"), r.flops)
+        kernels += timed_s(timed_kernels(r), split_of(r, "pointwise"), r.pointwise)
+        untimed = r.untimed_flops * split_share(split_of(r, "flops"), r.flops)
         return kernels * mb / float(profile.rows) \
             + (2.0 if backward else 1.0) * untimed * thin(r) * mb / flops_s
 
@@ -320,8 +321,7 @@ def price(profile, layout, cluster, global_batch=None):
         if head is not None:   # its input gathered from every replica, its gradient back
             tp += link_allreduce_s(head.input_bytes * mb * d * act_scale, d, cluster.intra)
         per_stage.append((compute, tp, send))
-        # memory
-        n_params = sum(params(r) for r in regions + extra)
+        n_params = sum(params(r) for r in regions + extra)     # memory
         if k == 0 and k == p - 1:   # a weight tied between embedding and head, held once
             for n_var, where in profile.shared.values():
                 if set(where) <= {"pre", "post"}:

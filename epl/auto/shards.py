@@ -131,3 +131,16 @@ def seconds(shard_key, t, timed):
     sig = shard_signature(shard_key, t)
     got = timed(sig) if sig is not None else None
     return got if got is not None else timed(unkey(shard_key)[0]) / float(t)
+
+
+def split_part(region, what, epl_runtime):
+    """The region's ``"flops"`` / ``"pointwise"`` (per row) or ``"shards"`` its split
+    divides: Megatron-LM's, or on EPL's own runtime (``epl_runtime``) less what EPL's
+    split runs whole on the first device (``Region.epl_whole``: a tied LM head and
+    what reads it; priced sharded, the GPT's TP 2 read -20 % on TF 2.x)."""
+    whole = getattr(region, "epl_whole", None) if epl_runtime else None
+    if what == "shards":
+        return dict((k, n) for k, n in region.shards.items()
+                    if not (whole and k in whole["shards"]))
+    part = getattr(region, what + "_split")
+    return part - whole[what] if whole else part
