@@ -102,16 +102,8 @@ def test_the_gpt_step_matches_the_traced_peak():
     gpt = GPT(2, 128, 4, seq=64, vocab=1000, batch=4)
     prof = graph_profile.profile(gpt.model_fn, gpt.dataset_fn, gpt.optimizer_fn)
     walked = prof.step_peak()
-    graph = tf.Graph()
-    with graph.as_default():
-        v1.set_random_seed(0)
-        features = v1.data.make_one_shot_iterator(gpt.dataset_fn()).get_next()
-        train = gpt.optimizer_fn().minimize(gpt.model_fn(features))
-        with v1.Session() as sess:
-            sess.run(v1.global_variables_initializer())
-            sess.run(train)
-            _, md = traced_run(sess, train)
-    measured = traced_peak(md)
+    with tf.Graph().as_default():
+        measured = traced_peak(_traced_step(gpt))
     summed = sum(r.saved for r in [prof.pre, prof.post] + prof.blocks) * prof.rows \
         + 4 * prof.params()
     assert abs(walked - measured) <= 0.08 * measured, (walked, measured)
@@ -153,6 +145,18 @@ def test_convolution_gradients_scratch_as_traced():
     assert checked >= 5
 
 
+def _traced_step(gpt):
+    """The run metadata of a traced second training step of ``gpt`` (seed 0), built in
+    the default graph."""
+    v1.set_random_seed(0)
+    features = v1.data.make_one_shot_iterator(gpt.dataset_fn()).get_next()
+    train = gpt.optimizer_fn().minimize(gpt.model_fn(features))
+    with v1.Session() as sess:
+        sess.run(v1.global_variables_initializer())
+        sess.run(train)
+        return traced_run(sess, train)[1]
+
+
 def test_the_split_gpt_step_walks_as_its_split():
     """The whole GPT's step walked as its ``epl.split(2)`` (``step_peak(t=2)``: its
     sharded tensors, their gradients and the sharded weights' gradients at half their
@@ -173,14 +177,7 @@ def test_the_split_gpt_step_walks_as_its_split():
     # the LM head reads the embedding's shards' concatenation: not sharded
     assert not [n for n in prof.split[0] if n.startswith("gpt/MatMul")], prof.split[0]
     epl.init(epl.Config({"cluster.devices_per_worker": 2}))
-    v1.set_random_seed(0)
-    gpt = GPT(2, 128, 4, split=2, **kw)
-    features = v1.data.make_one_shot_iterator(gpt.dataset_fn()).get_next()
-    train = gpt.optimizer_fn().minimize(gpt.model_fn(features))
-    with v1.Session() as sess:
-        sess.run(v1.global_variables_initializer())
-        sess.run(train)
-        _, md = traced_run(sess, train)
+    md = _traced_step(GPT(2, 128, 4, split=2, **kw))
     cluster = Env.get().cluster
     measured = max(traced_peak(md, cluster.local_device(i)) for i in range(2))
     assert abs(walked - measured) <= 0.10 * measured, (walked, measured)
