@@ -139,8 +139,10 @@ def split_part(region, what, epl_runtime):
     split runs whole on the first device (``Region.epl_whole``: a tied LM head and
     what reads it; priced sharded, the GPT's TP 2 read -20 % on TF 2.x)."""
     whole = getattr(region, "epl_whole", None) if epl_runtime else None
-    if what == "shards":
-        return dict((k, n) for k, n in region.shards.items()
-                    if not (whole and k in whole["shards"]))
+    if what == "shards":        # (less the head's runs: another product may share a key)
+        less = whole["shards"] if whole else {}
+        kept = dict((k, [a - b for a, b in zip(n, less.get(k, (0, 0)))])
+                    for k, n in region.shards.items())
+        return dict((k, n) for k, n in kept.items() if any(n))
     part = getattr(region, what + "_split")
     return part - whole[what] if whole else part
