@@ -30,7 +30,8 @@ data-parallel backbone with ``search.split_head``'s layer split over N devices, 
 as ``Layout(split_head=True)``; a layout the planner cannot price shows the measurement,
 ``-`` predicted, status ``unpriced``, left out of the summary), ``TP 2`` and ``TP 2 x DP 2`` (the model's
 ``epl.split(2)`` variant, ``SPLIT_VARIANTS``, on 2 and 4 devices: 1 and 2 groups, priced
-as ``["tensor_parallel", {"degree": 2}]`` of the model built whole).  A layout a model
+as ``["tensor_parallel", {"degree": 2}]`` of the model built whole, its time and memory
+EPL's built step of the variant replayed: ``predict``'s ``split_variants``).  A layout a model
 cannot run (no head, no split variant) is skipped with a line.
 
     python benchmarks/plan_accuracy.py [--quick] [--models mlp,gpt,convnet,widehead,resnet]
@@ -224,6 +225,16 @@ SPLIT_VARIANTS = {
     ("mlp", 2): (mlp_split2_model, mlp_dataset, adam),
 }
 NEEDS = {"resnet": "tf_slim"}      # a model's extra package (pip install tf-slim==1.1.0)
+
+
+def model_profile(name):
+    """The planner's profile of a model, with its epl.split variants (``predict``'s
+    ``split_variants``: its TP layouts are EPL's built step of them, replayed)."""
+    from epl.auto import graph_profile
+    profile = graph_profile.profile(*MODELS[name])
+    profile.split_variants = dict((t, fns[0]) for (model, t), fns in SPLIT_VARIANTS.items()
+                                  if model == name)
+    return profile
 
 
 def pipe(p, m, schedule):
@@ -468,7 +479,7 @@ def main(argv=None):
     if args.reprice:
         return reprice(args.reprice, args.json)
     common.fresh_kernel_timings(args.cached_kernels)
-    from epl.auto import Cluster, graph_profile
+    from epl.auto import Cluster
     from epl.auto import search
     start = time.time()
     names = (args.models or ("mlp" if args.quick else DEFAULT_MODELS)).split(",")
@@ -492,7 +503,7 @@ def main(argv=None):
                   ")" % (name, need), flush=True)
             continue
         fns = MODELS[name]
-        profile = graph_profile.profile(*fns)
+        profile = model_profile(name)
         head = None
         if any(label in wanted and "split" in _names(s) for label, _, s in LAYOUTS):
             head = search.split_head(fns[0], fns[1])    # the layer "split" would split
@@ -564,7 +575,6 @@ def reprice(path, out):
     """The rows of an earlier run's JSON priced again: with the kernels that run timed
     (each row's ``kernels_folder``, while it lasts) unless ``EPL_CACHE_DIR`` names a
     cache, else with the cache of ``~/.cache/epl``."""
-    from epl.auto import graph_profile
     chosen = os.environ.get("EPL_CACHE_DIR")
     with open(path) as f:
         old = json.load(f)
@@ -572,7 +582,7 @@ def reprice(path, out):
     for r in old["rows"]:
         if r["model"] not in profiles:
             profiles[r["model"]] = None if missing_package(r["model"]) else \
-                graph_profile.profile(*MODELS[r["model"]])
+                model_profile(r["model"])
         prof = profiles[r["model"]]
         use_run_kernels(r, chosen)
         if prof is None:

@@ -63,3 +63,14 @@ def install_calibration(figures, tmp_path, monkeypatch):
         raise AssertionError("the cached calibration should have been used")
     monkeypatch.setattr(local, "measure", no_measure)
     return path
+
+
+def big_head_split2_model(features):
+    """``big_head_model`` with its layers under one ``epl.split(2)`` (its hidden layer
+    column-parallel, its head row-parallel: docs/split.md), the planner's split variant
+    of it (``predict``'s ``split_variants``); no default strategy (a ``replicate`` beside
+    the split would make the replicated-backbone hybrid)."""
+    import epl
+    epl.set_default_strategy(None)
+    with epl.split(2):
+        return big_head_model(features)

@@ -98,7 +98,8 @@ class Profile(object):
         self.step_peak = None       # updates_last -> a step's transient peak at rows
         self.split = None           # the tensors EPL's split shards (step_graph.split_share)
         self.dataflow = None        # () -> the step's ops at rows (step_graph.dataflow)
-        self.built_dataflow = None  # EPL config -> the same, as EPL builds the model
+        self.built_dataflow = None  # EPL config (, model_fn) -> the same, as EPL builds it
+        self.split_variants = {}    # t -> the model_fn with its own epl.split(t) scopes
         self.input_seconds = lambda: 0.0    # () -> seconds the input takes for a batch
         self.variable_sizes = []    # elements of each trainable variable, largest first
         self.restaged = None        # stage_of -> the Profile of those stages
@@ -117,6 +118,7 @@ class Profile(object):
         out.step_peak = self.step_peak if out.layers == self.layers else None
         out.dataflow = self.dataflow if out.layers == self.layers else None
         out.built_dataflow = self.built_dataflow if out.layers == self.layers else None
+        out.split_variants = self.split_variants
         out.input_seconds = self.input_seconds
         out.variable_sizes = self.variable_sizes if out.layers == self.layers else []
         return out
@@ -236,13 +238,13 @@ def profile(model_fn, dataset_fn, optimizer_fn, block_pattern=BLOCK_PATTERN):
         return flows["flow"]
     prof.dataflow = dataflow
 
-    def built_dataflow(config):
-        """The dataflow of the model as EPL builds it on one device with the EPL config
-        ``config`` (its build-time rewrites: AMP's half-precision products and casts)."""
-        key = json.dumps(config, sort_keys=True)
+    def built_dataflow(config, model=None):
+        """The dataflow of the model (or of ``model``, its split variant) as EPL builds
+        it with the EPL config ``config`` (AMP's rewrite, a pipeline's stages...)."""
+        key = json.dumps(config, sort_keys=True) + repr(model)
         if key not in flows:
             flows[key] = step_graph.epl_built_dataflow(
-                (model_fn, dataset_fn, optimizer_fn), config)
+                (model or model_fn, dataset_fn, optimizer_fn), config)
         return flows[key]
     prof.built_dataflow = built_dataflow
 

@@ -43,6 +43,8 @@ def flow_of(profile, lay, cluster, whole_model):
     t, p, d = lay.t, lay.p, lay.d
     if not whole_model:
         return split_head(profile, lay, cluster)
+    if t > 1:
+        return split_step(profile, lay, cluster)
     if not (cluster.time_products and t == 1 and lay.micro_batch_size == profile.rows
             and profile.dataflow):
         return None, False
@@ -73,6 +75,27 @@ def split_head(profile, lay, cluster):
     return flow, flow is not None
 
 
+def split_step(profile, lay, cluster):
+    """(EPL's built step of the model's own ``epl.split(t)`` variant, ``predict``'s
+    ``split_variants``: its t x d devices and every replica in it; True) where the layout
+    is one float32 stage of split degree t at the dataset's batch on this machine's
+    devices with timed kernels, without GC, ZeRO or offload; else (None, False): priced
+    by region.  By region (the split kernels timed as shards and summed, the split's
+    collectives by the link) the MLP's and the GPT's TP 2 read -9 and -12 % on TF 2.x,
+    as the region pricing of their one device reads -9 %: what overlaps in a step is
+    not in a sum, and EPL's split adds ops of its own (the partial sums of row-parallel
+    layers, the slices, the whole tied head on the first device); replayed -3 and -6 %
+    (stop 71)."""
+    model = (profile.split_variants or {}).get(lay.t)
+    if not (model and cluster.time_products and lay.p == 1 and lay.dtype == "fp32"
+            and lay.micro_batch_size == profile.rows and cluster.nodes == 1
+            and cluster.stage_cut == "epl" and profile.built_dataflow
+            and not (lay.recompute or lay.zero or lay.offload)):
+        return None, False
+    flow = _built(profile, lay.to_config(lay.t * lay.d), lay, "region", model)
+    return flow, flow is not None
+
+
 def _replicas_here(profile, lay, cluster):
     """Whether the layout is one stage of d > 1 fp32 replicas at the dataset's batch on
     this machine's devices with timed kernels, and EPL's built step can be had: where
@@ -82,11 +105,14 @@ def _replicas_here(profile, lay, cluster):
                 and lay.micro_batch_size == profile.rows and profile.built_dataflow)
 
 
-def _built(profile, config, lay, fallback):
-    """``profile.built_dataflow(config)``, or None with a warning that ``lay`` is priced
-    by ``fallback`` instead: the functions must be importable from another process
-    (``epl_built_dataflow``; not a lambda, not a notebook's)."""
+def _built(profile, config, lay, fallback, model=None):
+    """``profile.built_dataflow(config)`` (of ``model``, the model's split variant, where
+    given), or None with a warning that ``lay`` is priced by ``fallback`` instead: the
+    functions must be importable from another process (``epl_built_dataflow``; not a
+    lambda, not a notebook's)."""
     try:
+        if model is not None:
+            return profile.built_dataflow(config, model)
         return profile.built_dataflow(config)
     except Exception as e:  # pylint: disable=broad-except
         log.warning("epl.auto: %s priced by %s: EPL's built step could not be made (%s)",

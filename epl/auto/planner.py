@@ -146,17 +146,20 @@ def layouts(profile, cluster, global_batch, dtype="fp32", recompute=(False, True
 
 
 def plan(model_fn, dataset_fn, optimizer_fn, cluster, global_batch, layers=None,
-         amp=None, profile=None, memory_limit_bytes=None, **options):
+         amp=None, profile=None, memory_limit_bytes=None, split_variants=None,
+         **options):
     """Rank the layouts of the model on ``cluster`` for ``global_batch`` rows per step.
 
     ``amp``: None (fp32), "float16" or "bfloat16".  ``layers``: the model's number of
     blocks when ``model_fn`` builds fewer (they are repeated).  ``profile``: reuse a
-    ``graph_profile.profile``.  ``options``: ``recompute``, ``zero``, ``offload``,
-    ``schedules``, ``micro_batch_sizes`` (tuples of the values to try)."""
+    ``graph_profile.profile``.  ``split_variants``: as ``predict``'s (the model built
+    with its own ``epl.split(t)`` scopes, by t).  ``options``: ``recompute``, ``zero``,
+    ``offload``, ``schedules``, ``micro_batch_sizes`` (tuples of the values to try)."""
     start = time.time()
     prof = profile or graph_profile.profile(model_fn, dataset_fn, optimizer_fn)
     if layers:
         prof = prof.repeated(layers)
+    prof.split_variants = dict(split_variants or prof.split_variants)
     dtype = {None: "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(amp, amp)
     limit = memory_limit_bytes or cluster.device.memory
     feasible, infeasible = [], []

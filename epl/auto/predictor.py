@@ -15,8 +15,7 @@ docs/plan.md; in short, per pipeline stage and micro-batch:
   built graph (``Profile.epl_stages``), priced with EPL's own checkpoint rule;
 * data parallelism: the gradient all-reduce of the fullest stage (hierarchical: within
   a node, then across nodes over the node's NICs), less what hides behind the last
-  micro-batch's backward; the optimizer's update at memory bandwidth; offload's copies.
-"""
+  micro-batch's backward; the optimizer's update at memory bandwidth; offload's copies."""
 
 from epl.auto import graph_profile, local_step, schedule, shards
 from epl.auto.collective_cost import dp_step_s, link_allreduce_s, tp_allreduce_s
@@ -487,14 +486,15 @@ def price(profile, layout, cluster, global_batch=None):
 
 
 def predict(model_fn, dataset_fn, optimizer_fn, strategy, cluster, global_batch=None,
-            layers=None, profile=None):
-    """Predict one strategy (docs/auto.md's list, extended: ``layout``) on ``cluster``.
-
-    The graph is built in a fresh ``tf.Graph`` and never run.  ``layers``: price the
-    model with this many blocks (the built ones repeated).  ``profile``: a
-    ``graph_profile.profile`` result to reuse instead of building again."""
+            layers=None, profile=None, split_variants=None):
+    """Predict one strategy (docs/auto.md's list, extended: ``layout``) on ``cluster``
+    from a graph built in a fresh ``tf.Graph``, never run.  ``layers``: the model's blocks
+    (the built ones repeated); ``profile``: a ``graph_profile.profile`` to reuse;
+    ``split_variants``: {t: the model_fn with its own ``epl.split(t)`` scopes}: on
+    ``Cluster.local`` a layout of split degree t is EPL's built step of it, replayed."""
     prof = profile or graph_profile.profile(model_fn, dataset_fn, optimizer_fn)
     if layers:
         prof = prof.repeated(layers)
+    prof.split_variants = dict(split_variants or prof.split_variants)
     layout = strategy if isinstance(strategy, Layout) else Layout.from_strategy(strategy)
     return price(prof, layout, cluster, global_batch)
