@@ -190,8 +190,8 @@ def test_cli_plans_this_machine(tmp_path, monkeypatch, capsys):
     class Planned(Exception):
         pass
 
-    def record(model_fn, dataset_fn, optimizer_fn, cluster, global_batch, **_):
-        planned.append((cluster, global_batch))
+    def record(model_fn, dataset_fn, optimizer_fn, cluster, global_batch, **kw):
+        planned.append((cluster, global_batch, kw.get("split_variants")))
         raise Planned()
     monkeypatch.setattr(cli, "plan", record)
     monkeypatch.setattr(cli.os, "cpu_count", lambda: 3)
@@ -201,19 +201,29 @@ def test_cli_plans_this_machine(tmp_path, monkeypatch, capsys):
                                          (["--devices", "2", "--nodes", "2"], 2, 2, True)):
         with pytest.raises(Planned):
             plan_main(gpt + extra)
-        cluster, batch = planned[-1]
+        cluster, batch, variants = planned[-1]
         assert (cluster.devices_per_node, cluster.nodes, cluster.time_products, batch) == \
             (devices, nodes, timed, 16), extra
         assert cluster.device.name == "local-cpu" and cluster.shared_cores
+        assert variants == {}
     assert cluster.inter.beside_bandwidth == 1e8     # worker processes: the shm link
-    for argv, flag in ((["--gpt", "2,64,4,32,100", "--global-batch", "16", "--devices", "2"],
-                        "--devices"),
+    # the model built under its own epl.split(2): plan's split_variants
+    with pytest.raises(Planned):
+        plan_main(gpt + ["--split-variant", "2=tests.auto_models:big_head_split2_model"])
+    assert planned[-1][2] == {2: auto_models.big_head_split2_model}
+    preset = ["--gpt", "2,64,4,32,100", "--global-batch", "16"]
+    for argv, flag in ((preset + ["--devices", "2"], "--devices"),
                        (gpt + ["--png", str(tmp_path / "x.png")], "--png"),
-                       (gpt + ["--devices", "0"], "--devices")):
+                       (gpt + ["--devices", "0"], "--devices"),
+                       (preset + ["--split-variant", "2=tests.auto_models:model"],
+                        "--split-variant"),
+                       (gpt + ["--split-variant", "1=tests.auto_models:model"],
+                        "--split-variant"),
+                       (gpt + ["--split-variant", "2=tests.auto_models"], "--split-variant")):
         with pytest.raises(SystemExit):
             plan_main(argv)
         assert flag in capsys.readouterr().err
-    assert len(planned) == 3
+    assert len(planned) == 4
 
 
 def test_each_candidate_says_what_the_program_must_do_that_no_config_key_does(small):

@@ -79,8 +79,9 @@ def test_a_split_variant_that_cannot_be_built_is_priced_by_region(profile, caplo
 def test_a_split_layouts_price_stands_on_its_built_step(profile, tmp_path, monkeypatch):
     """``predict`` with ``split_variants`` on the local cluster with timed kernels
     replays the split variant's built step (both devices in it, one copy) and stands
-    the step on that replay; its memory is that step's, walked (each device's variables
-    and peak: ``local_step.placed_memory``).  Without the variant: priced by region."""
+    the step on that replay.  Its memory stays the whole model's step walked as its
+    split (that built step walked read the MLP's TP 2 13.5 % under its TF 1.15 run).
+    Without the variant: priced by region."""
     auto_models.install_calibration(FAKE, tmp_path, monkeypatch)
     replays = []
 
@@ -99,10 +100,8 @@ def test_a_split_layouts_price_stands_on_its_built_step(profile, tmp_path, monke
                             split_variants={2: auto_models.big_head_split2_model})
     assert replays and all(len(devices) == 2 and copies == 1 for devices, copies in replays)
     assert got.breakdown["pipeline_s"] == pytest.approx(0.25)
-    flow = profile.built_dataflow(Layout(t=2).to_config(2),
-                                  auto_models.big_head_split2_model)
-    assert got.memory_bytes == local_step.placed_memory(flow)
     del replays[:]
     plain = predictor.predict(None, None, None, strategy, cluster,
                               profile=_copy(profile, split_variants={}))
     assert not replays and plain.breakdown["pipeline_s"] != pytest.approx(0.25)
+    assert got.memory_bytes == plain.memory_bytes and got.breakdown["stages"][0]["liveness"]

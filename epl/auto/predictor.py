@@ -402,7 +402,7 @@ def price(profile, layout, cluster, global_batch=None):
                             variables=sum(len(r.variables) for r in regions + extra),
                             liveness=bool(walked)))
         executed += recompute * m * d * t
-    if whole_step and d == 1 and not (lay.zero or lay.offload or lay.recompute or amp):
+    if whole_step and p > d == 1 and not (lay.zero or lay.offload or lay.recompute or amp):
         memory = local_step.placed_memory(flow) or memory     # the built step, walked
         for det, mem in zip(details, memory):
             det.update(liveness=True, placed_bytes=mem)

@@ -14,7 +14,11 @@ kernels timed here the first time (cached; ``--no-kernel-timing`` prices the ker
 the calibrated FLOP/s and bandwidth instead).
 
     python -m epl.plan --model mypkg.models:my_model --cluster local --devices 4 \
-        --global-batch 256
+        --global-batch 256 --split-variant 2=mypkg.models:my_model_split2
+
+``--split-variant T=module:fn`` (repeatable; ``--cluster local``): the model built with
+its own ``epl.split(T)`` scopes: its layouts of split degree T are priced on the step
+EPL builds of it, replayed (``plan``'s ``split_variants``), not by region.
 """
 import argparse
 import importlib
@@ -34,12 +38,25 @@ def _load(spec):
     return obj
 
 
+def _split_variants(ap, specs):
+    """{t: model_fn} of ``--split-variant T=module:fn`` values."""
+    out = {}
+    for spec in specs or ():
+        degree, _, fn = spec.partition("=")
+        if not degree.isdigit() or int(degree) < 2 or ":" not in fn:
+            ap.error("--split-variant: want T=module:fn with T >= 2 (the split degree of "
+                     "the model_fn built under epl.split(T)), got %r" % spec)
+        out[int(degree)] = _load(fn)
+    return out
+
+
 def _cluster(ap, args):
     """The cluster of ``--cluster``; what does not apply to it is refused by name."""
     local = args.cluster == "local"
-    if not local and (args.devices is not None or not args.kernel_timing):
-        ap.error("--devices and --no-kernel-timing are for --cluster local (a preset's "
-                 "nodes have 8 GPUs; a JSON file says its own)")
+    if not local and (args.devices is not None or not args.kernel_timing
+                      or args.split_variant):
+        ap.error("--devices, --no-kernel-timing and --split-variant are for --cluster "
+                 "local (a preset's nodes have 8 GPUs; a JSON file says its own)")
     if local and args.png:
         ap.error("--png draws clusters of 8 .. 1024 GPUs; give a preset or a JSON file "
                  "(--cluster local plans this machine only)")
@@ -72,6 +89,9 @@ def main(argv=None):
     ap.add_argument("--no-kernel-timing", dest="kernel_timing", action="store_false",
                     help="--cluster local: price the model's kernels by the calibration's "
                     "FLOP/s and bandwidth, without timing them here")
+    ap.add_argument("--split-variant", action="append", metavar="T=module:fn",
+                    help="the model built under its own epl.split(T) scopes (--cluster "
+                    "local; repeatable): its split degree T priced on EPL's built step")
     ap.add_argument("--global-batch", type=int, required=True)
     ap.add_argument("--amp", choices=("float16", "bfloat16"))
     ap.add_argument("--offload", action="store_true", help="also try optimizer offload")
@@ -103,7 +123,8 @@ def main(argv=None):
     if args.interleaved:
         options["schedules"] = ("1f1b", "interleaved")
     report = plan(fns[0], fns[1], fns[2], cluster, args.global_batch, layers=layers,
-                  amp=args.amp, **options)
+                  amp=args.amp, split_variants=_split_variants(ap, args.split_variant),
+                  **options)
     print("%s, %d devices, %.4g parameters, global batch %d" % (
         cluster, cluster.num_devices, report.profile.params(), args.global_batch))
     print(report.table(args.top))
