@@ -90,9 +90,7 @@ def split_step(profile, lay, cluster):
     runs 24.3 on TF 2.x and 27.6 on TF 1.15 (-13.5 %: an under-prediction is an OOM);
     the split walk 28.7."""
     model = (profile.split_variants or {}).get(lay.t)
-    if not (model and cluster.time_products and lay.p == 1 and lay.dtype == "fp32"
-            and lay.micro_batch_size == profile.rows and cluster.nodes == 1
-            and cluster.stage_cut == "epl" and profile.built_dataflow
+    if not (model and _one_stage_here(profile, lay, cluster)
             and not (lay.recompute or lay.zero or lay.offload)):
         return None, False
     flow = _built(profile, lay.to_config(lay.t * lay.d), lay, "region", model)
@@ -100,11 +98,16 @@ def split_step(profile, lay, cluster):
 
 
 def _replicas_here(profile, lay, cluster):
-    """Whether the layout is one stage of d > 1 fp32 replicas at the dataset's batch on
-    this machine's devices with timed kernels, and EPL's built step can be had: where
-    a built step of it (the split head's; ZeRO's or offload's) is replayed."""
-    return bool(cluster.time_products and lay.t == 1 and lay.p == 1 and lay.d > 1
-                and lay.dtype == "fp32" and cluster.nodes == 1 and cluster.stage_cut == "epl"
+    """Whether the layout is one stage of d > 1 whole fp32 replicas (``_one_stage_here``):
+    where a built step of it (the split head's; ZeRO's or offload's) is replayed."""
+    return lay.t == 1 and lay.d > 1 and _one_stage_here(profile, lay, cluster)
+
+
+def _one_stage_here(profile, lay, cluster):
+    """Whether the layout is one fp32 stage at the dataset's batch on this machine's
+    devices with timed kernels, and EPL's built step of it can be had."""
+    return bool(cluster.time_products and lay.p == 1 and lay.dtype == "fp32"
+                and cluster.nodes == 1 and cluster.stage_cut == "epl"
                 and lay.micro_batch_size == profile.rows and profile.built_dataflow)
 
 
