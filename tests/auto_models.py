@@ -68,9 +68,8 @@ def install_calibration(figures, tmp_path, monkeypatch):
 def big_head_split2_model(features):
     """``big_head_model`` with its layers under one ``epl.split(2)`` (its hidden layer
     column-parallel, its head row-parallel: docs/split.md), the planner's split variant
-    of it (``predict``'s ``split_variants``); no default strategy (a ``replicate`` beside
-    the split would make the replicated-backbone hybrid)."""
+    of it (``predict``'s ``split_variants``), written as a user writes it: no default
+    strategy of its own."""
     import epl
-    epl.set_default_strategy(None)
     with epl.split(2):
         return big_head_model(features)

@@ -36,7 +36,9 @@ def _copy(profile, **changes):
 def test_a_split_layout_is_epls_built_step_of_the_split_variant(profile, d):
     """TP 2 (x DP 2): each of the t x d devices runs its shard of the head (the head's
     inner dimension halved, row-parallel) on its replica's rows: the whole step, every
-    device in it; no device runs the whole head."""
+    device in it; no device runs the whole head.  The variant is built as its user runs
+    it: without the default ``replicate`` the whole model's built steps get (beside a
+    split over every device EPL refuses it: the variant was priced by region)."""
     lay = Layout(t=2, d=d, micro_batch_size=profile.rows)
     flow, whole = local_step.flow_of(profile, lay, LOCAL, True)
     assert whole

@@ -244,7 +244,7 @@ def profile(model_fn, dataset_fn, optimizer_fn, block_pattern=BLOCK_PATTERN):
         key = json.dumps(config, sort_keys=True) + repr(model)
         if key not in flows:
             flows[key] = step_graph.epl_built_dataflow(
-                (model or model_fn, dataset_fn, optimizer_fn), config)
+                (model or model_fn, dataset_fn, optimizer_fn), config, replicate=not model)
         return flows[key]
     prof.built_dataflow = built_dataflow
 

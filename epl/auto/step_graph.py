@@ -23,7 +23,7 @@ _SHAPE_OPS = gradient_checkpoint._SHAPE_READERS
 _GET_NEXT = ("IteratorGetNext", "IteratorGetNextSync")
 
 
-def epl_built_dataflow(fns, config, timeout=600):
+def epl_built_dataflow(fns, config, timeout=600, replicate=True):
     """``dataflow`` of the step EPL makes of the model under the EPL ``config`` (a
     dict: ``{"amp.level": "O1"}``: its build-time rewrites; ``auto.auto_parallel`` with
     ``pipeline.*`` keys: its stages, micro-batch clones and schedule edges, on
@@ -31,11 +31,15 @@ def epl_built_dataflow(fns, config, timeout=600):
     session's first run, in a process of its own (with ``"devices"``: each op's
     device, ``resolved_devices``, and ``"memory"``: ``device_memory``): ``epl.init``
     starts a new default graph and replaces this process's EPL state, which a planner
-    must leave alone.  The functions must be importable (module level)."""
+    must leave alone.  The functions must be importable (module level).
+    ``replicate``: data parallelism as the default strategy (the whole model's
+    layouts); False for a model with scopes of its own (a split variant, as its user
+    runs it: a default ``replicate`` beside its split scopes is another layout, refused
+    where the split takes every device)."""
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_built_dataflow_child,
-                       args=(child, fns, config, behavior.current()))
+                       args=(child, fns, config, behavior.current(), replicate))
     proc.start()
     child.close()
     try:
@@ -55,7 +59,7 @@ def epl_built_dataflow(fns, config, timeout=600):
     return out
 
 
-def _built_dataflow_child(conn, fns, config, switches):
+def _built_dataflow_child(conn, fns, config, switches, replicate=True):
     try:
         behavior.restore(switches)
         graph = tf.Graph()
@@ -65,7 +69,7 @@ def _built_dataflow_child(conn, fns, config, switches):
             epl.init(epl.Config(config))
             features = v1.data.make_one_shot_iterator(fns[1]()).get_next()
             rows = tf.nest.flatten(features)[0].shape.as_list()[0]
-            if not config.get("auto.auto_parallel"):
+            if replicate and not config.get("auto.auto_parallel"):
                 epl.set_default_strategy(epl.replicate(1))
             loss = fns[0](features) if head is None else head_split.build_loss(
                 fns[0], features, head, config["cluster.devices_per_worker"])
